@@ -1,0 +1,39 @@
+"""Pure functions on feature clouds: topology, geometry and the Collapse Index.
+
+Every function takes a ``(n_samples, dim)`` array (numpy, a nested list, or a torch tensor on any device) and
+returns plain Python numbers or numpy arrays. None of them keeps state; :class:`topocallbacks.CollapseIndex` is
+the stateful counterpart that calibrates ε once and keeps it.
+"""
+
+from .collapse import (
+    COMPONENTS,
+    PAPER_WEIGHTS,
+    CollapseReport,
+    betti_term,
+    collapse_index,
+    entropy_term,
+    epsilon_heuristic,
+    longest_mst_edge,
+    resolve_weights,
+)
+from .geometry import anisotropy, effective_rank, participation_ratio
+from .topology import BettiNumbers, betti_numbers, persistence_diagrams, persistence_entropy
+
+__all__ = [
+    "COMPONENTS",
+    "PAPER_WEIGHTS",
+    "BettiNumbers",
+    "CollapseReport",
+    "anisotropy",
+    "betti_numbers",
+    "betti_term",
+    "collapse_index",
+    "effective_rank",
+    "entropy_term",
+    "epsilon_heuristic",
+    "longest_mst_edge",
+    "participation_ratio",
+    "persistence_diagrams",
+    "persistence_entropy",
+    "resolve_weights",
+]

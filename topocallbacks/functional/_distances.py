@@ -1,0 +1,94 @@
+"""Pairwise distances and the ε-neighbour graph, decided the way GUDHI decides them.
+
+The fast path is one BLAS pass over centred points (``|x|² + |y|² - 2 x·y``). Its rounding error is bounded, so
+only pairs inside that error band around ε are decided again with direct differences,
+``sqrt(Σ (x_i - x_j)²) <= ε`` in float64, the formula GUDHI's ``RipsComplex`` uses. Points and ε are first scaled
+by the same power of two, which is exact in binary floating point, so huge or tiny coordinates neither overflow nor
+change any decision.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["epsilon_adjacency", "epsilon_edges", "pairwise_distances", "power_of_two_scale"]
+
+_UNIT_ROUNDOFF = 2.0**-53
+# The error bounds below are first-order estimates; this factor keeps them safely conservative.
+_SAFETY = 8.0
+
+
+def power_of_two_scale(points: NDArray[np.float64], *lengths: float) -> float:
+    """Return ``2**-k`` that maps the largest of ``|points|`` and ``lengths`` into ``[0.5, 1)``.
+
+    Multiplying by a power of two is exact (barring subnormals), so distances compare exactly as before scaling.
+    """
+    largest = max([float(np.max(np.abs(points), initial=0.0)), *lengths])
+    if largest == 0.0 or not math.isfinite(largest):
+        return 1.0
+    _, exponent = math.frexp(largest)
+    return math.ldexp(1.0, -exponent)
+
+
+def _centred_gram_distances(
+    scaled: NDArray[np.float64],
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """Squared distances by the Gram trick on centred points, with the centred squared norms and norms."""
+    centred = scaled - scaled.mean(axis=0)
+    sq_norms = np.einsum("ij,ij->i", centred, centred)
+    sq_dists = sq_norms[:, None] + sq_norms[None, :] - 2.0 * (centred @ centred.T)
+    np.maximum(sq_dists, 0.0, out=sq_dists)
+    np.fill_diagonal(sq_dists, 0.0)
+    return sq_dists, sq_norms, np.sqrt(sq_norms)
+
+
+def pairwise_distances(points: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Euclidean distance matrix of a validated ``(n, d)`` float64 array (one BLAS pass, overflow-safe)."""
+    scale = power_of_two_scale(points)
+    sq_dists, _, _ = _centred_gram_distances(points * scale)
+    result: NDArray[np.float64] = np.sqrt(sq_dists) / scale
+    return result
+
+
+def epsilon_adjacency(points: NDArray[np.float64], epsilon: float) -> NDArray[np.bool_]:
+    """Boolean adjacency of the ε-graph: ``A[i, j]`` iff ``i != j`` and ``||x_i - x_j|| <= epsilon``.
+
+    Args:
+        points: validated ``(n, d)`` float64 array (see ``topocallbacks._validation.as_points``).
+        epsilon: finite scale > 0.
+
+    Returns:
+        A symmetric ``(n, n)`` boolean matrix with a false diagonal.
+    """
+    n, dim = points.shape
+    scale = power_of_two_scale(points, epsilon)
+    scaled = points * scale
+    eps = epsilon * scale
+    sq_dists, sq_norms, norms = _centred_gram_distances(scaled)
+    # Rounding error of the Gram formula (dot products of length d, then two additions), plus the error that
+    # centring adds to each difference vector (at most u * (|c_i| + |c_j|) in norm) near a distance of ε.
+    tolerance = _SAFETY * _UNIT_ROUNDOFF * (
+        (dim + 4) * (sq_norms[:, None] + sq_norms[None, :]) + 2.0 * eps * (norms[:, None] + norms[None, :])
+    )
+    tolerance += _SAFETY * _UNIT_ROUNDOFF * eps * eps
+    eps_sq = eps * eps
+    adjacency = sq_dists <= eps_sq - tolerance
+    uncertain = np.abs(sq_dists - eps_sq) < tolerance
+    np.fill_diagonal(uncertain, False)
+    rows, cols = np.nonzero(np.triu(uncertain, 1))
+    if rows.size:
+        diffs = scaled[rows] - scaled[cols]
+        direct = np.sqrt(np.einsum("ij,ij->i", diffs, diffs)) <= eps
+        adjacency[rows, cols] = direct
+        adjacency[cols, rows] = direct
+    np.fill_diagonal(adjacency, False)
+    return adjacency
+
+
+def epsilon_edges(points: NDArray[np.float64], epsilon: float) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
+    """Edges ``(i, j)`` with ``i < j`` of the ε-graph, as two index arrays in row-major order."""
+    rows, cols = np.nonzero(np.triu(epsilon_adjacency(points, epsilon), 1))
+    return rows, cols
