@@ -232,7 +232,9 @@ def persistence_entropy(diagram: Any, normalize: bool = True, max_death: float |
     if lengths.size < 2:
         return 0.0
     probabilities = lengths / lengths.sum()
-    entropy = float(-np.sum(probabilities * np.log(probabilities)))
+    # A bar many orders of magnitude shorter than the rest can underflow to p = 0; its term is 0 * log 0 = 0.
+    positive = probabilities[probabilities > 0]
+    entropy = float(-np.sum(positive * np.log(positive)))
     if not normalize:
         return entropy
     return float(min(max(entropy / np.log(lengths.size), 0.0), 1.0))
