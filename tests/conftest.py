@@ -3,7 +3,7 @@ import os
 # Tiny models on two cores are ~10x slower with torch's default threading; set before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, settings
 
 # Derandomized: CI runs the same examples every time; a failure found once is found again.
 settings.register_profile(

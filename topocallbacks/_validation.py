@@ -55,12 +55,11 @@ def as_points(points: Any, name: str = "points", *, min_samples: int = 2) -> NDA
         try:
             array = np.asarray(points)
         except (TypeError, ValueError) as exc:  # ragged lists and the like
-            raise InputError(f"`{name}` must be an array of shape (n_samples, dim), got {type(points).__name__}: "
-                             f"{exc}") from exc
+            raise InputError(
+                f"`{name}` must be an array of shape (n_samples, dim), got {type(points).__name__}: {exc}"
+            ) from exc
     if array.dtype.kind not in "iuf":
-        raise InputError(
-            f"`{name}` must have a real numeric dtype (integer or floating), got dtype {array.dtype}"
-        )
+        raise InputError(f"`{name}` must have a real numeric dtype (integer or floating), got dtype {array.dtype}")
     if array.ndim != 2:
         hint = " (use points.reshape(-1, 1) for one feature)" if array.ndim == 1 else ""
         raise InputError(

@@ -91,12 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--points", type=int, default=512, help="probe size (default: 512)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the probe subsample (default: 0)")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        if not 2 <= args.points <= 1797:
-            parser.error(f"--points must be between 2 and 1797 (the digits set), got {args.points}")
-        return run_demo(n_points=args.points, seed=args.seed)
-    parser.error(f"unknown command {args.command!r}")  # unreachable: argparse enforces choices
-    return 2
+    # "demo" is the only command so far; argparse rejects any other.
+    if not 2 <= args.points <= 1797:
+        parser.error(f"--points must be between 2 and 1797 (the digits set), got {args.points}")
+    return run_demo(n_points=args.points, seed=args.seed)
 
 
 if __name__ == "__main__":

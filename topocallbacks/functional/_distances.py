@@ -30,7 +30,8 @@ def power_of_two_scale(points: NDArray[np.float64], *lengths: float) -> float:
     if largest == 0.0 or not math.isfinite(largest):
         return 1.0
     _, exponent = math.frexp(largest)
-    return math.ldexp(1.0, -exponent)
+    # Subnormal inputs would ask for more than 2**1023; 2**1000 already lifts them into normal range.
+    return math.ldexp(1.0, min(-exponent, 1000))
 
 
 def _centred_gram_distances(
@@ -53,6 +54,21 @@ def pairwise_distances(points: NDArray[np.float64]) -> NDArray[np.float64]:
     return result
 
 
+def _direct_distances(
+    points: NDArray[np.float64], rows: NDArray[np.intp], cols: NDArray[np.intp]
+) -> NDArray[np.float64]:
+    """``sqrt(sum_k (x_ik - x_jk)**2)`` accumulated coordinate by coordinate, GUDHI's and scipy's order.
+
+    The order matters only in the last bit, which is exactly what decides a pair at distance ε.
+    """
+    total = np.zeros(rows.size)
+    for k in range(points.shape[1]):
+        diff = points[rows, k] - points[cols, k]
+        total += diff * diff
+    result: NDArray[np.float64] = np.sqrt(total)
+    return result
+
+
 def epsilon_adjacency(points: NDArray[np.float64], epsilon: float) -> NDArray[np.bool_]:
     """Boolean adjacency of the ε-graph: ``A[i, j]`` iff ``i != j`` and ``||x_i - x_j|| <= epsilon``.
 
@@ -63,15 +79,17 @@ def epsilon_adjacency(points: NDArray[np.float64], epsilon: float) -> NDArray[np
     Returns:
         A symmetric ``(n, n)`` boolean matrix with a false diagonal.
     """
-    n, dim = points.shape
+    dim = points.shape[1]
     scale = power_of_two_scale(points, epsilon)
     scaled = points * scale
     eps = epsilon * scale
     sq_dists, sq_norms, norms = _centred_gram_distances(scaled)
     # Rounding error of the Gram formula (dot products of length d, then two additions), plus the error that
     # centring adds to each difference vector (at most u * (|c_i| + |c_j|) in norm) near a distance of ε.
-    tolerance = _SAFETY * _UNIT_ROUNDOFF * (
-        (dim + 4) * (sq_norms[:, None] + sq_norms[None, :]) + 2.0 * eps * (norms[:, None] + norms[None, :])
+    tolerance = (
+        _SAFETY
+        * _UNIT_ROUNDOFF
+        * ((dim + 4) * (sq_norms[:, None] + sq_norms[None, :]) + 2.0 * eps * (norms[:, None] + norms[None, :]))
     )
     tolerance += _SAFETY * _UNIT_ROUNDOFF * eps * eps
     eps_sq = eps * eps
@@ -80,12 +98,12 @@ def epsilon_adjacency(points: NDArray[np.float64], epsilon: float) -> NDArray[np
     np.fill_diagonal(uncertain, False)
     rows, cols = np.nonzero(np.triu(uncertain, 1))
     if rows.size:
-        diffs = scaled[rows] - scaled[cols]
-        direct = np.sqrt(np.einsum("ij,ij->i", diffs, diffs)) <= eps
+        direct = _direct_distances(scaled, rows, cols) <= eps
         adjacency[rows, cols] = direct
         adjacency[cols, rows] = direct
     np.fill_diagonal(adjacency, False)
-    return adjacency
+    result: NDArray[np.bool_] = adjacency
+    return result
 
 
 def epsilon_edges(points: NDArray[np.float64], epsilon: float) -> tuple[NDArray[np.intp], NDArray[np.intp]]:

@@ -65,7 +65,6 @@ def epsilon_heuristic(
 
     Example:
         >>> import numpy as np
-from scipy.sparse.csgraph import minimum_spanning_tree
         >>> epsilon_heuristic(np.array([[0.0], [1.0], [3.0]]))  # distances 1, 2, 3: median 2
         1.0
     """
@@ -237,10 +236,10 @@ def collapse_index(
 
     with β0, β1 the Betti numbers of the Rips complex at ``epsilon`` (:func:`betti_numbers`, all points), PE the
     normalised persistence entropy (:func:`persistence_entropy`) of the finite H0 and H1 bars of a seeded subsample
-    of ``max_points`` points (:func:`persistence_diagrams`, thresholded at the subsample's longest minimum-spanning
-    -tree edge, :func:`longest_mst_edge`, so H0 is complete and H1 loops still open there are dropped), and A the covariance anisotropy
-    (:func:`anisotropy`). The paper's weights are ``(0.4, 0.3, 0.3)``; weights are normalised to sum to 1, so
-    ``CI`` lies in ``[0, 1]``.
+    of ``max_points`` points (:func:`persistence_diagrams`, thresholded at the subsample's longest
+    minimum-spanning-tree edge, :func:`longest_mst_edge`, so H0 is complete and H1 loops still open there are
+    dropped), and A the covariance anisotropy (:func:`anisotropy`). The paper's weights are ``(0.4, 0.3, 0.3)``;
+    weights are normalised to sum to 1, so ``CI`` lies in ``[0, 1]``.
 
     Full collapse (all points equal): every component is 1, so ``CI = 1``. Isotropic Gaussian (``n = 512``,
     ``d = 32``, paper weights): about 0.43, nearly all of it from the Betti term, which is 1 whenever the complex at
@@ -263,8 +262,6 @@ def collapse_index(
 
     Example:
         >>> import numpy as np
-from scipy.sparse.csgraph import minimum_spanning_tree
-        >>> report = collapse_index(np.zeros((64, 8)))  # doctest: +SKIP (warns: identical points)
         >>> collapse_index(np.ones((32, 4)), epsilon=0.1).ci
         1.0
         >>> report = collapse_index(np.random.default_rng(0).normal(size=(200, 16)), weights="paper")

@@ -24,7 +24,10 @@ def _singular_values(cloud: NDArray[np.float64], *, center: bool) -> NDArray[np.
     """
     scaled = cloud * power_of_two_scale(cloud)
     if center:
-        scaled = scaled - scaled.mean(axis=0)
+        # Subtracting a row first is exact for identical rows (a collapsed cloud centres to exact zeros, not to
+        # rounding residue) and keeps digits for clouds far from the origin; the mean then finishes the centring.
+        scaled = scaled - scaled[0]
+        scaled -= scaled.mean(axis=0)
     if not np.any(scaled):
         return np.zeros(0)
     values = np.linalg.svd(scaled, compute_uv=False)

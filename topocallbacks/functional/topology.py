@@ -154,9 +154,7 @@ def persistence_diagrams(
     rng_seed = check_seed(seed)
     sample = _subsample(cloud, cap, rng_seed)
     scale = power_of_two_scale(sample, *(() if limit is None else (limit,)))
-    rips = gudhi.RipsComplex(
-        points=sample * scale, max_edge_length=np.inf if limit is None else limit * scale
-    )
+    rips = gudhi.RipsComplex(points=sample * scale, max_edge_length=np.inf if limit is None else limit * scale)
     tree = rips.create_simplex_tree(max_dimension=1)
     _collapse_until_stable(tree)
     tree.expansion(dims + 1)

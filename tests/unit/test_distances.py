@@ -1,0 +1,48 @@
+import numpy as np
+import pytest
+from scipy.spatial.distance import cdist
+
+from topocallbacks.functional._distances import epsilon_adjacency, pairwise_distances, power_of_two_scale
+
+
+def direct_adjacency(points, epsilon):
+    """The GUDHI/scipy decision: sqrt(sum of squared differences) <= ε, pair by pair."""
+    adjacency = cdist(points, points) <= epsilon
+    np.fill_diagonal(adjacency, False)
+    return adjacency
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0, 1e6, -3e9])
+@pytest.mark.parametrize("seed", range(3))
+def test_adjacency_equals_the_direct_decision_for_every_pair_at_borderline_scales(seed, offset):
+    rng = np.random.default_rng(seed)
+    points = rng.normal(size=(120, 7)) + offset
+    distances = cdist(points, points)[np.triu_indices(120, 1)]
+    # ε exactly equal to existing distances: the hardest case for the Gram trick.
+    for epsilon in distances[rng.choice(distances.size, 8, replace=False)]:
+        np.testing.assert_array_equal(epsilon_adjacency(points, float(epsilon)), direct_adjacency(points, epsilon))
+        np.testing.assert_array_equal(
+            epsilon_adjacency(points, float(np.nextafter(epsilon, 0))),
+            direct_adjacency(points, np.nextafter(epsilon, 0)),
+        )
+
+
+def test_adjacency_is_symmetric_without_loops():
+    points = np.random.default_rng(0).normal(size=(50, 3))
+    adjacency = epsilon_adjacency(points, 1.0)
+    assert adjacency.dtype == bool
+    np.testing.assert_array_equal(adjacency, adjacency.T)
+    assert not adjacency.diagonal().any()
+
+
+def test_pairwise_distances_are_accurate_and_overflow_safe():
+    points = np.random.default_rng(1).normal(size=(40, 5))
+    np.testing.assert_allclose(pairwise_distances(points), cdist(points, points), atol=1e-12)
+    np.testing.assert_allclose(pairwise_distances(points * 1e300) / 1e300, cdist(points, points), atol=1e-12)
+
+
+def test_power_of_two_scale():
+    assert power_of_two_scale(np.array([[3.0]])) == 0.25
+    assert power_of_two_scale(np.zeros((2, 2))) == 1.0
+    assert power_of_two_scale(np.array([[1e-320]])) == 2.0**1000
+    assert power_of_two_scale(np.array([[1.0]]), 5.0) == 0.125
