@@ -14,10 +14,12 @@ from . import functional
 from .collapse_index import CollapseIndex
 from .exceptions import ConfigError, InputError, NonFiniteError, TopoCallbacksError
 from .functional import BettiNumbers, CollapseReport
+from .mmhm import MMHM
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "MMHM",
     "BettiNumbers",
     "CollapseIndex",
     "CollapseReport",

@@ -14,11 +14,13 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["epsilon_adjacency", "epsilon_edges", "pairwise_distances", "power_of_two_scale"]
+__all__ = ["epsilon_adjacency", "epsilon_block", "epsilon_edges", "pairwise_distances", "power_of_two_scale"]
 
 _UNIT_ROUNDOFF = 2.0**-53
 # The error bounds below are first-order estimates; this factor keeps them safely conservative.
 _SAFETY = 8.0
+#: Rows per block in :func:`epsilon_adjacency`: the float64 temporaries hold about 4 x this x n numbers.
+ADJACENCY_BLOCK_ROWS = 256
 
 
 def power_of_two_scale(points: NDArray[np.float64], *lengths: float) -> float:
@@ -55,17 +57,62 @@ def pairwise_distances(points: NDArray[np.float64]) -> NDArray[np.float64]:
 
 
 def _direct_distances(
-    points: NDArray[np.float64], rows: NDArray[np.intp], cols: NDArray[np.intp]
+    left: NDArray[np.float64], right: NDArray[np.float64], rows: NDArray[np.intp], cols: NDArray[np.intp]
 ) -> NDArray[np.float64]:
     """``sqrt(sum_k (x_ik - x_jk)**2)`` accumulated coordinate by coordinate, GUDHI's and scipy's order.
 
     The order matters only in the last bit, which is exactly what decides a pair at distance ε.
     """
     total = np.zeros(rows.size)
-    for k in range(points.shape[1]):
-        diff = points[rows, k] - points[cols, k]
+    for k in range(left.shape[1]):
+        diff = left[rows, k] - right[cols, k]
         total += diff * diff
     result: NDArray[np.float64] = np.sqrt(total)
+    return result
+
+
+def epsilon_block(
+    left: NDArray[np.float64], right: NDArray[np.float64], epsilon: float, *, scale: float | None = None
+) -> NDArray[np.bool_]:
+    """``B[i, j]`` iff ``||left_i - right_j|| <= epsilon``, decided exactly as :func:`epsilon_adjacency` decides it.
+
+    The decision for every pair equals GUDHI's ``sqrt(sum_k (x_ik - y_jk)**2) <= epsilon`` in float64, whatever
+    the centring and the power-of-two ``scale`` used internally (pass ``scale`` to reuse one computed over a larger
+    cloud), so rows computed here for new points agree bit for bit with a from-scratch adjacency.
+    """
+    dim = left.shape[1]
+    if scale is None:
+        scale = power_of_two_scale(np.vstack([left, right]), epsilon)
+    scaled_left, scaled_right = left * scale, right * scale
+    eps = epsilon * scale
+    # Centre on the right block's first row (exact for identical rows), then on its mean.
+    centre = scaled_right[0] + (scaled_right - scaled_right[0]).mean(axis=0)
+    centred_left, centred_right = scaled_left - centre, scaled_right - centre
+    sq_left = np.einsum("ij,ij->i", centred_left, centred_left)
+    sq_right = np.einsum("ij,ij->i", centred_right, centred_right)
+    # Rounding error of |a|^2 + |b|^2 - 2 a.b (dot products of length d, then two additions), plus the error that
+    # centring adds to each difference vector (at most u * (|a| + |b|) in norm) near a distance of ε. Bounded per
+    # row with the largest right-hand norm: a slightly wider band, one number per row.
+    tolerance = (
+        _SAFETY
+        * _UNIT_ROUNDOFF
+        * (
+            (dim + 4) * (sq_left + sq_right.max())
+            + 2.0 * eps * (np.sqrt(sq_left) + np.sqrt(sq_right.max()))
+            + eps * eps
+        )
+    )
+    eps_sq = eps * eps
+    # partial[i, j] = |b_j|^2 - 2 a_i.b_j, compared with per-row thresholds: no n x m tolerance matrix.
+    partial = centred_left @ centred_right.T
+    partial *= -2.0
+    partial += sq_right
+    certain_below = (eps_sq - tolerance - sq_left)[:, None]
+    block = partial <= certain_below
+    rows, cols = np.nonzero((partial > certain_below) & (partial < (eps_sq + tolerance - sq_left)[:, None]))
+    if rows.size:
+        block[rows, cols] = _direct_distances(scaled_left, scaled_right, rows, cols) <= eps
+    result: NDArray[np.bool_] = block
     return result
 
 
@@ -79,31 +126,17 @@ def epsilon_adjacency(points: NDArray[np.float64], epsilon: float) -> NDArray[np
     Returns:
         A symmetric ``(n, n)`` boolean matrix with a false diagonal.
     """
-    dim = points.shape[1]
+    n = points.shape[0]
     scale = power_of_two_scale(points, epsilon)
-    scaled = points * scale
-    eps = epsilon * scale
-    sq_dists, sq_norms, norms = _centred_gram_distances(scaled)
-    # Rounding error of the Gram formula (dot products of length d, then two additions), plus the error that
-    # centring adds to each difference vector (at most u * (|c_i| + |c_j|) in norm) near a distance of ε.
-    tolerance = (
-        _SAFETY
-        * _UNIT_ROUNDOFF
-        * ((dim + 4) * (sq_norms[:, None] + sq_norms[None, :]) + 2.0 * eps * (norms[:, None] + norms[None, :]))
-    )
-    tolerance += _SAFETY * _UNIT_ROUNDOFF * eps * eps
-    eps_sq = eps * eps
-    adjacency = sq_dists <= eps_sq - tolerance
-    uncertain = np.abs(sq_dists - eps_sq) < tolerance
-    np.fill_diagonal(uncertain, False)
-    rows, cols = np.nonzero(np.triu(uncertain, 1))
-    if rows.size:
-        direct = _direct_distances(scaled, rows, cols) <= eps
-        adjacency[rows, cols] = direct
-        adjacency[cols, rows] = direct
-    np.fill_diagonal(adjacency, False)
-    result: NDArray[np.bool_] = adjacency
-    return result
+    adjacency = np.empty((n, n), dtype=bool)
+    # Row blocks bound the float64 temporaries to ADJACENCY_BLOCK_ROWS x n, whatever n is.
+    for start in range(0, n, ADJACENCY_BLOCK_ROWS):
+        stop = min(start + ADJACENCY_BLOCK_ROWS, n)
+        adjacency[start:stop] = epsilon_block(points[start:stop], points, epsilon, scale=scale)
+    # Each pair is decided once (upper triangle) and mirrored, so the matrix is exactly symmetric.
+    adjacency = np.triu(adjacency, 1)
+    adjacency |= adjacency.T
+    return adjacency
 
 
 def epsilon_edges(points: NDArray[np.float64], epsilon: float) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
