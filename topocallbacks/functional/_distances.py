@@ -14,7 +14,14 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["epsilon_adjacency", "epsilon_block", "epsilon_edges", "pairwise_distances", "power_of_two_scale"]
+__all__ = [
+    "epsilon_adjacency",
+    "epsilon_block",
+    "epsilon_edges",
+    "epsilon_graph",
+    "pairwise_distances",
+    "power_of_two_scale",
+]
 
 _UNIT_ROUNDOFF = 2.0**-53
 # The error bounds below are first-order estimates; this factor keeps them safely conservative.
@@ -116,6 +123,32 @@ def epsilon_block(
     return result
 
 
+def epsilon_graph(
+    points: NDArray[np.float64], epsilon: float
+) -> tuple[NDArray[np.bool_], NDArray[np.intp], NDArray[np.intp]]:
+    """The ε-graph as a symmetric boolean adjacency and its edges ``(rows[k], cols[k])``, ``rows < cols``.
+
+    Computed in row blocks that bound the float64 temporaries to ``ADJACENCY_BLOCK_ROWS x n``; each block's
+    edges are read from its upper part only, so no n x n triangle copy is made.
+    """
+    n = points.shape[0]
+    scale = power_of_two_scale(points, epsilon)
+    adjacency = np.empty((n, n), dtype=bool)
+    row_parts, col_parts = [], []
+    for start in range(0, n, ADJACENCY_BLOCK_ROWS):
+        stop = min(start + ADJACENCY_BLOCK_ROWS, n)
+        block = epsilon_block(points[start:stop], points, epsilon, scale=scale)
+        adjacency[start:stop] = block
+        # Columns from `start` on, strictly above the diagonal: local triu(k=1) of the block's right part.
+        rows, cols = np.nonzero(np.triu(block[:, start:], 1))
+        row_parts.append(rows + start)
+        col_parts.append(cols + start)
+    # Symmetric without mirroring: a pair outside the error band is decided by a rigorous bound, and one inside it
+    # by the same sum of squared differences in either order.
+    np.fill_diagonal(adjacency, False)
+    return adjacency, np.concatenate(row_parts), np.concatenate(col_parts)
+
+
 def epsilon_adjacency(points: NDArray[np.float64], epsilon: float) -> NDArray[np.bool_]:
     """Boolean adjacency of the ε-graph: ``A[i, j]`` iff ``i != j`` and ``||x_i - x_j|| <= epsilon``.
 
@@ -126,20 +159,10 @@ def epsilon_adjacency(points: NDArray[np.float64], epsilon: float) -> NDArray[np
     Returns:
         A symmetric ``(n, n)`` boolean matrix with a false diagonal.
     """
-    n = points.shape[0]
-    scale = power_of_two_scale(points, epsilon)
-    adjacency = np.empty((n, n), dtype=bool)
-    # Row blocks bound the float64 temporaries to ADJACENCY_BLOCK_ROWS x n, whatever n is.
-    for start in range(0, n, ADJACENCY_BLOCK_ROWS):
-        stop = min(start + ADJACENCY_BLOCK_ROWS, n)
-        adjacency[start:stop] = epsilon_block(points[start:stop], points, epsilon, scale=scale)
-    # Each pair is decided once (upper triangle) and mirrored, so the matrix is exactly symmetric.
-    adjacency = np.triu(adjacency, 1)
-    adjacency |= adjacency.T
-    return adjacency
+    return epsilon_graph(points, epsilon)[0]
 
 
 def epsilon_edges(points: NDArray[np.float64], epsilon: float) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
     """Edges ``(i, j)`` with ``i < j`` of the ε-graph, as two index arrays in row-major order."""
-    rows, cols = np.nonzero(np.triu(epsilon_adjacency(points, epsilon), 1))
+    _, rows, cols = epsilon_graph(points, epsilon)
     return rows, cols

@@ -8,10 +8,10 @@ observations of that path. Memory is counted analytically from the arrays an upd
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..functional._distances import ADJACENCY_BLOCK_ROWS
 
@@ -37,7 +37,10 @@ _PRIORS: Mapping[str, Mapping[str, float]] = {
     "edge": {"const": 2e-4, "pair_dims": 1.2e-10, "ops": 2.5e-5, "ops_degree_sq": 2e-9},
 }
 
-_HISTORY = 32
+# Weight kept by past observations at each new one (about the last 30 count).
+_FORGET = 0.97
+# Strength of the pull towards the current coefficients, relative to the data.
+_RIDGE = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,10 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0) -> int
 class CostModel:
     """Online least-squares time model per path, started from priors.
 
+    Each observation adds to running sums (relative-error weighted, with exponential forgetting so the model
+    follows a drifting machine load), and the coefficients are re-solved from them: a few microseconds per
+    update, whatever the history length.
+
     Example:
         >>> model = CostModel()
         >>> model.predict("rebuild", n=1024, d=64, edges=50_000).seconds > 0
@@ -102,8 +109,9 @@ class CostModel:
 
     def __init__(self) -> None:
         self.coefficients_: dict[str, dict[str, float]] = {path: dict(_PRIORS[path]) for path in PATHS}
-        self._history: dict[str, deque[tuple[dict[str, float], float]]] = {
-            path: deque(maxlen=_HISTORY) for path in PATHS
+        self.observations_: dict[str, int] = dict.fromkeys(PATHS, 0)
+        self._sums: dict[str, tuple[NDArray[np.float64], NDArray[np.float64]]] = {
+            path: (np.zeros((len(_FEATURES[path]),) * 2), np.zeros(len(_FEATURES[path]))) for path in PATHS
         }
 
     def predict(self, path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_degree: float = 0.0) -> CostEstimate:
@@ -113,23 +121,30 @@ class CostModel:
         return CostEstimate(path, seconds, predict_bytes(path, n=n, d=d, edges=edges, ops=ops))
 
     def observe(self, path: str, features: Mapping[str, float], seconds: float) -> None:
-        """Record a measured update and refit that path's coefficients (non-negative least squares)."""
-        history = self._history[path]
-        history.append((dict(features), float(seconds)))
+        """Record a measured update and refit that path's coefficients (non-negative, relative errors)."""
         names = _FEATURES[path]
-        if len(history) < 3:
-            # Too few points to fit: scale the priors so the latest observation is predicted exactly.
-            predicted = sum(self.coefficients_[path][name] * features[name] for name in names)
-            if predicted > 0:
-                ratio = seconds / predicted
-                # Move half-way (in log space) to damp one noisy measurement.
-                factor = float(np.sqrt(ratio))
-                self.coefficients_[path] = {name: value * factor for name, value in self.coefficients_[path].items()}
+        prior = np.array([_PRIORS[path][name] for name in names])
+        # Work in units where each prior term is the feature's share of a typical update: well conditioned.
+        x = np.array([features[name] for name in names]) * prior
+        weight = 1.0 / max(seconds, 1e-6) ** 2  # squared relative error
+        gram, moment = self._sums[path]
+        gram *= _FORGET
+        moment *= _FORGET
+        gram += weight * np.outer(x, x)
+        moment += weight * seconds * x
+        self.observations_[path] += 1
+        # A ridge towards the current coefficients keeps features that never varied where they were.
+        current = np.array([self.coefficients_[path][name] for name in names]) / prior
+        ridge = _RIDGE * max(float(np.trace(gram)), 1e-12) / len(names)
+        solution = np.linalg.solve(gram + ridge * np.eye(len(names)), moment + ridge * current)
+        if not np.all(np.isfinite(solution)):
             return
-        self.coefficients_[path] = _fit(names, list(history), self.coefficients_[path])
+        self.coefficients_[path] = {
+            name: float(value) for name, value in zip(names, np.maximum(solution, 0.0) * prior, strict=True)
+        }
 
     def state_dict(self) -> dict[str, dict[str, float]]:
-        """The fitted coefficients (observations are not kept)."""
+        """The fitted coefficients (the running sums are not kept)."""
         return {path: dict(values) for path, values in self.coefficients_.items()}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, float]]) -> None:
@@ -137,28 +152,3 @@ class CostModel:
         for path in PATHS:
             if path in state:
                 self.coefficients_[path] = {name: float(state[path][name]) for name in _FEATURES[path]}
-
-
-def _fit(
-    names: Sequence[str], history: Sequence[tuple[Mapping[str, float], float]], prior: Mapping[str, float]
-) -> dict[str, float]:
-    """Relative-error least squares with a pull towards the current coefficients, clipped at zero.
-
-    Each observation is weighted by 1 / measured time (so errors are relative, as the ±30 % target is), and the
-    current coefficients act as one pseudo-observation per feature so that features that never vary keep their
-    value instead of becoming unidentifiable.
-    """
-    x = np.array([[features[name] for name in names] for features, _ in history])
-    y = np.array([seconds for _, seconds in history])
-    weights = 1.0 / np.maximum(y, 1e-6)
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
-    xs = x / scale * weights[:, None]
-    ys = y * weights
-    prior_vec = np.array([prior[name] for name in names]) * scale
-    # The prior rows are in seconds; divide by a typical time so that they weigh like relative errors too.
-    ridge = 0.1 / float(np.median(y)) if np.median(y) > 0 else 0.1
-    a = np.vstack([xs, ridge * np.eye(len(names))])
-    b = np.concatenate([ys, ridge * prior_vec])
-    solution, *_ = np.linalg.lstsq(a, b, rcond=None)
-    solution = np.maximum(solution, 0.0) / scale
-    return {name: float(value) for name, value in zip(names, solution, strict=True)}

@@ -44,7 +44,7 @@ from scipy.sparse.csgraph import connected_components
 
 from .._validation import as_points, check_int, check_positive_float
 from ..exceptions import InputError
-from ..functional._distances import epsilon_adjacency, epsilon_block, power_of_two_scale
+from ..functional._distances import epsilon_block, epsilon_graph, power_of_two_scale
 from ..functional.topology import BettiNumbers, betti_numbers_of_graph
 from .cost import PATHS, CostEstimate, CostModel, path_features
 
@@ -54,6 +54,21 @@ _STATE_VERSION = 1
 _PATH_CHOICES = ("auto", *PATHS)
 # Dominator candidates tried one row at a time before the full neighbour submatrix is gathered.
 _QUICK_CANDIDATES = 3
+# Path exploration (see MMHM._choose).
+_EXPLORE_MIN_SEEN = 3
+_EXPLORE_RATIO = 2.0
+_REVISIT_EVERY = 50
+_REVISIT_RATIO = 1.5
+
+
+def _csr_graph(rows: NDArray[np.intp], cols: NDArray[np.intp], n: int) -> csr_matrix:
+    """A CSR matrix of the edges; rows arrive sorted (row-major edge lists), so no COO sort is needed."""
+    if rows.size and np.any(rows[1:] < rows[:-1]):
+        order = np.argsort(rows, kind="stable")
+        rows, cols = rows[order], cols[order]
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=n), out=indptr[1:])
+    return csr_matrix((np.ones(rows.size, dtype=np.int8), cols, indptr), shape=(n, n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +153,13 @@ class MMHM:
     _degree: NDArray[np.int64]
     _n_alive: int
     _module_b1: dict[int, int]
+    _totals: BettiNumbers | None
     _dirty: set[int]
     _next_label: int
     _n_pushed: int
+    _updates: int
+    _setup_seconds: float
+    _last_tried: dict[str, int]
     _ops: int
     _certified: int
 
@@ -193,6 +212,8 @@ class MMHM:
         """
         if self._mode is None:
             raise InputError("the engine has no points yet: call update(points) or push(batch) first")
+        if self._totals is not None:
+            return self._totals
         return BettiNumbers(len(self._module_b1), int(sum(self._module_b1.values())))
 
     def update(self, points: Any) -> BettiNumbers:
@@ -389,9 +410,13 @@ class MMHM:
         self._degree = np.zeros(0, dtype=np.int64)
         self._n_alive = 0
         self._module_b1 = {}
+        self._totals = None
         self._dirty = set()
         self._next_label = 0
         self._n_pushed = 0
+        self._updates = 0
+        self._setup_seconds = 0.0
+        self._last_tried = {}
         self._ops = 0
         self._certified = 0
 
@@ -422,50 +447,108 @@ class MMHM:
 
     # --- paths ----------------------------------------------------------------------------------------------
 
-    def _rebuild(self, start: float, reason: str, adjacency: NDArray[np.bool_] | None = None) -> None:
-        """From scratch: the whole ε-graph, then every component's β1."""
+    def _rebuild(
+        self,
+        start: float,
+        reason: str,
+        graph: tuple[NDArray[np.bool_], NDArray[np.intp], NDArray[np.intp]] | None = None,
+        flipped: int | None = None,
+    ) -> None:
+        """From scratch: the whole ε-graph and its (β0, β1), exactly as the from-scratch function computes them.
+
+        Args:
+            start: ``perf_counter`` at the start of the update.
+            reason: why the rebuild was chosen.
+            graph: the ε-graph of the alive points (adjacency, rows, cols) if the caller already computed it.
+            flipped: edges that changed since the last update, if known (probe mode).
+        """
         alive = np.flatnonzero(self._alive)
         n, d = alive.size, self._points.shape[1]
         old_edges = self.n_edges
         estimate = self.cost_model.predict("rebuild", n=n, d=d, edges=old_edges)
-        if adjacency is None:
-            adjacency = epsilon_adjacency(self._points[alive], self.epsilon)
-        if self._mode == "probe":
-            # Same points, same slots: the exact diff is cheap next to the rebuild.
-            added = int(np.count_nonzero(adjacency & ~self._adjacency)) // 2
-            removed = int(np.count_nonzero(self._adjacency & ~adjacency)) // 2
+        adjacency, rows, cols = epsilon_graph(self._points[alive], self.epsilon) if graph is None else graph
+        new_edges = int(rows.size)
+        if flipped is not None:
+            # added + removed = flipped and added - removed = new - old.
+            added, removed = (flipped + new_edges - old_edges) // 2, (flipped - new_edges + old_edges) // 2
         else:
-            # The window's slots now hold other points: everything old went, everything new came.
-            added, removed = int(np.count_nonzero(adjacency)) // 2, old_edges
+            # The slots now hold other points (or there were none): everything old went, everything new came.
+            added, removed = new_edges, old_edges
+        # Totals from the compact graph (indices 0..n-1), as from scratch.
+        totals = betti_numbers_of_graph(n, rows, cols)
         if alive.size == self._adjacency.shape[0]:
             self._adjacency = adjacency
         else:
             self._adjacency[:] = False
             self._adjacency[np.ix_(alive, alive)] = adjacency
-        self._degree = np.count_nonzero(self._adjacency, axis=1).astype(np.int64)
+            rows, cols = alive[rows], alive[cols]
+        self._degree = np.bincount(rows, minlength=self._alive.size) + np.bincount(cols, minlength=self._alive.size)
         self._n_alive = alive.size
+        # Totals only, as from scratch; the modules are built when an incremental path first needs them.
         self._module_b1.clear()
         self._labels[:] = -1
+        self._dirty.clear()
+        self._totals = totals
+        features = path_features("rebuild", n=n, d=d, edges=new_edges)
+        self._record("rebuild", reason, start, added, removed, 0, 0, self._totals.b0, estimate, features)
+
+    def _ensure_modules(self) -> None:
+        """Split the complex into modules (components with their β1) if a rebuild left only totals."""
+        if self._totals is None:
+            return
+        tick = time.perf_counter()
         label = self._new_label()
-        self._labels[alive] = label
+        self._labels[self._alive] = label
         self._dirty = {label}
-        touched = self._finalize()
-        edges = self.n_edges
-        features = path_features("rebuild", n=n, d=d, edges=edges)
-        self._record("rebuild", reason, start, added, removed, 0, 0, touched, estimate, features)
+        self._finalize()
+        self._totals = None
+        # A one-off cost of the update that follows a rebuild, kept out of that path's learned law.
+        self._setup_seconds += time.perf_counter() - tick
+
+    def _pending_modules_estimate(self, n: int, d: int, edges: int) -> float:
+        """Predicted cost of building the modules before an incremental path, if a rebuild left only totals."""
+        if self._totals is None:
+            return 0.0
+        coefficients = self.cost_model.coefficients_["rebuild"]
+        return coefficients["const"] + coefficients["edges"] * edges
+
+    def _choose(self, context: str, *estimates: CostEstimate) -> tuple[str, str, CostEstimate]:
+        """The path to take among ``estimates``, and why.
+
+        The cheapest prediction wins, except that a path measured fewer than ``_EXPLORE_MIN_SEEN`` times is tried
+        when its prediction is within ``_EXPLORE_RATIO`` of the best, and one not tried for ``_REVISIT_EVERY``
+        updates is tried again within ``_REVISIT_RATIO``: a model that never measures a path never learns it.
+        """
+        ranked = sorted(estimates, key=lambda estimate: estimate.seconds)
+        best = ranked[0]
+        for other in ranked[1:]:
+            seen = self.cost_model.observations_[other.path]
+            idle = self._updates - self._last_tried.get(other.path, -_REVISIT_EVERY)
+            if (seen < _EXPLORE_MIN_SEEN and other.seconds <= _EXPLORE_RATIO * best.seconds) or (
+                idle >= _REVISIT_EVERY and other.seconds <= _REVISIT_RATIO * best.seconds
+            ):
+                return (
+                    other.path,
+                    f"{context}: measuring the {other.path} path ({seen} measurements so far; predicted "
+                    f"{other.seconds * 1e3:.2f} ms against {best.seconds * 1e3:.2f} ms for {best.path})",
+                    other,
+                )
+        return best.path, f"{context}: {best.path} path predicted cheapest ({best.seconds * 1e3:.2f} ms)", best
 
     def _update_probe(self, cloud: NDArray[np.float64], moved: NDArray[np.intp], start: float) -> None:
         n, d = cloud.shape
         edges = self.n_edges
         degree = 2 * edges / n
+        pending = self._pending_modules_estimate(n, d, edges)
         vertex = self.cost_model.predict("vertex", n=n, d=d, edges=edges, ops=2 * moved.size, mean_degree=degree)
+        vertex = dataclasses.replace(vertex, seconds=vertex.seconds + pending)
         rebuild = self.cost_model.predict("rebuild", n=n, d=d, edges=edges)
-        if self.path == "vertex" or (self.path == "auto" and vertex.seconds <= rebuild.seconds):
-            reason = (
-                "forced"
-                if self.path == "vertex"
-                else f"{moved.size} of {n} points moved: vertex path predicted cheaper"
-            )
+        context = f"{moved.size} of {n} points moved"
+        if self.path == "auto":
+            path, reason, _ = self._choose(context, vertex, rebuild)
+        else:
+            path, reason = ("vertex" if self.path == "vertex" else "graph"), "forced"
+        if path == "vertex":
             self._vertex_path(cloud[moved], moved, moved, start, reason, vertex)
             return
         if self.path == "rebuild":
@@ -473,17 +556,21 @@ class MMHM:
             self._rebuild(start, "forced")
             return
         # Edge or rebuild: both need the new graph, which also tells how many edges flipped.
-        new_adjacency = epsilon_adjacency(cloud, self.epsilon)
-        flips = np.triu(new_adjacency ^ self._adjacency, 1)
-        n_flips = int(flips.sum())
+        graph = epsilon_graph(cloud, self.epsilon)
+        flips = graph[0] ^ self._adjacency
+        n_flips = int(np.count_nonzero(flips)) // 2
         common = max(degree * degree / max(n - 1, 1), 1.0)  # expected common neighbours of an edge
         edge = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=n_flips, mean_degree=common)
+        edge = dataclasses.replace(edge, seconds=edge.seconds + pending)
         self._points[:] = cloud
-        if self.path == "edge" or edge.seconds <= rebuild.seconds:
-            reason = "forced" if self.path == "edge" else f"{n_flips} edges flipped: edge path predicted cheaper"
-            self._edge_path(new_adjacency, flips, start, reason, edge, common)
+        if self.path == "auto":
+            path, reason, _ = self._choose(f"{context}, {n_flips} edges flipped", edge, rebuild)
         else:
-            self._rebuild(start, f"{n_flips} edges flipped: rebuild predicted cheaper", new_adjacency)
+            path, reason = "edge", "forced"
+        if path == "edge":
+            self._edge_path(np.triu(flips, 1), start, reason, edge, common)
+        else:
+            self._rebuild(start, reason, graph, n_flips)
 
     def _push(self, cloud: NDArray[np.float64], start: float) -> None:
         assert self.window is not None
@@ -504,16 +591,19 @@ class MMHM:
         evicted = slots[self._alive[slots]]
         ops = len(cloud) + evicted.size
         vertex = self.cost_model.predict("vertex", n=n_after, d=d, edges=edges, ops=ops, mean_degree=degree)
+        vertex = dataclasses.replace(vertex, seconds=vertex.seconds + self._pending_modules_estimate(n_after, d, edges))
         rebuild = self.cost_model.predict("rebuild", n=n_after, d=d, edges=edges)
         self._n_pushed += len(cloud)
-        use_vertex = self.path in {"vertex", "edge"} or (self.path == "auto" and vertex.seconds <= rebuild.seconds)
-        if use_vertex:
-            reason = "forced" if self.path != "auto" else "vertex path predicted cheaper"
+        if self.path == "auto":
+            path, reason, _ = self._choose(f"{len(cloud)} new points, {evicted.size} evicted", vertex, rebuild)
+        else:
+            path, reason = ("rebuild" if self.path == "rebuild" else "vertex"), "forced"
+        if path == "vertex":
             self._vertex_path(cloud, slots, evicted, start, reason, vertex)
             return
         self._points[slots] = cloud
         self._alive[slots] = True
-        self._rebuild(start, "forced" if self.path == "rebuild" else "rebuild predicted cheaper")
+        self._rebuild(start, reason)
 
     def _vertex_path(
         self,
@@ -525,6 +615,7 @@ class MMHM:
         estimate: CostEstimate,
     ) -> None:
         """Delete the ``evicted`` slots, then insert ``new_points`` into ``slots``, one certificate each."""
+        self._ensure_modules()
         self._ops = self._certified = 0
         old_edges = self.n_edges
         removed = 0
@@ -553,7 +644,6 @@ class MMHM:
 
     def _edge_path(
         self,
-        new_adjacency: NDArray[np.bool_],
         flips: NDArray[np.bool_],
         start: float,
         reason: str,
@@ -561,6 +651,7 @@ class MMHM:
         common: float,
     ) -> None:
         """Apply the exact edge diff: removals first, then insertions, one certificate each."""
+        self._ensure_modules()
         self._ops = self._certified = 0
         rows, cols = np.nonzero(flips)
         present = self._adjacency[rows, cols]
@@ -693,37 +784,43 @@ class MMHM:
             self._certified += 1
 
     def _finalize(self) -> int:
-        """Recompute every dirty module: split it into its current components, β1 of each with GUDHI."""
+        """Recompute every dirty module: split it into its current components, β1 of each with GUDHI.
+
+        Vectorised over components: sizes and edge counts come from one edge list, and GUDHI runs only on the
+        components that hold a cycle (more edges than vertices - 1); the others are trees, with β1 = 0.
+        """
         if not self._dirty:
             return 0
         dirty = np.fromiter(self._dirty, dtype=np.int64)
         for label in self._dirty:
             self._module_b1.pop(label, None)
         self._dirty.clear()
-        members = np.flatnonzero(self._alive & np.isin(self._labels, dirty))
+        if dirty.size == 1:
+            members = np.flatnonzero(self._alive & (self._labels == dirty[0]))
+        else:
+            members = np.flatnonzero(self._alive & np.isin(self._labels, dirty))
         if members.size == 0:
             return 0
         sub = self._adjacency[np.ix_(members, members)]
-        count, component = connected_components(csr_matrix(sub), directed=False)
-        order = np.argsort(component, kind="stable")
-        bounds = np.flatnonzero(np.diff(component[order])) + 1
-        for group in np.split(order, bounds):
-            vertices = members[group]
-            label = self._new_label()
-            self._labels[vertices] = label
-            self._module_b1[label] = self._component_b1(sub, group)
+        rows, cols = np.nonzero(np.triu(sub, 1))
+        count, component = connected_components(_csr_graph(rows, cols, members.size), directed=False)
+        sizes = np.bincount(component, minlength=count)
+        edge_counts = np.bincount(component[rows], minlength=count)
+        base = self._next_label + 1
+        self._next_label += int(count)
+        self._labels[members] = base + component
+        b1 = dict.fromkeys(range(base, base + int(count)), 0)
+        cyclic = np.flatnonzero(edge_counts > sizes - 1)
+        if cyclic.size:
+            local = np.empty(members.size, dtype=np.intp)
+            edge_component = component[rows]
+            for c in cyclic:
+                vertices = np.flatnonzero(component == c)
+                local[vertices] = np.arange(vertices.size)
+                mask = edge_component == c
+                b1[base + int(c)] = betti_numbers_of_graph(vertices.size, local[rows[mask]], local[cols[mask]]).b1
+        self._module_b1.update(b1)
         return int(count)
-
-    @staticmethod
-    def _component_b1(sub: NDArray[np.bool_], group: NDArray[np.intp]) -> int:
-        size = group.size
-        if size < 3:
-            return 0
-        block = sub[np.ix_(group, group)]
-        rows, cols = np.nonzero(np.triu(block, 1))
-        if rows.size <= size - 1:  # a connected graph with n - 1 edges is a tree
-            return 0
-        return betti_numbers_of_graph(size, rows, cols).b1
 
     def _record(
         self,
@@ -739,8 +836,11 @@ class MMHM:
         features: Mapping[str, float] | None = None,
     ) -> None:
         seconds = time.perf_counter() - start
+        self._updates += 1
+        setup, self._setup_seconds = self._setup_seconds, 0.0
         if features is not None and path in PATHS:
-            self.cost_model.observe(path, features, seconds)
+            self.cost_model.observe(path, features, max(seconds - setup, 1e-7))
+            self._last_tried[path] = self._updates
         self.last_stats = UpdateStats(
             path=path,
             reason=reason,
@@ -751,7 +851,7 @@ class MMHM:
             operations=operations,
             certified=certified,
             modules_touched=touched,
-            modules=len(self._module_b1),
+            modules=self.betti_numbers().b0,
             ms=seconds * 1e3,
             predicted_ms=math.nan if estimate is None else estimate.seconds * 1e3,
             predicted_bytes=0 if estimate is None else estimate.bytes,
