@@ -178,7 +178,7 @@ def test_collapsed_and_duplicated_clouds(path):
 def test_stream_window_of_clusters_matches_scratch_and_is_certified():
     cloud = clustered(600, 16, 5, seed=1, spread=0.8)
     epsilon = F.epsilon_heuristic(cloud[:200])
-    engine = MMHM(epsilon=epsilon, window=200)
+    engine = MMHM(epsilon=epsilon, window=200, path="vertex")
     for start in range(0, 600, 25):
         engine.push(cloud[start : start + 25])
         assert engine.betti_numbers() == F.betti_numbers(engine.points, epsilon)
@@ -187,6 +187,18 @@ def test_stream_window_of_clusters_matches_scratch_and_is_certified():
     assert stats.operations == 50  # 25 evictions and 25 insertions
     assert stats.certified == 50  # dense clusters: every point is dominated
     assert stats.modules_touched == 0
+
+
+def test_auto_streaming_with_small_batches_settles_on_the_vertex_path():
+    source = clustered(2400, 32, 6, seed=6)
+    engine = MMHM(epsilon=F.epsilon_heuristic(source[:800]), window=800)
+    engine.push(source[:800])
+    paths = []
+    for start in range(800, 2400, 4):  # 4 new points a time: one vertex op costs far less than a rebuild
+        engine.push(source[start : start + 4])
+        paths.append(engine.last_stats.path)
+    assert paths[-100:].count("vertex") >= 95
+    assert engine.betti_numbers() == F.betti_numbers(engine.points, engine.epsilon)
 
 
 def test_probe_mode_with_few_moved_points_takes_the_vertex_path():
@@ -210,10 +222,48 @@ def test_probe_mode_with_tiny_jitter_takes_the_edge_path_and_all_moved_takes_reb
     engine.update(jitter)
     assert engine.last_stats.path == "edge"
     assert engine.last_stats.edges_added + engine.last_stats.edges_removed < 50
-    shuffled = np.random.default_rng(1).permutation(cloud)  # every point somewhere else: most edges flip
-    engine.update(shuffled)
+    rng = np.random.default_rng(1)
+    for _ in range(3):  # every point somewhere else: most edges flip
+        shuffled = rng.permutation(cloud)
+        engine.update(shuffled)
+        assert engine.betti_numbers() == F.betti_numbers(shuffled, epsilon)
+    # Once each path has been measured, a full shuffle is a rebuild.
     assert engine.last_stats.path == "rebuild"
-    assert engine.betti_numbers() == F.betti_numbers(shuffled, epsilon)
+
+
+def test_an_incremental_update_past_its_deadline_rebuilds_exactly_and_teaches_the_model():
+    cloud = clustered(300, 8, 4, seed=5)
+    epsilon = F.epsilon_heuristic(cloud)
+    engine = MMHM(epsilon=epsilon)
+    engine.update(cloud)
+    # A model that believes rebuilding is free and the vertex path freer: the deadline (1.5 x the predicted
+    # rebuild) has passed before the first operation.
+    engine.cost_model.coefficients_["rebuild"] = dict.fromkeys(engine.cost_model.coefficients_["rebuild"], 1e-30)
+    engine.cost_model.coefficients_["vertex"] = dict.fromkeys(engine.cost_model.coefficients_["vertex"], 0.0)
+    moved = cloud.copy()
+    moved[:150] += 2.0
+    assert engine.update(moved) == F.betti_numbers(moved, epsilon)
+    stats = engine.last_stats
+    assert stats.path == "rebuild"
+    assert "the vertex path ran past its deadline after 0 of 300 operations, so rebuilt" in stats.reason
+    assert engine.cost_model.coefficients_["vertex"]["ops"] > 0  # it learned what the path costs
+    np.testing.assert_array_equal(engine.points, moved)
+    assert engine.update(moved + 0.01) == F.betti_numbers(moved + 0.01, epsilon)
+
+
+def test_streaming_deadline_keeps_the_window_exact():
+    engine = MMHM(epsilon=1.0, window=50)
+    rng = np.random.default_rng(0)
+    history = rng.normal(size=(50, 3))
+    engine.push(history)
+    engine.cost_model.coefficients_["rebuild"] = dict.fromkeys(engine.cost_model.coefficients_["rebuild"], 1e-30)
+    engine.cost_model.coefficients_["vertex"] = dict.fromkeys(engine.cost_model.coefficients_["vertex"], 0.0)
+    batch = rng.normal(size=(20, 3))
+    engine.push(batch)
+    history = np.vstack([history, batch])[-50:]
+    assert "ran past its deadline" in engine.last_stats.reason
+    np.testing.assert_array_equal(engine.points, history)
+    assert engine.betti_numbers() == F.betti_numbers(history, 1.0)
 
 
 def test_a_batch_larger_than_the_window_keeps_its_tail():
@@ -281,6 +331,11 @@ def test_load_state_errors():
     state["version"] = 9
     with pytest.raises(InputError, match=r"`state\['version'\]` must be 1, got 9"):
         engine.load_state_dict(state)
+    good = MMHM(epsilon=0.3).state_dict()
+    with pytest.raises(InputError, match=r"`state\['mode'\]` must be None, 'probe' or 'stream', got 'batch'"):
+        engine.load_state_dict({**good, "mode": "batch"})
+    with pytest.raises(InputError, match="a streaming state, but this engine has no window"):
+        engine.load_state_dict({**good, "mode": "stream", "points": np.zeros((3, 2)), "n_pushed": 3})
 
 
 # --- footprint ------------------------------------------------------------------------------------------------

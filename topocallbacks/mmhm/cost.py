@@ -26,17 +26,25 @@ _FEATURES: Mapping[str, tuple[str, ...]] = {
     "rebuild": ("const", "pair_dims", "edges"),
     # Rows of the moved/new points (m n d), then one certificate per vertex op (about degree^2 work).
     "vertex": ("const", "row_dims", "ops", "ops_degree_sq"),
-    # Full adjacency, then one certificate per flipped edge (about common-degree^2 work).
-    "edge": ("const", "pair_dims", "ops", "ops_degree_sq"),
+    # The same full adjacency as a rebuild (priced by the rebuild's learned pair_dims coefficient, see
+    # _SHARED_GRAPH_PASS), then one certificate per flipped edge (about common-degree^2 work).
+    "edge": ("const", "ops", "ops_degree_sq"),
 }
+# Paths whose time includes the rebuild's ε-graph pass; that part is priced and subtracted with the rebuild's
+# coefficient, so a path is never preferred for a pass it shares with the rebuild.
+_SHARED_GRAPH_PASS = frozenset({"edge"})
 
-# Seconds per unit of work, measured on the development machine (2 cores, one thread); refitted online.
+# Seconds per unit of work, learned by this model on the development machine (2 cores, one thread, clustered
+# clouds n = 1024, d = 64); refitted online wherever it runs.
 _PRIORS: Mapping[str, Mapping[str, float]] = {
-    "rebuild": {"const": 2e-4, "pair_dims": 1.2e-10, "edges": 4e-7},
-    "vertex": {"const": 1e-4, "row_dims": 3e-10, "ops": 2.5e-5, "ops_degree_sq": 2e-9},
-    "edge": {"const": 2e-4, "pair_dims": 1.2e-10, "ops": 2.5e-5, "ops_degree_sq": 2e-9},
+    "rebuild": {"const": 2e-4, "pair_dims": 1.3e-10, "edges": 5e-7},
+    "vertex": {"const": 2e-4, "row_dims": 2e-10, "ops": 5e-6, "ops_degree_sq": 7e-10},
+    "edge": {"const": 5e-4, "ops": 2.3e-5, "ops_degree_sq": 2e-9},
 }
-
+_PRIOR_ARRAYS = {path: np.array([_PRIORS[path][name] for name in _FEATURES[path]]) for path in PATHS}
+# After this many observations of a path, its coefficients are re-solved every _REFIT_EVERY observations.
+_SETTLED = 8
+_REFIT_EVERY = 4
 # Weight kept by past observations at each new one (about the last 30 count).
 _FORGET = 0.97
 # Strength of the pull towards the current coefficients, relative to the data.
@@ -71,6 +79,7 @@ def path_features(path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_d
         mean_degree: average degree of the vertices (or common degree of the edges) involved.
     """
     rows = ops / 2 if path == "vertex" else 0
+    graph_pass = ("pair_dims",) if path in _SHARED_GRAPH_PASS else ()
     counts = {
         "const": 1.0,
         "pair_dims": float(n) * n * d,
@@ -79,7 +88,7 @@ def path_features(path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_d
         "ops": float(ops),
         "ops_degree_sq": ops * mean_degree * mean_degree,
     }
-    return {name: counts[name] for name in _FEATURES[path]}
+    return {name: counts[name] for name in (*_FEATURES[path], *graph_pass)}
 
 
 def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0) -> int:
@@ -117,15 +126,25 @@ class CostModel:
     def predict(self, path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_degree: float = 0.0) -> CostEstimate:
         """Predicted time and memory of ``path``."""
         features = path_features(path, n=n, d=d, edges=edges, ops=ops, mean_degree=mean_degree)
-        seconds = sum(self.coefficients_[path][name] * value for name, value in features.items())
+        seconds = self._shared_seconds(path, features) + sum(
+            self.coefficients_[path][name] * features[name] for name in _FEATURES[path]
+        )
         return CostEstimate(path, seconds, predict_bytes(path, n=n, d=d, edges=edges, ops=ops))
+
+    def _shared_seconds(self, path: str, features: Mapping[str, float]) -> float:
+        """The ε-graph pass a path shares with the rebuild, priced by the rebuild's coefficient."""
+        if path not in _SHARED_GRAPH_PASS:
+            return 0.0
+        return self.coefficients_["rebuild"]["pair_dims"] * features["pair_dims"]
 
     def observe(self, path: str, features: Mapping[str, float], seconds: float) -> None:
         """Record a measured update and refit that path's coefficients (non-negative, relative errors)."""
         names = _FEATURES[path]
-        prior = np.array([_PRIORS[path][name] for name in names])
+        prior = _PRIOR_ARRAYS[path]
+        # Fit only what the path adds to the shared graph pass (never below a tenth of the measurement).
+        seconds = max(seconds - self._shared_seconds(path, features), 0.1 * seconds)
         # Work in units where each prior term is the feature's share of a typical update: well conditioned.
-        x = np.array([features[name] for name in names]) * prior
+        x = np.fromiter((features[name] for name in names), dtype=np.float64, count=len(names)) * prior
         weight = 1.0 / max(seconds, 1e-6) ** 2  # squared relative error
         gram, moment = self._sums[path]
         gram *= _FORGET
@@ -133,6 +152,9 @@ class CostModel:
         gram += weight * np.outer(x, x)
         moment += weight * seconds * x
         self.observations_[path] += 1
+        count = self.observations_[path]
+        if count > _SETTLED and count % _REFIT_EVERY:
+            return  # the sums keep every observation; re-solving each time buys little once settled
         # A ridge towards the current coefficients keeps features that never varied where they were.
         current = np.array([self.coefficients_[path][name] for name in names]) / prior
         ridge = _RIDGE * max(float(np.trace(gram)), 1e-12) / len(names)

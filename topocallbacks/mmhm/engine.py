@@ -55,10 +55,14 @@ _PATH_CHOICES = ("auto", *PATHS)
 # Dominator candidates tried one row at a time before the full neighbour submatrix is gathered.
 _QUICK_CANDIDATES = 3
 # Path exploration (see MMHM._choose).
-_EXPLORE_MIN_SEEN = 3
-_EXPLORE_RATIO = 2.0
+_EXPLORE_MIN_SEEN = 1
+_EXPLORE_RATIO = 1.25
 _REVISIT_EVERY = 50
-_REVISIT_RATIO = 1.5
+_REVISIT_RATIO = 1.25
+# An incremental update gives up and rebuilds past this multiple of the predicted rebuild time.
+_BAIL_RATIO = 1.5
+# How often (in operations) the deadline is checked.
+_DEADLINE_CHECK_EVERY = 16
 
 
 def _csr_graph(rows: NDArray[np.intp], cols: NDArray[np.intp], n: int) -> csr_matrix:
@@ -281,8 +285,7 @@ class MMHM:
         """Predicted time and memory of the next update along each path.
 
         Args:
-            moved: points that will move (probe) or arrive (streaming); defaults to all of them (probe) or the
-                last batch size (streaming).
+            moved: points that will move (probe) or arrive (streaming); defaults to all of them.
             n: number of points (defaults to the current one).
             d: dimension (defaults to the current one).
 
@@ -308,6 +311,8 @@ class MMHM:
 
     def largest_n_within(self, seconds: float, d: int, *, edge_density: float | None = None) -> int:
         """The largest probe size whose predicted rebuild fits in ``seconds`` (a per-check time budget).
+
+        Returns at least 2, even when two points are predicted to exceed the budget.
 
         Args:
             seconds: the budget, finite and > 0.
@@ -358,13 +363,15 @@ class MMHM:
         """Restore a :meth:`state_dict` (ε and window must match this engine's).
 
         Raises:
-            InputError: missing keys, another version, or a different ε or window.
+            InputError: missing keys, another version, an unknown mode, or a different ε or window.
         """
         missing = sorted({"version", "epsilon", "window", "mode", "n_pushed", "rebuild"} - set(state))
         if missing:
             raise InputError(f"`state` is missing key(s) {missing}; got keys {sorted(state)}")
         if state["version"] != _STATE_VERSION:
             raise InputError(f"`state['version']` must be {_STATE_VERSION}, got {state['version']!r}")
+        if state["mode"] not in (None, "probe", "stream"):
+            raise InputError(f"`state['mode']` must be None, 'probe' or 'stream', got {state['mode']!r}")
         if state["epsilon"] != self.epsilon or state["window"] != self.window:
             raise InputError(
                 f"`state` was saved with epsilon={state['epsilon']!r}, window={state['window']!r}; this engine has "
@@ -383,8 +390,9 @@ class MMHM:
             self._allocate(*cloud.shape)
             self._points[:] = cloud
             self._alive[:] = True
+        elif self.window is None:
+            raise InputError("`state` is a streaming state, but this engine has no window")
         else:
-            assert self.window is not None  # checked above: streaming states carry the same window
             self._allocate(self.window, cloud.shape[1])
             n_pushed = int(state["n_pushed"])
             slots = (n_pushed - len(cloud) + np.arange(len(cloud))) % self.window
@@ -453,6 +461,7 @@ class MMHM:
         reason: str,
         graph: tuple[NDArray[np.bool_], NDArray[np.intp], NDArray[np.intp]] | None = None,
         flipped: int | None = None,
+        learn: bool = True,
     ) -> None:
         """From scratch: the whole ε-graph and its (β0, β1), exactly as the from-scratch function computes them.
 
@@ -461,6 +470,8 @@ class MMHM:
             reason: why the rebuild was chosen.
             graph: the ε-graph of the alive points (adjacency, rows, cols) if the caller already computed it.
             flipped: edges that changed since the last update, if known (probe mode).
+            learn: let the cost model learn from this update's time (not after an abandoned incremental path,
+                whose time the update includes).
         """
         alive = np.flatnonzero(self._alive)
         n, d = alive.size, self._points.shape[1]
@@ -489,7 +500,7 @@ class MMHM:
         self._labels[:] = -1
         self._dirty.clear()
         self._totals = totals
-        features = path_features("rebuild", n=n, d=d, edges=new_edges)
+        features = path_features("rebuild", n=n, d=d, edges=new_edges) if learn else None
         self._record("rebuild", reason, start, added, removed, 0, 0, self._totals.b0, estimate, features)
 
     def _ensure_modules(self) -> None:
@@ -549,7 +560,7 @@ class MMHM:
         else:
             path, reason = ("vertex" if self.path == "vertex" else "graph"), "forced"
         if path == "vertex":
-            self._vertex_path(cloud[moved], moved, moved, start, reason, vertex)
+            self._vertex_path(cloud[moved], moved, moved, start, reason, vertex, self._deadline(start, rebuild))
             return
         if self.path == "rebuild":
             self._points[:] = cloud
@@ -568,7 +579,7 @@ class MMHM:
         else:
             path, reason = "edge", "forced"
         if path == "edge":
-            self._edge_path(np.triu(flips, 1), start, reason, edge, common)
+            self._edge_path(np.triu(flips, 1), start, reason, edge, common, self._deadline(start, rebuild))
         else:
             self._rebuild(start, reason, graph, n_flips)
 
@@ -599,11 +610,33 @@ class MMHM:
         else:
             path, reason = ("rebuild" if self.path == "rebuild" else "vertex"), "forced"
         if path == "vertex":
-            self._vertex_path(cloud, slots, evicted, start, reason, vertex)
+            self._vertex_path(cloud, slots, evicted, start, reason, vertex, self._deadline(start, rebuild))
             return
         self._points[slots] = cloud
         self._alive[slots] = True
         self._rebuild(start, reason)
+
+    def _deadline(self, start: float, rebuild: CostEstimate) -> float | None:
+        """When an incremental update should give up and rebuild: ``_BAIL_RATIO`` x the predicted rebuild.
+
+        Forced paths never give up. A model that underestimates a path (its certificates may fall back to the
+        GUDHI link check far more often than usual) thus costs at most about ``_BAIL_RATIO + 1`` rebuilds once.
+        """
+        return None if self.path != "auto" else start + _BAIL_RATIO * rebuild.seconds
+
+    def _bail_out(
+        self, path: str, start: float, done: int, total: int, features: Mapping[str, float], reason: str
+    ) -> None:
+        """Abandon an incremental update past its deadline: teach the model, then rebuild from the final points."""
+        elapsed = time.perf_counter() - start
+        self.cost_model.observe(path, features, elapsed * total / max(done, 1))
+        self._last_tried[path] = self._updates + 1
+        self._setup_seconds = 0.0
+        self._rebuild(
+            start,
+            f"{reason}; the {path} path ran past its deadline after {done} of {total} operations, so rebuilt",
+            learn=False,
+        )
 
     def _vertex_path(
         self,
@@ -613,13 +646,23 @@ class MMHM:
         start: float,
         reason: str,
         estimate: CostEstimate,
+        deadline: float | None,
     ) -> None:
         """Delete the ``evicted`` slots, then insert ``new_points`` into ``slots``, one certificate each."""
         self._ensure_modules()
         self._ops = self._certified = 0
-        old_edges = self.n_edges
+        total = evicted.size + slots.size
+        degree = 2 * self.n_edges / max(self.n_points, 1)
+        planned = path_features(
+            "vertex", n=self._alive.size, d=self._points.shape[1], edges=self.n_edges, ops=total, mean_degree=degree
+        )
         removed = 0
         for slot in evicted:
+            if deadline is not None and self._ops % _DEADLINE_CHECK_EVERY == 0 and time.perf_counter() > deadline:
+                self._points[slots] = new_points
+                self._alive[slots] = True
+                self._bail_out("vertex", start, self._ops, total, planned, reason)
+                return
             removed += int(self._degree[slot])
             self._delete_vertex(int(slot))
         self._points[slots] = new_points
@@ -628,6 +671,10 @@ class MMHM:
         rows = epsilon_block(new_points, self._points, self.epsilon, scale=scale)
         added = 0
         for k, slot in enumerate(slots):
+            if deadline is not None and self._ops % _DEADLINE_CHECK_EVERY == 0 and time.perf_counter() > deadline:
+                self._alive[slots] = True
+                self._bail_out("vertex", start, self._ops, total, planned, reason)
+                return
             row = rows[k] & self._alive
             row[slot] = False
             added += int(row.sum())
@@ -640,7 +687,6 @@ class MMHM:
             "vertex", n=self.n_points, d=self._points.shape[1], edges=edges, ops=ops, mean_degree=degree
         )
         self._record("vertex", reason, start, added, removed, ops, self._certified, touched, estimate, features)
-        assert old_edges + added - removed == edges
 
     def _edge_path(
         self,
@@ -649,18 +695,26 @@ class MMHM:
         reason: str,
         estimate: CostEstimate,
         common: float,
+        deadline: float | None,
     ) -> None:
         """Apply the exact edge diff: removals first, then insertions, one certificate each."""
         self._ensure_modules()
         self._ops = self._certified = 0
         rows, cols = np.nonzero(flips)
         present = self._adjacency[rows, cols]
-        for u, v in zip(rows[present], cols[present], strict=True):
-            self._remove_edge(int(u), int(v))
-        for u, v in zip(rows[~present], cols[~present], strict=True):
-            self._add_edge(int(u), int(v))
-        touched = self._finalize()
         n, d = self._points.shape
+        planned = path_features("edge", n=n, d=d, edges=self.n_edges, ops=rows.size, mean_degree=common)
+        removals = zip(rows[present], cols[present], strict=True)
+        insertions = zip(rows[~present], cols[~present], strict=True)
+        for operation, (u, v) in [
+            *((self._remove_edge, e) for e in removals),
+            *((self._add_edge, e) for e in insertions),
+        ]:
+            if deadline is not None and self._ops % _DEADLINE_CHECK_EVERY == 0 and time.perf_counter() > deadline:
+                self._bail_out("edge", start, self._ops, rows.size, planned, reason)
+                return
+            operation(int(u), int(v))
+        touched = self._finalize()
         features = path_features("edge", n=n, d=d, edges=self.n_edges, ops=self._ops, mean_degree=common)
         added, removed = int((~present).sum()), int(present.sum())
         self._record("edge", reason, start, added, removed, self._ops, self._certified, touched, estimate, features)
