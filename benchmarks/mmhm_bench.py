@@ -28,6 +28,7 @@ import platform
 import statistics
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -152,6 +153,15 @@ class Run:
         self.engine_s_compared: list[float] = []
         self.mismatches = 0
         self.compared = 0
+        self.memory: list[tuple[int, int]] = []  # (predicted, measured) peak bytes of new arrays
+
+    def measure_memory(self, engine: MMHM, update: Callable[[], object]) -> None:
+        """One more update under tracemalloc (after the timed ones: tracing slows allocation)."""
+        tracemalloc.start()
+        update()
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        self.memory.append((engine.last_stats.predicted_bytes, peak))
 
     def record_engine(self, engine: MMHM, seconds: float) -> None:
         self.engine_s.append(seconds)
@@ -198,6 +208,10 @@ class Run:
             "total_speedup_vs_best": round(baselines[best_name] / 1e3 * len(self.engine_s) / sum(self.engine_s), 2),
             "speedup_vs": {k: round(v / compared_ms, 2) for k, v in baselines.items()},
             "predictions_within_30pct": round(sum(e <= 0.3 for e in errors) / len(errors), 3) if errors else None,
+            "memory_predicted_over_measured": [round(p / m, 2) for p, m in self.memory],
+            "memory_within_30pct": round(sum(abs(p - m) <= 0.3 * m for p, m in self.memory) / len(self.memory), 3)
+            if self.memory
+            else None,
             "compared_updates": self.compared,
             "exact": self.mismatches == 0,
         }
@@ -218,6 +232,11 @@ def probe_scenario(fraction: float, n: int, dim: int, updates: int, baselines: l
         seconds, _ = timed(lambda cloud=cloud: engine.update(cloud))
         run.record_engine(engine, seconds)
         run.compare(engine, cloud, epsilon, baselines)
+    for _ in range(3):
+        cloud = cloud.copy()
+        moved = rng.choice(n, size=max(1, round(fraction * n)), replace=False)
+        cloud[moved] += rng.normal(scale=0.4, size=(moved.size, dim))
+        run.measure_memory(engine, lambda cloud=cloud: engine.update(cloud))
     return run
 
 
@@ -234,6 +253,9 @@ def stream_scenario(window: int, batch: int, dim: int, updates: int, compare_eve
         run.record_engine(engine, seconds)
         if i % compare_every == 0:
             run.compare(engine, engine.points, epsilon, baselines)
+    for _ in range(3):
+        new = source.sample(batch)
+        run.measure_memory(engine, lambda new=new: engine.push(new))
     return run
 
 
@@ -247,13 +269,15 @@ def trace_scenario(name: str, interval: int, checks: int, use: int, baselines: l
         seconds, _ = timed(lambda frame=frame: engine.update(frame))
         run.record_engine(engine, seconds)
         run.compare(engine, frame, epsilon, baselines)
+    for frame in frames[-4:-1]:
+        run.measure_memory(engine, lambda frame=frame: engine.update(frame))
     return run
 
 
 def format_table(rows: list[dict[str, object]]) -> str:
     header = (
         f"| {'scenario':<25} | {'paths':<28} | {'engine ms':>9} | {'scratch ms':>10} | {'gudhi ms':>8} | "
-        f"{'ripser ms':>9} | {'x best':>6} | {'x total':>7} | {'pred ±30%':>9} | exact |"
+        f"{'ripser ms':>9} | {'x best':>6} | {'x total':>7} | {'pred ±30%':>9} | {'mem ±30%':>8} | exact |"
     )
     lines = [header, "|" + "|".join("-" * (len(part)) for part in header.split("|")[1:-1]) + "|"]
     for row in rows:
@@ -266,7 +290,8 @@ def format_table(rows: list[dict[str, object]]) -> str:
             f"{b.get('scratch', float('nan')):>10.2f} | {b.get('gudhi', float('nan')):>8.2f} | "
             f"{b.get('ripser', float('nan')):>9.2f} | {row['speedup_vs_best']:>6.2f} | "
             f"{row['total_speedup_vs_best']:>7.2f} | "
-            f"{'-' if pred is None else f'{pred:.0%}':>9} | {'yes' if row['exact'] else 'NO':<5} |"
+            f"{'-' if pred is None else f'{pred:.0%}':>9} | {row['memory_within_30pct']:>8.0%} | "
+            f"{'yes' if row['exact'] else 'NO':<5} |"
         )
     return "\n".join(lines)
 

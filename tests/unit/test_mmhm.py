@@ -435,3 +435,23 @@ def test_non_finite_points_leave_the_engine_untouched():
 def test_first_update_equals_scratch(cloud_and_epsilon):
     cloud, epsilon = cloud_and_epsilon
     assert MMHM(epsilon=epsilon).update(cloud) == F.betti_numbers(cloud, epsilon)
+
+
+@pytest.mark.parametrize(("path", "moved"), [("rebuild", 300), ("vertex", 15), ("edge", 300)])
+def test_memory_prediction_matches_tracemalloc_within_30_percent(path, moved):
+    import tracemalloc
+
+    cloud = clustered(600, 32, 6, seed=7)
+    epsilon = F.epsilon_heuristic(cloud)
+    engine = MMHM(epsilon=epsilon, path=path)
+    engine.update(cloud)
+    rng = np.random.default_rng(0)
+    rows = rng.choice(600, size=moved, replace=False)
+    cloud = cloud.copy()
+    cloud[rows] += rng.normal(scale=0.05 if path == "edge" else 0.5, size=(moved, 32))
+    tracemalloc.start()
+    engine.update(cloud)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert engine.last_stats.path == path
+    assert engine.last_stats.predicted_bytes == pytest.approx(peak, rel=0.3)

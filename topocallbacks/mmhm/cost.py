@@ -15,7 +15,15 @@ from numpy.typing import NDArray
 
 from ..functional._distances import ADJACENCY_BLOCK_ROWS
 
-__all__ = ["PATHS", "CostEstimate", "CostModel", "path_features", "predict_bytes"]
+__all__ = [
+    "PATHS",
+    "CostEstimate",
+    "CostModel",
+    "path_features",
+    "predict_bytes",
+    "predict_gudhi_bytes",
+    "predict_module_build_bytes",
+]
 
 #: The ways an update can be carried out.
 PATHS = ("rebuild", "vertex", "edge")
@@ -58,13 +66,17 @@ class CostEstimate:
     Attributes:
         path: ``"rebuild"``, ``"vertex"`` or ``"edge"``.
         seconds: predicted wall time.
-        bytes: predicted peak of the arrays the update allocates (adjacency and float64 temporaries; GUDHI's
-            simplex tree is counted at 64 bytes per edge of the graph it receives).
+        bytes: predicted peak of the new arrays the update allocates (the new adjacency, float64 blocks, edge
+            lists), what ``tracemalloc`` measures; never anything proportional to the triangles.
+        gudhi_bytes: a rough estimate (80 bytes per edge handed over) of the simplex tree GUDHI builds in C++
+            before its edge collapse, which ``tracemalloc`` cannot see; 0 for paths that do not call GUDHI on the
+            whole graph.
     """
 
     path: str
     seconds: float
     bytes: int
+    gudhi_bytes: int = 0
 
 
 def path_features(path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_degree: float = 0.0) -> dict[str, float]:
@@ -91,16 +103,45 @@ def path_features(path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_d
     return {name: counts[name] for name in (*_FEATURES[path], *graph_pass)}
 
 
-def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0) -> int:
-    """Peak bytes of the arrays allocated by an update along ``path`` (never the triangles)."""
-    adjacency = n * n  # one byte per pair, kept between updates
+def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe: bool = True) -> int:
+    """Peak bytes of the new arrays an update along ``path`` allocates (what ``tracemalloc`` sees).
+
+    Derived from the code: the ε-graph pass allocates the new n x n boolean adjacency, float64 blocks of
+    ``ADJACENCY_BLOCK_ROWS x n`` and 16 bytes per edge (twice while the block parts are joined); handing the edges
+    to GUDHI adds 24 bytes per edge; a probe update also holds the n x n mask of flipped edges.
+
+    Args:
+        path: one of :data:`PATHS`.
+        n: number of points.
+        d: dimension.
+        edges: edges of the ε-graph (the current count stands in for the next one).
+        ops: vertex operations (2 per moved point) for the vertex path.
+        probe: whether the update is a probe update (it holds the flip mask) rather than a streaming one.
+    """
+    pairs = n * n
+    block = min(ADJACENCY_BLOCK_ROWS, n)
+    points = n * d * 8
+    # While the blocks are computed: the adjacency being filled, one block's float64 products and its masks,
+    # scaled and centred copies of the points, and the edges found so far.
+    graph_pass = pairs + block * n * 11 + 4 * points + 16 * edges
     if path == "vertex":
         moved = max(ops // 2, 1)
-        return adjacency + moved * (n * 8 * 2 + d * 8) + n * d * 8
-    block = min(ADJACENCY_BLOCK_ROWS, n)
-    temporaries = block * n * 8 * 2 + n * n * 2  # float64 block products, new adjacency and its triangle copy
-    collapse = 64 * edges if path == "rebuild" else 0
-    return adjacency + temporaries + collapse + n * d * 8
+        return moved * n * 11 + 3 * points + 2 * moved * d * 8
+    flip_masks = {"rebuild": 1 if probe else 0, "edge": 2}[path]
+    # After the pass: the adjacency, the flip mask(s), the joined edge lists (32 bytes per edge), and for a rebuild
+    # GUDHI's input arrays (another 24 bytes per edge, the lists still alive).
+    handoff = pairs * (1 + flip_masks) + 32 * edges + (24 * edges if path == "rebuild" else 0)
+    return max(graph_pass, handoff)
+
+
+def predict_module_build_bytes(n: int, edges: int) -> int:
+    """Peak bytes of splitting a rebuilt complex into modules: an n x n copy, its upper triangle, the edges."""
+    return 2 * n * n + 40 * edges
+
+
+def predict_gudhi_bytes(path: str, edges: int) -> int:
+    """Rough size of GUDHI's simplex tree before its edge collapse (80 bytes per edge), rebuilds only."""
+    return 80 * edges if path == "rebuild" else 0
 
 
 class CostModel:
@@ -123,13 +164,28 @@ class CostModel:
             path: (np.zeros((len(_FEATURES[path]),) * 2), np.zeros(len(_FEATURES[path]))) for path in PATHS
         }
 
-    def predict(self, path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_degree: float = 0.0) -> CostEstimate:
+    def predict(
+        self,
+        path: str,
+        *,
+        n: int,
+        d: int,
+        edges: int,
+        ops: int = 0,
+        mean_degree: float = 0.0,
+        probe: bool = True,
+    ) -> CostEstimate:
         """Predicted time and memory of ``path``."""
         features = path_features(path, n=n, d=d, edges=edges, ops=ops, mean_degree=mean_degree)
         seconds = self._shared_seconds(path, features) + sum(
             self.coefficients_[path][name] * features[name] for name in _FEATURES[path]
         )
-        return CostEstimate(path, seconds, predict_bytes(path, n=n, d=d, edges=edges, ops=ops))
+        return CostEstimate(
+            path,
+            seconds,
+            predict_bytes(path, n=n, d=d, edges=edges, ops=ops, probe=probe),
+            predict_gudhi_bytes(path, edges),
+        )
 
     def _shared_seconds(self, path: str, features: Mapping[str, float]) -> float:
         """The ε-graph pass a path shares with the rebuild, priced by the rebuild's coefficient."""

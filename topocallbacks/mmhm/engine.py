@@ -46,7 +46,7 @@ from .._validation import as_points, check_int, check_positive_float
 from ..exceptions import InputError
 from ..functional._distances import epsilon_block, epsilon_graph, power_of_two_scale
 from ..functional.topology import BettiNumbers, betti_numbers_of_graph
-from .cost import PATHS, CostEstimate, CostModel, path_features
+from .cost import PATHS, CostEstimate, CostModel, path_features, predict_module_build_bytes
 
 __all__ = ["MMHM", "UpdateStats"]
 
@@ -92,7 +92,8 @@ class UpdateStats:
         modules: modules after the update (β0).
         ms: wall time of the update in milliseconds.
         predicted_ms: the cost model's prediction for the path taken, made before running it.
-        predicted_bytes: predicted peak bytes of the arrays the update allocated.
+        predicted_bytes: predicted peak of the new arrays the update allocated (see ``CostEstimate.bytes``).
+        predicted_gudhi_bytes: rough estimate of GUDHI's simplex tree (see ``CostEstimate.gudhi_bytes``).
     """
 
     path: str
@@ -108,6 +109,7 @@ class UpdateStats:
     ms: float
     predicted_ms: float
     predicted_bytes: int
+    predicted_gudhi_bytes: int
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -476,7 +478,7 @@ class MMHM:
         alive = np.flatnonzero(self._alive)
         n, d = alive.size, self._points.shape[1]
         old_edges = self.n_edges
-        estimate = self.cost_model.predict("rebuild", n=n, d=d, edges=old_edges)
+        estimate = self.cost_model.predict("rebuild", n=n, d=d, edges=old_edges, probe=self._mode == "probe")
         adjacency, rows, cols = epsilon_graph(self._points[alive], self.epsilon) if graph is None else graph
         new_edges = int(rows.size)
         if flipped is not None:
@@ -516,12 +518,19 @@ class MMHM:
         # A one-off cost of the update that follows a rebuild, kept out of that path's learned law.
         self._setup_seconds += time.perf_counter() - tick
 
-    def _pending_modules_estimate(self, n: int, d: int, edges: int) -> float:
-        """Predicted cost of building the modules before an incremental path, if a rebuild left only totals."""
+    def _with_pending_modules(self, estimate: CostEstimate, n: int, edges: int) -> CostEstimate:
+        """An incremental path's estimate plus building the modules first, if a rebuild left only totals.
+
+        The build runs before the path's own work, so its time adds up and its memory peak competes.
+        """
         if self._totals is None:
-            return 0.0
+            return estimate
         coefficients = self.cost_model.coefficients_["rebuild"]
-        return coefficients["const"] + coefficients["edges"] * edges
+        return dataclasses.replace(
+            estimate,
+            seconds=estimate.seconds + coefficients["const"] + coefficients["edges"] * edges,
+            bytes=max(estimate.bytes, predict_module_build_bytes(n, edges)),
+        )
 
     def _choose(self, context: str, *estimates: CostEstimate) -> tuple[str, str, CostEstimate]:
         """The path to take among ``estimates``, and why.
@@ -550,9 +559,8 @@ class MMHM:
         n, d = cloud.shape
         edges = self.n_edges
         degree = 2 * edges / n
-        pending = self._pending_modules_estimate(n, d, edges)
         vertex = self.cost_model.predict("vertex", n=n, d=d, edges=edges, ops=2 * moved.size, mean_degree=degree)
-        vertex = dataclasses.replace(vertex, seconds=vertex.seconds + pending)
+        vertex = self._with_pending_modules(vertex, n, edges)
         rebuild = self.cost_model.predict("rebuild", n=n, d=d, edges=edges)
         context = f"{moved.size} of {n} points moved"
         if self.path == "auto":
@@ -572,7 +580,7 @@ class MMHM:
         n_flips = int(np.count_nonzero(flips)) // 2
         common = max(degree * degree / max(n - 1, 1), 1.0)  # expected common neighbours of an edge
         edge = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=n_flips, mean_degree=common)
-        edge = dataclasses.replace(edge, seconds=edge.seconds + pending)
+        edge = self._with_pending_modules(edge, n, edges)
         self._points[:] = cloud
         if self.path == "auto":
             path, reason, _ = self._choose(f"{context}, {n_flips} edges flipped", edge, rebuild)
@@ -602,8 +610,8 @@ class MMHM:
         evicted = slots[self._alive[slots]]
         ops = len(cloud) + evicted.size
         vertex = self.cost_model.predict("vertex", n=n_after, d=d, edges=edges, ops=ops, mean_degree=degree)
-        vertex = dataclasses.replace(vertex, seconds=vertex.seconds + self._pending_modules_estimate(n_after, d, edges))
-        rebuild = self.cost_model.predict("rebuild", n=n_after, d=d, edges=edges)
+        vertex = self._with_pending_modules(vertex, n_after, edges)
+        rebuild = self.cost_model.predict("rebuild", n=n_after, d=d, edges=edges, probe=False)
         self._n_pushed += len(cloud)
         if self.path == "auto":
             path, reason, _ = self._choose(f"{len(cloud)} new points, {evicted.size} evicted", vertex, rebuild)
@@ -909,4 +917,5 @@ class MMHM:
             ms=seconds * 1e3,
             predicted_ms=math.nan if estimate is None else estimate.seconds * 1e3,
             predicted_bytes=0 if estimate is None else estimate.bytes,
+            predicted_gudhi_bytes=0 if estimate is None else estimate.gudhi_bytes,
         )
