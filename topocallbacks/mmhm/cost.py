@@ -126,7 +126,9 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe:
     graph_pass = pairs + block * n * 11 + 4 * points + 16 * edges
     if path == "vertex":
         moved = max(ops // 2, 1)
-        return moved * n * 11 + 3 * points + 2 * moved * d * 8
+        # The new rows' float64 products and masks, scaled and centred copies of the points (the scale's |x| copy
+        # is freed before they exist), and the new points' own copies.
+        return moved * n * 11 + 2 * points + 2 * moved * d * 8
     flip_masks = {"rebuild": 1 if probe else 0, "edge": 2}[path]
     # After the pass: the adjacency, the flip mask(s), the joined edge lists (32 bytes per edge), and for a rebuild
     # GUDHI's input arrays (another 24 bytes per edge, the lists still alive).
