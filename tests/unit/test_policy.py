@@ -1,0 +1,137 @@
+import json
+import math
+import pickle
+
+import pytest
+
+from topocallbacks import InputError
+from topocallbacks.policy import Action, Decision, Policy
+
+
+def run(policy, values, start=0):
+    return [policy.decide(step, value) for step, value in enumerate(values, start=start)]
+
+
+def actions(decisions):
+    return [d.action.value for d in decisions]
+
+
+def test_threshold_needs_patience_consecutive_checks_after_warmup():
+    policy = Policy(action="stop", threshold=0.7, patience=3, warmup=2, cooldown=0)
+    decisions = run(policy, [0.9, 0.9, 0.8, 0.8, 0.6, 0.8, 0.8, 0.8])
+    assert actions(decisions) == ["none"] * 7 + ["stop"]
+    assert decisions[0].reason == "warm-up check 1 of 2"
+    assert decisions[-1].rule == "threshold"
+    assert "for 3 consecutive checks" in decisions[-1].reason
+    assert decisions[-1].step == 7
+
+
+def test_cooldown_blocks_and_patience_restarts_after_an_action():
+    policy = Policy(action="warn", threshold=0.5, patience=2, warmup=0, cooldown=3)
+    decisions = run(policy, [0.9] * 9)
+    # Fires at check 2; checks 3-5 are in cooldown; patience counts again from check 3, so check 6 fires.
+    assert actions(decisions) == ["none", "warn", "none", "none", "none", "warn", "none", "none", "none"]
+    assert decisions[2].reason == "index 0.9000 >= threshold 0.5 for 1 of 2 required consecutive checks"
+    assert "in cooldown after the action at check 2" in decisions[3].reason
+
+
+def test_rising_trend_fires_below_the_threshold():
+    policy = Policy(action="warn", threshold=0.95, patience=1, warmup=1, trend_window=4, trend_slope=0.04)
+    decisions = run(policy, [0.40, 0.40, 0.41, 0.40, 0.41, 0.45, 0.50, 0.55])
+    fired = [i for i, d in enumerate(decisions) if d.fired]
+    assert fired == [7]
+    assert decisions[7].rule == "trend"
+    # Slope of [0.41, 0.45, 0.50, 0.55] is 0.047; of the window before, [0.40, 0.41, 0.45, 0.50], 0.034.
+    assert "index rising 0.0470 per check over the last 4 checks (>= 0.04)" in decisions[7].reason
+
+
+def test_relative_to_baseline():
+    policy = Policy(action="warn", threshold=0.1, patience=1, warmup=3, relative_to_baseline=True)
+    decisions = run(policy, [0.5, 0.6, 0.4, 0.55, 0.61])
+    assert policy.baseline_ == pytest.approx(0.5)
+    assert actions(decisions) == ["none", "none", "none", "none", "warn"]
+    assert "index - baseline 0.1100 (baseline 0.5000)" in decisions[-1].reason
+
+
+def test_learning_rate_cuts_escalate_after_the_cap():
+    policy = Policy(
+        action="lower_lr",
+        threshold=0.5,
+        patience=1,
+        warmup=0,
+        cooldown=0,
+        lr_factor=0.25,
+        max_lr_cuts=2,
+        after_max_lr_cuts="stop",
+        checkpoint=True,
+    )
+    decisions = run(policy, [0.9, 0.9, 0.9])
+    assert actions(decisions) == ["lower_lr", "lower_lr", "stop"]
+    assert [d.lr_factor for d in decisions] == [0.25, 0.25, None]
+    assert "cut 2 of 2" in decisions[1].reason
+    assert "2 learning-rate cuts made already, so stop" in decisions[2].reason
+    assert all(d.checkpoint for d in decisions)
+    assert policy.lr_cuts_ == 2
+
+
+def test_warn_never_asks_for_a_checkpoint():
+    policy = Policy(action="warn", threshold=0.5, patience=1, warmup=0, checkpoint=True)
+    assert not policy.decide(0, 0.9).checkpoint
+
+
+def test_divergence_acts_at_once_even_in_warmup():
+    policy = Policy(action="warn", warmup=5, on_diverged="stop")
+    decision = policy.decide(12, None, diverged=True)
+    assert decision.action is Action.STOP
+    assert decision.rule == "diverged"
+    assert decision.ci is None
+    assert policy.decide(13, math.nan).action is Action.STOP
+    assert Policy(on_diverged="none").decide(0, None, diverged=True).action is Action.NONE
+
+
+def test_state_round_trip_never_refires():
+    values = [0.2, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    settings = {"action": "lower_lr", "threshold": 0.7, "patience": 2, "warmup": 2, "cooldown": 2, "max_lr_cuts": 5}
+    uninterrupted = actions(run(Policy(**settings), values))
+    first = Policy(**settings)
+    head = actions(run(first, values[:5]))
+    restored = Policy(**settings)
+    restored.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert restored == first
+    tail = actions(run(restored, values[5:], start=5))
+    assert head + tail == uninterrupted
+    assert uninterrupted.count("lower_lr") == 3
+    assert pickle.loads(pickle.dumps(first)) == first
+
+
+def test_decision_round_trip():
+    decision = Decision(Action.LOWER_LR, "because", 10, 0.8, "threshold", 0.5, True)
+    assert Decision.from_dict(json.loads(json.dumps(decision.as_dict()))) == decision
+    assert decision.as_dict()["action"] == "lower_lr"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"action": "explode"}, r"`action` must be one of \['lower_lr', 'none', 'stop', 'warn'\], got 'explode'"),
+        ({"threshold": math.nan}, "`threshold` must be a finite number, got nan"),
+        ({"patience": 0}, "`patience` must be an integer >= 1, got 0"),
+        ({"warmup": -1}, "`warmup` must be an integer >= 0, got -1"),
+        ({"cooldown": 1.5}, "`cooldown` must be an integer >= 0, got 1.5"),
+        ({"trend_window": 3}, "`trend_window` and `trend_slope` go together"),
+        ({"trend_window": 1, "trend_slope": 0.1}, "`trend_window` must be an integer >= 2, got 1"),
+        ({"trend_window": 3, "trend_slope": -0.1}, r"`trend_slope` must be in \(0.0, inf\), got -0.1"),
+        ({"lr_factor": 1.0}, r"`lr_factor` must be in \(0.0, 1.0\), got 1.0"),
+        ({"max_lr_cuts": -2}, "`max_lr_cuts` must be an integer >= 0, got -2"),
+        ({"after_max_lr_cuts": "lower_lr"}, r"`after_max_lr_cuts` must be one of \['none', 'stop', 'warn'\]"),
+        ({"on_diverged": "panic"}, "`on_diverged` must be one of"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        Policy(**kwargs)
+
+
+def test_load_state_errors():
+    with pytest.raises(InputError, match=r"missing key\(s\)"):
+        Policy().load_state_dict({"version": 1})
