@@ -1,7 +1,8 @@
 """topocallbacks: see representational collapse coming, with topology, and act on it.
 
 The core (this package outside ``integrations``) depends on numpy, scipy, GUDHI and torch only;
-``import topocallbacks`` never imports lightning, transformers or tensorboard.
+``import topocallbacks`` never imports lightning, transformers or tensorboard (nor torch: the monitor and the
+probe, which need it, are imported on first use).
 
 Example:
     >>> import numpy as np
@@ -10,23 +11,48 @@ Example:
     BettiNumbers(b0=2, b1=0)
 """
 
+from typing import TYPE_CHECKING, Any
+
 from . import functional
 from .collapse_index import CollapseIndex
 from .exceptions import ConfigError, InputError, NonFiniteError, TopoCallbacksError
 from .functional import BettiNumbers, CollapseReport
 from .mmhm import MMHM
+from .policy import Action, Decision, Policy
+
+if TYPE_CHECKING:
+    from .monitor import TopoMonitor
+    from .probe import Probe
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "MMHM",
+    "Action",
     "BettiNumbers",
     "CollapseIndex",
     "CollapseReport",
     "ConfigError",
+    "Decision",
     "InputError",
     "NonFiniteError",
+    "Policy",
+    "Probe",
     "TopoCallbacksError",
+    "TopoMonitor",
     "__version__",
     "functional",
 ]
+
+# The monitor and the probe use torch; they are imported on first access so that `import topocallbacks` stays light.
+_LAZY = {"TopoMonitor": ".monitor", "Probe": ".probe"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'topocallbacks' has no attribute {name!r}")

@@ -229,6 +229,7 @@ def collapse_index(
     *,
     max_points: int = 256,
     seed: int = 0,
+    betti: tuple[int, int] | None = None,
 ) -> CollapseReport:
     r"""The Collapse Index of a feature cloud and all its components.
 
@@ -252,6 +253,8 @@ def collapse_index(
         weights: ``"paper"``/None or a mapping of component weights (see :func:`resolve_weights`).
         max_points: subsample size for the persistence diagrams, an integer >= 2.
         seed: seed of the subsamples.
+        betti: ``(b0, b1)`` already computed at ``epsilon`` (e.g. by an :class:`~topocallbacks.MMHM` engine);
+            requires ``epsilon``.
 
     Returns:
         A :class:`CollapseReport`.
@@ -273,10 +276,12 @@ def collapse_index(
     resolved = resolve_weights(weights)
     cap = check_int(max_points, "max_points", minimum=2)
     rng_seed = check_seed(seed)
+    if betti is not None and epsilon is None:
+        raise InputError("`betti` was given without the `epsilon` it was computed at")
     eps = epsilon_heuristic(cloud, seed=rng_seed) if epsilon is None else check_positive_float(epsilon, "epsilon")
 
     tick = time.perf_counter()
-    b0, b1 = betti_numbers(cloud, eps)
+    b0, b1 = betti_numbers(cloud, eps) if betti is None else (int(betti[0]), int(betti[1]))
     betti_ms = (time.perf_counter() - tick) * 1e3
 
     tick = time.perf_counter()

@@ -1,0 +1,294 @@
+"""The probe: a fixed set of inputs, and the features a named layer gives for them.
+
+The same inputs at every check, so that point i at one check and point i at the next are the same sample. The
+probe is described by a serialisable :class:`ProbeSpec` (source, indices, content hash) so callback state can be
+saved as JSON and checked on resume; the inputs themselves are never pickled into a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from .exceptions import InputError
+
+__all__ = ["POOLINGS", "FeatureExtractor", "Probe", "ProbeSpec", "resolve_module"]
+
+#: How a layer's output becomes one vector per sample.
+POOLINGS = ("auto", "mean", "last", "cls", "flatten", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSpec:
+    """A serialisable description of a probe.
+
+    Attributes:
+        source: what the inputs came from (``"tensor"``, ``"list"``, or ``"dataset:<class name>"``).
+        n_samples: number of probe samples.
+        indices: indices of the samples in the source, or None when the whole source is used.
+        content_hash: SHA-256 of the inputs (shapes, dtypes and bytes), to check a resumed run uses the same probe.
+    """
+
+    source: str
+    n_samples: int
+    indices: tuple[int, ...] | None
+    content_hash: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        result = dataclasses.asdict(self)
+        result["indices"] = None if self.indices is None else list(self.indices)
+        return result
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ProbeSpec:
+        """The inverse of :meth:`as_dict`."""
+        indices = data.get("indices")
+        return cls(
+            data["source"], int(data["n_samples"]), None if indices is None else tuple(indices), data["content_hash"]
+        )
+
+
+def _check_tensor(value: Any, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(np.asarray(value))
+    if value.device.type == "meta":
+        raise InputError(f"`probe` {where} is on the meta device (shape only, no data); pass real tensors")
+    tensor: torch.Tensor = value
+    return tensor
+
+
+def _as_item(item: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+    """One probe input: a tensor, or a mapping of tensors (e.g. input_ids and attention_mask)."""
+    if isinstance(item, Mapping):
+        return {str(k): _check_tensor(v, f"input {k!r}") for k, v in item.items()}
+    return _check_tensor(item, "input")
+
+
+def _hash(items: Sequence[torch.Tensor | dict[str, torch.Tensor]]) -> str:
+    digest = hashlib.sha256()
+    for item in items:
+        tensors = sorted(item.items()) if isinstance(item, dict) else [("", item)]
+        for key, tensor in tensors:
+            cpu = tensor.detach().to("cpu").contiguous()
+            digest.update(f"{key}:{tuple(cpu.shape)}:{cpu.dtype};".encode())
+            digest.update(cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b"")
+    return digest.hexdigest()
+
+
+class Probe:
+    """A fixed probe set.
+
+    Args:
+        source: a tensor ``(n, ...)`` of inputs, a ``torch.utils.data.Dataset`` (the first element of each item
+            is the input; a mapping item is used whole, e.g. tokenizer output), or a list of inputs (tensors or
+            mappings of tensors).
+        max_samples: keep at most this many samples, a seeded random subset (None: all).
+        seed: seed of that subset.
+
+    Raises:
+        InputError: an empty source, a source of another kind, or inputs on the meta device.
+
+    Example:
+        >>> import torch
+        >>> probe = Probe(torch.zeros(10, 3), max_samples=4)
+        >>> probe.spec.n_samples, probe.spec.source
+        (4, 'tensor')
+    """
+
+    def __init__(self, source: Any, *, max_samples: int | None = None, seed: int = 0) -> None:
+        if max_samples is not None and (
+            isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
+        ):
+            raise InputError(f"`max_samples` must be None or an integer >= 1, got {max_samples!r}")
+        if isinstance(source, torch.Tensor):
+            kind, length = "tensor", (int(source.shape[0]) if source.dim() else 0)
+        elif isinstance(source, torch.utils.data.Dataset) and hasattr(source, "__len__"):
+            kind, length = f"dataset:{type(source).__name__}", len(source)
+        elif isinstance(source, (list, tuple)):
+            kind, length = "list", len(source)
+        else:
+            raise InputError(
+                f"`probe` must be a tensor of inputs, a Dataset with __len__, or a list of inputs, got "
+                f"{type(source).__name__}"
+            )
+        if length == 0:
+            raise InputError(f"`probe` is empty ({kind} with 0 samples); pass at least 2 inputs")
+        indices = None
+        if max_samples is not None and max_samples < length:
+            indices = tuple(
+                int(i) for i in np.sort(np.random.default_rng(seed).choice(length, max_samples, replace=False))
+            )
+        chosen = range(length) if indices is None else indices
+        if kind == "tensor":
+            items: list[torch.Tensor | dict[str, torch.Tensor]] = [_check_tensor(source[i], "input") for i in chosen]
+        elif kind == "list":
+            items = [_as_item(source[i]) for i in chosen]
+        else:
+            items = []
+            for i in chosen:
+                item = source[i]
+                items.append(
+                    _as_item(
+                        item if isinstance(item, Mapping) else item[0] if isinstance(item, (tuple, list)) else item
+                    )
+                )
+        if len(items) < 2:
+            raise InputError(f"`probe` must hold at least 2 samples, got {len(items)}")
+        self.items = items
+        self.spec = ProbeSpec(kind, len(items), indices, _hash(items))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def batches(self, batch_size: int, indices: Sequence[int] | None = None) -> Iterator[Any]:
+        """Batches of the inputs (stacked tensors, or dicts of stacked tensors), in probe order."""
+        order = range(len(self.items)) if indices is None else indices
+        order = list(order)
+        for start in range(0, len(order), batch_size):
+            chunk = [self.items[i] for i in order[start : start + batch_size]]
+            if isinstance(chunk[0], dict):
+                yield {key: torch.stack([item[key] for item in chunk]) for key in chunk[0]}  # type: ignore[index]
+            else:
+                yield torch.stack(chunk)  # type: ignore[arg-type]
+
+    def verify(self, spec: ProbeSpec) -> None:
+        """Raise if ``spec`` (e.g. from a checkpoint) describes other inputs than this probe's.
+
+        Raises:
+            InputError: the content hashes differ.
+        """
+        if spec.content_hash != self.spec.content_hash:
+            raise InputError(
+                f"the probe differs from the one this state was saved with ({self.spec.source}, "
+                f"{self.spec.n_samples} samples, hash {self.spec.content_hash[:12]} vs {spec.source}, "
+                f"{spec.n_samples} samples, hash {spec.content_hash[:12]}): resuming would compare other points"
+            )
+
+
+def resolve_module(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """The submodule called ``name`` (as in ``model.named_modules()``), or an error listing close matches.
+
+    Raises:
+        InputError: no module has that name; the message lists the closest names.
+    """
+    modules: dict[str, torch.nn.Module] = dict(model.named_modules())
+    if name in modules and name != "":
+        return modules[name]
+    names = [n for n in modules if n]
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.4)
+    hint = f"; closest: {close}" if close else f"; some names: {names[:8]}"
+    raise InputError(f"`layer` {name!r} is not a module of {type(model).__name__}{hint}")
+
+
+def _pool(output: torch.Tensor, pooling: str, mask: torch.Tensor | None) -> torch.Tensor:
+    if pooling == "none":
+        return output
+    if pooling == "flatten":
+        return output.reshape(output.shape[0], -1)
+    if pooling == "auto":
+        if output.dim() == 2:
+            return output
+        if output.dim() == 4:  # (batch, channels, height, width): global average pooling
+            return output.mean(dim=(2, 3))
+        if output.dim() == 3:  # (batch, tokens, features)
+            pooling = "mean"
+        else:
+            return output.reshape(output.shape[0], -1)
+    if output.dim() != 3:
+        raise InputError(
+            f"`pooling` {pooling!r} needs a (batch, tokens, features) output, got shape {tuple(output.shape)}"
+        )
+    if pooling == "cls":
+        return output[:, 0]
+    if mask is None:
+        mask = torch.ones(output.shape[:2], dtype=torch.bool, device=output.device)
+    mask = mask.to(output.device).bool()
+    if pooling == "last":
+        last = mask.long().cumsum(dim=1).argmax(dim=1)  # position of the last non-padding token
+        return output[torch.arange(output.shape[0], device=output.device), last]
+    weights = mask.unsqueeze(-1).to(output.dtype)
+    return (output * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    hidden = getattr(output, "last_hidden_state", None)
+    if isinstance(hidden, torch.Tensor):
+        return hidden
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise InputError(f"the probed layer returned {type(output).__name__}, not a tensor (or a tuple starting with one)")
+
+
+class FeatureExtractor:
+    """Runs the probe through a model and returns the features at a named layer.
+
+    The model is put in eval mode and run without gradients; every module's previous mode is restored and the
+    forward hook removed afterwards, whatever happens. Features go to CPU float32 at once.
+
+    Args:
+        layer: the module name (``model.named_modules()``), e.g. ``"backbone.avgpool"``.
+        pooling: one of :data:`POOLINGS`: ``"auto"`` (2-D as is, 4-D global average, 3-D mask-aware mean),
+            ``"mean"`` (mask-aware over tokens), ``"last"`` (last non-padding token), ``"cls"`` (first token),
+            ``"flatten"``, or ``"none"``.
+        batch_size: probe samples per forward pass (>= 1).
+
+    Raises:
+        InputError: an unknown pooling or a bad batch size.
+    """
+
+    def __init__(self, layer: str, *, pooling: str = "auto", batch_size: int = 256) -> None:
+        if not isinstance(layer, str) or not layer:
+            raise InputError(f"`layer` must be a module name (a non-empty string), got {layer!r}")
+        if pooling not in POOLINGS:
+            raise InputError(f"`pooling` must be one of {sorted(POOLINGS)}, got {pooling!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"`batch_size` must be an integer >= 1, got {batch_size!r}")
+        self.layer = layer
+        self.pooling = pooling
+        self.batch_size = batch_size
+
+    def __call__(
+        self, model: torch.nn.Module, probe: Probe, indices: Sequence[int] | None = None
+    ) -> NDArray[np.float32]:
+        """Features ``(n, d)`` of the probe samples (all, or ``indices``) at ``self.layer``."""
+        module = resolve_module(model, self.layer)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        captured: list[torch.Tensor] = []
+        current_mask: list[torch.Tensor | None] = [None]
+
+        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            tensor = _first_tensor(output)
+            pooled = _pool(tensor.detach(), self.pooling, current_mask[0])
+            captured.append(pooled.reshape(pooled.shape[0], -1).to("cpu", torch.float32))
+
+        modes = {m: m.training for m in model.modules()}
+        handle = module.register_forward_hook(hook)
+        try:
+            model.eval()
+            with torch.no_grad():
+                for batch in probe.batches(self.batch_size, indices):
+                    if isinstance(batch, dict):
+                        batch = {k: v.to(device) for k, v in batch.items()}
+                        current_mask[0] = batch.get("attention_mask")
+                        model(**batch)
+                    else:
+                        current_mask[0] = None
+                        model(batch.to(device))
+        finally:
+            handle.remove()
+            for submodule, training in modes.items():
+                submodule.training = training
+        if not captured:
+            raise InputError(f"`layer` {self.layer!r} was never called during the forward pass of the probe")
+        features: NDArray[np.float32] = torch.cat(captured).numpy()
+        return features

@@ -1,0 +1,125 @@
+"""Where check records go: a JSONL history file and TensorBoard scalars (and persistence-diagram figures).
+
+Both are optional and framework-free. TensorBoard is imported only when a :class:`TensorBoardSink` is created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["JsonlSink", "TensorBoardSink", "scalars_of"]
+
+
+def scalars_of(record: Mapping[str, Any]) -> dict[str, float]:
+    """The ``topo/*`` scalars of a check record (what loggers and TensorBoard receive)."""
+    if record.get("status") != "ok":
+        return {"topo/diverged": 1.0}
+    scalars = {
+        "topo/ci": record["ci"],
+        "topo/betti0": record["betti0"],
+        "topo/betti1": record["betti1"],
+        "topo/persistence_entropy": record["persistence_entropy"],
+        "topo/anisotropy": record["anisotropy"],
+        "topo/epsilon": record["epsilon"],
+        "topo/check_ms": record["check_ms"],
+        "topo/diverged": 0.0,
+    }
+    for name, value in record["components"].items():
+        scalars[f"topo/{name}_term"] = value
+    return {key: float(value) for key, value in scalars.items()}
+
+
+class JsonlSink:
+    """Appends one JSON line per record to ``path``.
+
+    Each line is written with a single ``write`` call and flushed (and fsynced), so a crash mid-write loses at
+    most that line; :meth:`read` skips a torn last line.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append ``record``."""
+        line = json.dumps(record, allow_nan=True, separators=(",", ":")) + "\n"
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    @staticmethod
+    def read(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """All complete records of a history file (a torn last line is skipped)."""
+        records = []
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
+
+
+class TensorBoardSink:
+    """Writes ``topo/*`` scalars per check, and a persistence-diagram figure every ``diagram_every`` checks.
+
+    Args:
+        log_dir: TensorBoard log directory.
+        diagram_every: checks between diagram figures (0: never). Figures need matplotlib.
+
+    Raises:
+        ImportError: tensorboard is not installed (``pip install topocallbacks[tensorboard]``).
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str], *, diagram_every: int = 0) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("TensorBoardSink needs tensorboard: pip install 'topocallbacks[tensorboard]'") from exc
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.diagram_every = int(diagram_every)
+        self._checks = 0
+        self._warned = False
+
+    def write(self, record: Mapping[str, Any], diagrams: list[np.ndarray] | None = None) -> None:
+        """Log a check record's scalars at its step; add a diagram figure when it is due."""
+        step = int(record["step"])
+        for name, value in scalars_of(record).items():
+            self.writer.add_scalar(name, value, global_step=step)
+        self._checks += 1
+        if self.diagram_every and diagrams is not None and self._checks % self.diagram_every == 0:
+            self._figure(diagrams, step)
+        self.writer.flush()
+
+    def _figure(self, diagrams: list[np.ndarray], step: int) -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError:
+            if not self._warned:
+                warnings.warn("persistence-diagram figures need matplotlib; skipping them", stacklevel=2)
+                self._warned = True
+            return
+        figure, axis = plt.subplots(figsize=(4, 4))
+        finite = [d[np.isfinite(d[:, 1])] for d in diagrams]
+        top = max([float(d[:, 1].max()) for d in finite if len(d)] + [1e-12])
+        for dim, bars in enumerate(finite):
+            axis.scatter(bars[:, 0], bars[:, 1], s=8, label=f"H{dim}")
+        axis.plot([0, top], [0, top], color="grey", linewidth=0.8)
+        axis.set_xlabel("birth")
+        axis.set_ylabel("death")
+        axis.legend(loc="lower right")
+        self.writer.add_figure("topo/persistence_diagram", figure, global_step=step, close=True)
+
+    def close(self) -> None:
+        """Flush and close the writer."""
+        self.writer.close()
