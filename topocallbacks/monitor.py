@@ -213,10 +213,27 @@ class TopoMonitor:
         self._emit(record)
         return record
 
-    def receive(self, record: Mapping[str, Any], state: Mapping[str, Any]) -> None:
-        """Adopt a check record and monitor state computed on another rank (distributed training)."""
-        self.load_state_dict(state, verify_probe=False)
-        self.history.append(dict(record))
+    def share(self) -> dict[str, Any]:
+        """What another rank needs to adopt this rank's latest check (distributed training).
+
+        The record, and the state the next decisions depend on (ε, transform, policy counters, learning-rate
+        factor).
+        """
+        return {
+            "record": self.last_record,
+            "epsilon": self.epsilon_,
+            "transform": self._transform,
+            "policy": self.policy.state_dict(),
+            "lr_factor": self.lr_factor_,
+        }
+
+    def receive(self, shared: Mapping[str, Any]) -> None:
+        """Adopt another rank's :meth:`share` (no file or TensorBoard output is written here)."""
+        self.epsilon_ = shared["epsilon"]
+        self._transform = shared["transform"]
+        self.policy.load_state_dict(shared["policy"])
+        self.lr_factor_ = float(shared["lr_factor"])
+        self.history.append(dict(shared["record"]))
 
     @property
     def last_record(self) -> dict[str, Any] | None:

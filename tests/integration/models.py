@@ -1,0 +1,73 @@
+"""Tiny real models and data for the integration tests (scikit-learn's bundled digits: no download)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from sklearn.datasets import load_digits
+
+
+def digits(n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    data = load_digits()
+    images = torch.tensor(data.images / 16.0, dtype=torch.float32).unsqueeze(1)  # (1797, 1, 8, 8)
+    labels = torch.tensor(data.target)
+    return (images, labels) if n is None else (images[:n], labels[:n])
+
+
+def digits_loader(batch_size: int = 64, seed: int = 0) -> torch.utils.data.DataLoader:
+    images, labels = digits()
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(images, labels),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+class TinyCNN(pl.LightningModule):
+    """conv -> relu -> conv -> relu -> global average pool -> linear, on 8x8 digits."""
+
+    def __init__(self, lr: float = 0.05, scheduler: str | None = None, lr_growth: float = 1.0, total_steps: int = 100):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(),
+        )
+        self.avgpool = torch.nn.AdaptiveAvgPool2d(1)
+        self.head = torch.nn.Linear(32, 10)
+        self.lr, self.scheduler_kind, self.lr_growth, self.total_steps = lr, scheduler, lr_growth, total_steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.avgpool(self.backbone(x)).flatten(1))
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = torch.nn.functional.cross_entropy(self(images), labels)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        kind = self.scheduler_kind
+        if kind is None:
+            return optimizer
+        if kind == "ramp":  # an LR that grows by lr_growth every step: the induced blow-up
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_growth**step)
+        elif kind == "warmup":
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
+        elif kind == "cosine":
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.total_steps)
+        elif kind == "onecycle":
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=self.total_steps + 5)
+        elif kind == "plateau":
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=3, factor=0.5)
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "monitor": "train_loss"},
+            }
+        else:
+            raise ValueError(kind)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

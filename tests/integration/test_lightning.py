@@ -1,0 +1,222 @@
+import os
+import pickle
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+from tests.integration.models import TinyCNN, digits, digits_loader
+from topocallbacks import InputError, Policy
+from topocallbacks.lightning import TopoCollapseCallback
+
+PROBE, _ = digits(256)
+
+
+def trainer(tmp_path, callbacks, max_steps, **kwargs):
+    return pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=kwargs.pop("enable_checkpointing", False),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=str(tmp_path),
+        **kwargs,
+    )
+
+
+class LearningRates(pl.Callback):
+    """Records the learning rate in effect after every optimizer step."""
+
+    def __init__(self):
+        self.rates = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rates[trainer.global_step] = [g["lr"] for g in trainer.optimizers[0].param_groups]
+
+
+def checks(callback):
+    return [r for r in callback.history if r["kind"] == "check"]
+
+
+def interventions(callback):
+    return [r for r in callback.history if r["kind"] == "intervention"]
+
+
+def blow_up_policy(action):
+    return Policy(action=action, threshold=0.15, relative_to_baseline=True, patience=2, warmup=2, cooldown=5)
+
+
+def test_checks_run_every_n_steps_are_logged_and_leave_the_module_training(tmp_path):
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", check_every=10, history_path=str(tmp_path / "h.jsonl")
+    )
+    model = TinyCNN()
+    fit = trainer(tmp_path, [callback], max_steps=30)
+    fit.fit(model, digits_loader())
+    assert [r["step"] for r in checks(callback)] == [0, 10, 20, 30]
+    assert all(0.0 <= r["ci"] <= 1.0 for r in checks(callback))
+    metrics = fit.callback_metrics
+    for name in ["topo/ci", "topo/betti0", "topo/betti1", "topo/anisotropy", "topo/epsilon", "topo/check_ms"]:
+        assert name in metrics
+    assert float(metrics["topo/ci"]) == pytest.approx(checks(callback)[-1]["ci"])
+    assert model.training
+    assert (tmp_path / "h.jsonl").read_text().count("\n") == 4
+
+
+def test_an_induced_lr_blow_up_warns(tmp_path):
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=blow_up_policy("warn"))
+    with pytest.warns(RuntimeWarning, match=r"topocallbacks at step \d+: index - baseline .* >= threshold 0.15"):
+        trainer(tmp_path, [callback], max_steps=120).fit(
+            TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader()
+        )
+    first = interventions(callback)[0]
+    assert first["action"] == "warn"
+    healthy = [r for r in checks(callback) if r["step"] <= 40]
+    assert all(r["decision"]["action"] == "none" for r in healthy)
+
+
+def test_an_induced_lr_blow_up_stops_the_run_with_a_checkpoint(tmp_path):
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=blow_up_policy("stop"))
+    fit = trainer(tmp_path, [callback], max_steps=300)
+    fit.fit(TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader())
+    stop = interventions(callback)[-1]
+    assert stop["action"] == "stop"
+    assert fit.global_step == stop["step"] < 300
+    assert f"checkpoint saved to {tmp_path}" in stop["detail"]
+    saved = torch.load(tmp_path / f"topo-stop-step{stop['step']}.ckpt", weights_only=False)
+    assert saved["global_step"] == stop["step"]
+
+
+def test_a_stop_from_another_callback_is_never_cleared(tmp_path):
+    class StopAt5(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 5:
+                trainer.should_stop = True
+
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5)
+    fit = trainer(tmp_path, [StopAt5(), callback], max_steps=50)
+    fit.fit(TinyCNN(), digits_loader())
+    assert fit.global_step == 5
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "warmup", "onecycle", "plateau"])
+def test_the_learning_rate_stays_cut_after_the_scheduler_steps(tmp_path, scheduler):
+    cut_policy = Policy(
+        action="lower_lr", threshold=-1.0, patience=1, warmup=1, cooldown=100, lr_factor=0.5, max_lr_cuts=1
+    )
+    reference, cut = LearningRates(), LearningRates()
+    trainer(tmp_path / "ref", [reference], max_steps=25).fit(
+        TinyCNN(scheduler=scheduler, total_steps=25), digits_loader()
+    )
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=cut_policy)
+    trainer(tmp_path / "cut", [callback, cut], max_steps=25).fit(
+        TinyCNN(scheduler=scheduler, total_steps=25), digits_loader()
+    )
+    assert [r["step"] for r in interventions(callback)] == [10]
+    for step in range(10, 26):  # from the cut on, including 5+ steps later, at half the reference rate
+        assert cut.rates[step] == pytest.approx([0.5 * lr for lr in reference.rates[step]], rel=1e-6), step
+    assert cut.rates[9] == pytest.approx(reference.rates[9])
+
+
+def test_resume_restores_history_and_never_refires(tmp_path):
+    policy = {"action": "lower_lr", "threshold": -1.0, "patience": 1, "warmup": 1, "cooldown": 100, "max_lr_cuts": 3}
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=20, save_top_k=-1)
+    first = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=Policy(**policy))
+    trainer(tmp_path, [first, saver], max_steps=20, enable_checkpointing=True).fit(
+        TinyCNN(scheduler="cosine"), digits_loader()
+    )
+    assert [r["step"] for r in interventions(first)] == [10]
+    path = next((tmp_path / "ckpt").glob("*step=20*.ckpt"))
+    second = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=Policy(**policy))
+    rates = LearningRates()
+    trainer(tmp_path, [second, rates], max_steps=40).fit(
+        TinyCNN(scheduler="cosine"), digits_loader(), ckpt_path=str(path)
+    )
+    # The cut at step 10 came back with the checkpoint and was not made again; cooldown (100 checks) holds.
+    assert [r["step"] for r in interventions(second)] == [10]
+    assert second.monitor.lr_factor_ == 0.5
+    assert [r["step"] for r in checks(second)] == [0, 10, 20, 30, 40]  # step 20 not checked twice
+    reference = LearningRates()
+    trainer(tmp_path / "ref", [reference], max_steps=40).fit(TinyCNN(scheduler="cosine"), digits_loader())
+    assert rates.rates[30] == pytest.approx([0.5 * lr for lr in reference.rates[30]], rel=1e-6)
+
+
+def test_a_resume_with_another_probe_is_refused(tmp_path):
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+    first = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    trainer(tmp_path, [first, saver], max_steps=10, enable_checkpointing=True).fit(TinyCNN(), digits_loader())
+    other = TopoCollapseCallback(probe=PROBE[:100] + 1.0, layer="avgpool", check_every=10)
+    path = next((tmp_path / "ckpt").glob("*.ckpt"))
+    with pytest.raises(InputError, match="the probe differs"):
+        trainer(tmp_path, [other], max_steps=20).fit(TinyCNN(), digits_loader(), ckpt_path=str(path))
+
+
+def test_early_stopping_and_model_checkpoint_can_monitor_the_index(tmp_path):
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5)
+    stopping = EarlyStopping(monitor="topo/ci", mode="min", patience=1000, check_on_train_epoch_end=True, strict=True)
+    saver = ModelCheckpoint(dirpath=tmp_path / "best", monitor="topo/ci", mode="min")
+    trainer(tmp_path, [callback, stopping, saver], max_steps=60, enable_checkpointing=True).fit(
+        TinyCNN(), digits_loader()
+    )
+    assert saver.best_model_path
+    # ModelCheckpoint reads topo/ci at epoch ends: its best score is one of the values the callback logged.
+    logged = [r["ci"] for r in checks(callback) if r["step"] > 0]
+    assert any(float(saver.best_model_score) == pytest.approx(ci, abs=1e-6) for ci in logged)
+
+
+def test_two_callbacks_on_two_layers_coexist_and_pickle(tmp_path):
+    a = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    b = TopoCollapseCallback(probe=PROBE, layer="backbone.1", check_every=10)
+    assert a.state_key != b.state_key
+    fit = trainer(tmp_path, [a, b], max_steps=10)
+    fit.fit(TinyCNN(), digits_loader())
+    assert len(checks(a)) == len(checks(b)) == 2
+    restored = pickle.loads(pickle.dumps(a))
+    assert restored.history == a.history
+
+
+def test_a_bad_layer_name_fails_in_setup_with_close_matches(tmp_path):
+    callback = TopoCollapseCallback(probe=PROBE, layer="avg_pool")
+    with pytest.raises(InputError, match=r"`layer` 'avg_pool' is not a module of TinyCNN; closest: \['avgpool'"):
+        trainer(tmp_path, [callback], max_steps=2).fit(TinyCNN(), digits_loader())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"probe": PROBE[:0], "layer": "avgpool"}, "`probe` is empty"),
+        ({"probe": torch.zeros(4, 1, 8, 8, device="meta"), "layer": "avgpool"}, "on the meta device"),
+        ({"probe": PROBE, "layer": "avgpool", "check_every": 0}, "`check_every` must be an integer >= 1, got 0"),
+        ({"probe": None, "layer": "avgpool"}, "`probe` is required in probe mode"),
+        ({"probe": PROBE}, "`layer` is required"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        TopoCollapseCallback(**kwargs)
+
+
+def test_streaming_mode_watches_the_training_batches(tmp_path):
+    callback = TopoCollapseCallback(layer="avgpool", mode="stream", window=256, check_every=5)
+    fit = trainer(tmp_path, [callback], max_steps=20)
+    fit.fit(TinyCNN(), digits_loader())
+    records = checks(callback)
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    assert records[-1]["n_points"] == 256
+    assert "topo/ci" in fit.callback_metrics
+
+
+def test_import_without_lightning_gives_an_install_hint():
+    code = (
+        "import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None\n"
+        "import topocallbacks.lightning"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
+    assert result.returncode != 0
+    assert "pip install 'topocallbacks[lightning]'" in result.stderr

@@ -1,0 +1,223 @@
+"""The Lightning callback, a thin adapter around :class:`~topocallbacks.monitor.TopoMonitor`.
+
+It runs the monitor's checks during ``Trainer.fit`` and applies their decisions (warn, cut the learning rate,
+save a rescue checkpoint, stop).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from ..distributed import broadcast_object, gather_probe_features, rank_and_world
+from ..exceptions import InputError
+from ..interventions import current_learning_rates, scale_learning_rate
+from ..monitor import TopoMonitor
+from ..policy import Action, Decision, Policy
+from ..probe import _first_tensor, _pool, resolve_module
+from ..sinks import scalars_of
+
+__all__ = ["TopoCollapseCallback"]
+
+
+class TopoCollapseCallback(Callback):
+    """Watch representational collapse with topology during ``Trainer.fit``, and act on it.
+
+    Every ``check_every`` optimizer steps (and once when training starts) the probe runs through the module
+    (no grad, eval mode, modes restored), the Collapse Index and its components are computed and logged with
+    ``pl_module.log`` (``topo/ci``, ``topo/betti0``, ...; the same value on every rank, so
+    ``EarlyStopping(monitor="topo/ci")`` works), and the policy's decision is applied:
+
+    * ``warn``: a warning (rank 0);
+    * ``lower_lr``: every optimizer's param groups *and* every scheduler's base rates are scaled, so the cut
+      survives ``LambdaLR``-family, cosine, OneCycle and plateau schedulers;
+    * ``stop``: ``trainer.should_stop`` is set (OR-ed, never cleared), after a checkpoint is saved
+      (``checkpoint_on_stop``);
+    * a rescue checkpoint first when the policy asks for one.
+
+    Every decision that acts, and what was done, goes to the history (``callback.history``, and the JSONL file).
+
+    Args:
+        probe: probe inputs (tensor, Dataset or list); required in probe mode.
+        layer: the watched module's name in the LightningModule (``pl_module.named_modules()``).
+        check_every: optimizer steps between checks (>= 1).
+        policy: a :class:`~topocallbacks.policy.Policy` (default: warn only).
+        checkpoint_on_stop: save a checkpoint before stopping, so a stop never loses the last state.
+        rescue_dir: directory of rescue checkpoints (default: ``trainer.default_root_dir``).
+        **monitor_kwargs: any other :class:`~topocallbacks.monitor.TopoMonitor` argument (``mode``, ``window``,
+            ``pooling``, ``projection``, ``normalize``, ``epsilon``, ``weights``, ``history_path``, ...).
+
+    Raises:
+        InputError: an argument is out of range (checked here); an unknown layer name is reported in ``setup``
+            with the closest module names.
+
+    Example:
+        >>> import torch
+        >>> from topocallbacks.lightning import TopoCollapseCallback
+        >>> callback = TopoCollapseCallback(probe=torch.randn(64, 8), layer="encoder", check_every=50)
+        >>> callback.state_key
+        "TopoCollapseCallback{'layer': 'encoder', 'mode': 'probe'}"
+    """
+
+    def __init__(
+        self,
+        probe: Any = None,
+        layer: str | None = None,
+        *,
+        check_every: int = 100,
+        policy: Policy | None = None,
+        checkpoint_on_stop: bool = True,
+        rescue_dir: str | None = None,
+        **monitor_kwargs: Any,
+    ) -> None:
+        if layer is None:
+            raise InputError("`layer` is required: the name of the module whose output to watch")
+        self.layer = layer
+        self.mode = monitor_kwargs.get("mode", "probe")
+        if self.mode == "probe" and probe is None:
+            raise InputError("`probe` is required in probe mode: a tensor, Dataset or list of inputs")
+        self.monitor = TopoMonitor(probe=probe, layer=layer, check_every=check_every, policy=policy, **monitor_kwargs)
+        self.checkpoint_on_stop = bool(checkpoint_on_stop)
+        self.rescue_dir = rescue_dir
+        self._last_checked_step: int | None = None
+        self._captured: list[torch.Tensor] = []
+        self._handle: Any = None
+
+    # --- Lightning hooks ------------------------------------------------------------------------------------
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(layer=self.layer, mode=self.mode)
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The check records and interventions so far (see :class:`~topocallbacks.monitor.TopoMonitor`)."""
+        return self.monitor.history
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        module = resolve_module(pl_module, self.layer)  # unknown names fail here, with close matches
+        if self.mode == "stream" and self._handle is None:
+            self._handle = module.register_forward_hook(self._capture)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.monitor.close()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A first check before any update calibrates ε and starts the warm-up on the initial features.
+        if self.mode == "probe":
+            self._check(trainer, pl_module, log=False)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if self.mode == "stream":
+            self._observe(trainer, pl_module)
+        elif self.monitor.should_check(step):
+            self._check(trainer, pl_module, log=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"monitor": self.monitor.state_dict(), "last_checked_step": self._last_checked_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state_dict["monitor"])
+        self._last_checked_step = state_dict["last_checked_step"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handle"] = None  # hooks are registered again in setup (ddp_spawn pickles callbacks)
+        state["_captured"] = []
+        return state
+
+    # --- checks ---------------------------------------------------------------------------------------------
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool) -> None:
+        step = trainer.global_step
+        if step == self._last_checked_step:
+            return  # gradient accumulation, or the step a resumed run was saved at
+        self._last_checked_step = step
+        probe = self.monitor.probe
+        assert probe is not None  # probe mode requires one (checked in __init__)
+        try:
+            features = gather_probe_features(lambda idx: self.monitor.features(pl_module, idx), len(probe))
+        except InputError as exc:
+            raise InputError(f"{exc} (model {type(pl_module).__name__}, layer {self.layer!r}, step {step})") from exc
+        rank, _ = rank_and_world()
+        shared = None
+        if rank == 0:
+            self.monitor.process(features, step)
+            shared = self.monitor.share()
+        self._adopt(trainer, pl_module, shared, log=log)
+
+    def _capture(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        """Streaming mode: keep the pooled output of the watched layer during training forwards."""
+        if module.training:
+            pooling = self.monitor.extractor.pooling if self.monitor.extractor is not None else "auto"
+            pooled = _pool(_first_tensor(output).detach(), pooling, None)
+            self._captured.append(pooled.reshape(pooled.shape[0], -1).to("cpu", torch.float32))
+
+    def _observe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        rank, _ = rank_and_world()
+        captured, self._captured = self._captured, []
+        record = None
+        if rank == 0 and captured:
+            record = self.monitor.observe(torch.cat(captured).numpy(), step)
+        if not self.monitor.should_check(step) or step == self._last_checked_step:
+            return
+        self._last_checked_step = step
+        # Every rank reaches this broadcast on the same steps: rank 0 watches its own batches and decides.
+        shared = self.monitor.share() if rank == 0 and record is not None else None
+        self._adopt(trainer, pl_module, shared, log=True)
+
+    def _adopt(self, trainer: pl.Trainer, pl_module: pl.LightningModule, shared: Any, *, log: bool) -> None:
+        """Share rank 0's result, log it everywhere, and apply its decision on every rank."""
+        rank, _ = rank_and_world()
+        shared = broadcast_object(shared)
+        if shared is None:
+            return
+        if rank != 0:
+            self.monitor.receive(shared)
+        record = self.monitor.last_record
+        assert record is not None
+        if log:
+            for name, value in scalars_of(record).items():
+                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "topo/ci", batch_size=1)
+        decision = Decision.from_dict(record["decision"])
+        if decision.fired:
+            self._apply(trainer, decision)
+
+    def _apply(self, trainer: pl.Trainer, decision: Decision) -> None:
+        rank, _ = rank_and_world()
+        step = trainer.global_step
+        done: list[str] = []
+        if decision.checkpoint or (decision.action is Action.STOP and self.checkpoint_on_stop):
+            directory = self.rescue_dir or trainer.default_root_dir
+            path = os.path.join(directory, f"topo-{decision.action.value}-step{step}.ckpt")
+            trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
+            done.append(f"checkpoint saved to {path}")
+        if decision.action is Action.WARN:
+            if rank == 0:
+                warnings.warn(f"topocallbacks at step {step}: {decision.reason}", RuntimeWarning, stacklevel=2)
+            done.append("warned")
+        elif decision.action is Action.LOWER_LR:
+            assert decision.lr_factor is not None
+            schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+            scale_learning_rate(trainer.optimizers, schedulers, decision.lr_factor)
+            rates = ", ".join(f"{lr:.3g}" for lr in current_learning_rates(trainer.optimizers))
+            done.append(
+                f"learning rate x {decision.lr_factor} in {len(trainer.optimizers)} optimizer(s) and "
+                f"{len(schedulers)} scheduler(s), now {rates}"
+            )
+        elif decision.action is Action.STOP:
+            trainer.should_stop = True
+            done.append("trainer.should_stop set")
+        self.monitor.record_intervention(step, decision, "; ".join(done))
