@@ -50,10 +50,10 @@ def gather_probe_features(compute: Callable[[Sequence[int]], NDArray[np.float32]
         return compute(list(range(n)))
     indices = shard(n, rank, world)
     per_rank = math.ceil(n / world)
-    # A rank with no sample (n < world) still runs one, so that it knows the feature width; it is padding.
+    # A rank with no sample (n < world) still runs one, so that it knows the feature width; that row is padding.
     local = compute(indices if indices else [0])
-    rows = len(indices)
-    padded = np.concatenate([local, np.repeat(local[-1:], per_rank - rows, axis=0)]) if rows < per_rank else local
+    have = local.shape[0]
+    padded = np.concatenate([local, np.repeat(local[-1:], per_rank - have, axis=0)]) if have < per_rank else local
     tensor = torch.from_numpy(np.ascontiguousarray(padded, dtype=np.float32))
     if dist.get_backend() == "nccl":  # pragma: no cover - GPU only
         tensor = tensor.cuda()

@@ -61,7 +61,8 @@ def _check_tensor(value: Any, where: str) -> torch.Tensor:
         value = torch.as_tensor(np.asarray(value))
     if value.device.type == "meta":
         raise InputError(f"`probe` {where} is on the meta device (shape only, no data); pass real tensors")
-    tensor: torch.Tensor = value
+    # An owned CPU copy: a view would keep (and pickle, e.g. for ddp_spawn) the whole source tensor alive.
+    tensor: torch.Tensor = value.detach().to("cpu").clone()
     return tensor
 
 

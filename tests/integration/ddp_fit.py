@@ -1,0 +1,62 @@
+"""A 2-process CPU DDP (ddp_spawn, gloo) fit with the callback; each rank writes what it saw to <out>/rank<r>.json.
+
+Run as a script by the tests (under a timeout, so that a hang fails instead of blocking the suite).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.integration.models import TinyCNN, digits, digits_loader
+from topocallbacks import Policy
+from topocallbacks.lightning import TopoCollapseCallback
+
+
+class Report(pl.Callback):
+    def __init__(self, out: str, watched: TopoCollapseCallback):
+        self.out, self.watched = out, watched
+
+    def on_train_end(self, trainer, pl_module):
+        data = {
+            "rank": trainer.global_rank,
+            "global_step": trainer.global_step,
+            "history": self.watched.history,
+            "logged_ci": float(trainer.callback_metrics["topo/ci"]),
+        }
+        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
+
+
+def main(out: str, action: str, probe_size: int) -> None:
+    probe, _ = digits(probe_size)
+    policy = Policy(action=action, threshold=0.15, relative_to_baseline=True, patience=2, warmup=2, cooldown=5)
+    callback = TopoCollapseCallback(probe=probe, layer="avgpool", check_every=10, policy=policy)
+    trainer = pl.Trainer(
+        max_steps=200,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, Report(out, callback)],
+        default_root_dir=out,
+    )
+    trainer.fit(TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader(batch_size=32))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch.multiprocessing
+
+    # Sharing tensors with child processes through file descriptors fails on some sandboxed machines (even for a
+    # plain Lightning ddp_spawn fit without this package); the file-system strategy works everywhere.
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
