@@ -63,6 +63,8 @@ _REVISIT_RATIO = 1.25
 _BAIL_RATIO = 1.5
 # How often (in operations) the deadline is checked.
 _DEADLINE_CHECK_EVERY = 16
+# Updates over which the one-off module build after a rebuild is amortised in path decisions.
+_AMORTISE_UPDATES = 10
 
 
 def _csr_graph(rows: NDArray[np.intp], cols: NDArray[np.intp], n: int) -> csr_matrix:
@@ -521,14 +523,17 @@ class MMHM:
     def _with_pending_modules(self, estimate: CostEstimate, n: int, edges: int) -> CostEstimate:
         """An incremental path's estimate plus building the modules first, if a rebuild left only totals.
 
-        The build runs before the path's own work, so its time adds up and its memory peak competes.
+        The build is a one-off that every later incremental update benefits from, so the decision counts it
+        amortised over ``_AMORTISE_UPDATES`` updates (counting it whole would keep a rebuilding engine rebuilding
+        for ever); its memory peak competes with the path's.
         """
         if self._totals is None:
             return estimate
         coefficients = self.cost_model.coefficients_["rebuild"]
+        build = coefficients["const"] + coefficients["edges"] * edges
         return dataclasses.replace(
             estimate,
-            seconds=estimate.seconds + coefficients["const"] + coefficients["edges"] * edges,
+            seconds=estimate.seconds + build / _AMORTISE_UPDATES,
             bytes=max(estimate.bytes, predict_module_build_bytes(n, edges)),
         )
 
@@ -562,9 +567,13 @@ class MMHM:
         vertex = self.cost_model.predict("vertex", n=n, d=d, edges=edges, ops=2 * moved.size, mean_degree=degree)
         vertex = self._with_pending_modules(vertex, n, edges)
         rebuild = self.cost_model.predict("rebuild", n=n, d=d, edges=edges)
+        common = max(degree * degree / max(n - 1, 1), 1.0)  # expected common neighbours of an edge
+        # The edge path's floor (no flip at all): if even that loses to the vertex path, skip the new graph.
+        edge_floor = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=0, mean_degree=common)
+        edge_floor = self._with_pending_modules(edge_floor, n, edges)
         context = f"{moved.size} of {n} points moved"
         if self.path == "auto":
-            path, reason, _ = self._choose(context, vertex, rebuild)
+            path, reason, _ = self._choose(context, vertex, rebuild, edge_floor)
         else:
             path, reason = ("vertex" if self.path == "vertex" else "graph"), "forced"
         if path == "vertex":
@@ -578,7 +587,6 @@ class MMHM:
         graph = epsilon_graph(cloud, self.epsilon)
         flips = graph[0] ^ self._adjacency
         n_flips = int(np.count_nonzero(flips)) // 2
-        common = max(degree * degree / max(n - 1, 1), 1.0)  # expected common neighbours of an edge
         edge = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=n_flips, mean_degree=common)
         edge = self._with_pending_modules(edge, n, edges)
         self._points[:] = cloud
@@ -658,6 +666,8 @@ class MMHM:
     ) -> None:
         """Delete the ``evicted`` slots, then insert ``new_points`` into ``slots``, one certificate each."""
         self._ensure_modules()
+        if deadline is not None:
+            deadline += self._setup_seconds  # the one-off module build does not count against the path
         self._ops = self._certified = 0
         total = evicted.size + slots.size
         degree = 2 * self.n_edges / max(self.n_points, 1)
@@ -707,6 +717,8 @@ class MMHM:
     ) -> None:
         """Apply the exact edge diff: removals first, then insertions, one certificate each."""
         self._ensure_modules()
+        if deadline is not None:
+            deadline += self._setup_seconds  # the one-off module build does not count against the path
         self._ops = self._certified = 0
         rows, cols = np.nonzero(flips)
         present = self._adjacency[rows, cols]
