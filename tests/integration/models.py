@@ -49,6 +49,10 @@ class TinyCNN(pl.LightningModule):
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        images, labels = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(images), labels))
+
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         kind = self.scheduler_kind

@@ -170,6 +170,17 @@ def test_early_stopping_and_model_checkpoint_can_monitor_the_index(tmp_path):
     assert any(float(saver.best_model_score) == pytest.approx(ci, abs=1e-6) for ci in logged)
 
 
+def test_checks_at_validation_end(tmp_path):
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10_000, check_on_validation_end=True)
+    images, labels = digits(128)
+    validation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=64)
+    fit = trainer(
+        tmp_path, [callback], max_steps=60, val_check_interval=20, check_val_every_n_epoch=None, num_sanity_val_steps=1
+    )
+    fit.fit(TinyCNN(), digits_loader(), validation)
+    assert [r["step"] for r in checks(callback)] == [0, 20, 40, 60]  # train start, then after each validation
+
+
 def test_two_callbacks_on_two_layers_coexist_and_pickle(tmp_path):
     a = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
     b = TopoCollapseCallback(probe=PROBE, layer="backbone.1", check_every=10)

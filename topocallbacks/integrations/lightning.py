@@ -46,6 +46,8 @@ class TopoCollapseCallback(Callback):
         probe: probe inputs (tensor, Dataset or list); required in probe mode.
         layer: the watched module's name in the LightningModule (``pl_module.named_modules()``).
         check_every: optimizer steps between checks (>= 1).
+        check_on_validation_end: also check after every validation run (probe mode; sanity checks skipped),
+            e.g. with a large ``check_every`` to check once per validation only.
         policy: a :class:`~topocallbacks.policy.Policy` (default: warn only).
         checkpoint_on_stop: save a checkpoint before stopping, so a stop never loses the last state.
         rescue_dir: directory of rescue checkpoints (default: ``trainer.default_root_dir``).
@@ -70,6 +72,7 @@ class TopoCollapseCallback(Callback):
         layer: str | None = None,
         *,
         check_every: int = 100,
+        check_on_validation_end: bool = False,
         policy: Policy | None = None,
         checkpoint_on_stop: bool = True,
         rescue_dir: str | None = None,
@@ -83,6 +86,7 @@ class TopoCollapseCallback(Callback):
             raise InputError("`probe` is required in probe mode: a tensor, Dataset or list of inputs")
         self.monitor = TopoMonitor(probe=probe, layer=layer, check_every=check_every, policy=policy, **monitor_kwargs)
         self.checkpoint_on_stop = bool(checkpoint_on_stop)
+        self.check_on_validation_end = bool(check_on_validation_end)
         self.rescue_dir = rescue_dir
         self._last_checked_step: int | None = None
         self._captured: list[torch.Tensor] = []
@@ -123,6 +127,11 @@ class TopoCollapseCallback(Callback):
             self._observe(trainer, pl_module)
         elif self.monitor.should_check(step):
             self._check(trainer, pl_module, log=True)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.check_on_validation_end and self.mode == "probe" and not trainer.sanity_checking:
+            # Logging is not allowed in on_validation_end: the record goes to the history and the sinks.
+            self._check(trainer, pl_module, log=False)
 
     def state_dict(self) -> dict[str, Any]:
         return {"monitor": self.monitor.state_dict(), "last_checked_step": self._last_checked_step}
