@@ -231,3 +231,30 @@ def test_import_without_lightning_gives_an_install_hint():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
     assert result.returncode != 0
     assert "pip install 'topocallbacks[lightning]'" in result.stderr
+
+
+def test_lightning_tensorboard_logger_receives_the_index(tmp_path):
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    fit = pl.Trainer(
+        max_steps=30,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(str(tmp_path), name="run"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    fit.fit(TinyCNN(), digits_loader())
+    events = EventAccumulator(fit.logger.log_dir).Reload()
+    assert {"topo/ci", "topo/betti0", "topo/anisotropy_term"} <= set(events.Tags()["scalars"])
+    # Lightning writes the latest value of a callback-logged metric at every logging step until it is logged
+    # again: the distinct values, in order, are the checks' values.
+    logged = [event.value for event in events.Scalars("topo/ci")]
+    distinct = [value for i, value in enumerate(logged) if i == 0 or value != logged[i - 1]]
+    assert distinct == pytest.approx([r["ci"] for r in checks(callback) if r["step"] > 0])
