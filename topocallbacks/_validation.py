@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from numpy.typing import NDArray
 
 from .exceptions import InputError, NonFiniteError
 
-__all__ = ["as_points", "check_int", "check_positive_float", "check_seed"]
+__all__ = ["as_points", "check_int", "check_number", "check_positive_float", "check_seed", "check_state"]
 
 _MAX_LISTED_ROWS = 10
 
@@ -97,6 +98,39 @@ def check_positive_float(value: Any, name: str, *, allow_none: bool = False) -> 
     if not math.isfinite(result) or result <= 0.0:
         raise InputError(f"`{name}` must be a finite number > 0, got {value!r}")
     return result
+
+
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = True,
+    high_open: bool = True,
+) -> float:
+    """Return ``value`` as a float after checking it is a finite real number in the given interval.
+
+    The message names the interval as written, e.g. "`lr_factor` must be a finite number in (0, 1), got 1.5".
+    """
+    interval = ""
+    if math.isfinite(low) or math.isfinite(high):
+        interval = f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise InputError(f"`{name}` must be a finite number{interval}, got {value!r}")
+    result = float(value)
+    if (result <= low if low_open else result < low) or (result >= high if high_open else result > high):
+        raise InputError(f"`{name}` must be a finite number{interval}, got {value!r}")
+    return result
+
+
+def check_state(state: Mapping[str, Any], keys: Iterable[str], version: int) -> None:
+    """Check that a saved ``state`` has every key in ``keys`` and the expected ``version``."""
+    missing = sorted(set(keys) - set(state))
+    if missing:
+        raise InputError(f"`state` is missing key(s) {missing}; got keys {sorted(state)}")
+    if state["version"] != version:
+        raise InputError(f"`state['version']` must be {version}, got {state['version']!r}")
 
 
 def check_int(value: Any, name: str, *, minimum: int) -> int:

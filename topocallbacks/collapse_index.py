@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ._validation import check_int, check_positive_float, check_seed
+from ._validation import check_int, check_number, check_positive_float, check_seed, check_state
 from .exceptions import InputError
 from .functional.collapse import CollapseReport, collapse_index, epsilon_heuristic, resolve_weights
 
@@ -56,9 +56,7 @@ class CollapseIndex:
     ) -> None:
         if epsilon is not None:
             check_positive_float(epsilon, "epsilon")
-        quantile = check_positive_float(epsilon_quantile, "epsilon_quantile")
-        if quantile > 1.0:
-            raise InputError(f"`epsilon_quantile` must be in (0, 1], got {epsilon_quantile!r}")
+        check_number(epsilon_quantile, "epsilon_quantile", low=0.0, high=1.0, high_open=False)
         check_positive_float(epsilon_factor, "epsilon_factor")
         self.weights_ = resolve_weights(weights)
         check_int(max_points, "max_points", minimum=2)
@@ -114,11 +112,7 @@ class CollapseIndex:
         Raises:
             InputError: the state is missing keys, has an unknown version, or holds an invalid ε.
         """
-        missing = sorted({"version", "epsilon_", "weights_"} - set(state))
-        if missing:
-            raise InputError(f"`state` is missing key(s) {missing}; got keys {sorted(state)}")
-        if state["version"] != _STATE_VERSION:
-            raise InputError(f"`state['version']` must be {_STATE_VERSION}, got {state['version']!r}")
+        check_state(state, {"version", "epsilon_", "weights_"}, _STATE_VERSION)
         epsilon = state["epsilon_"]
         if epsilon is not None and not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
             raise InputError(f"`state['epsilon_']` must be None or a finite number > 0, got {epsilon!r}")

@@ -8,11 +8,10 @@ current rate. Scaling all of these together keeps the cut in effect at every lat
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .exceptions import InputError
+from ._validation import check_number
 
 __all__ = ["current_learning_rates", "scale_learning_rate"]
 
@@ -62,10 +61,7 @@ def scale_learning_rate(optimizers: Iterable[Any], schedulers: Iterable[Any], fa
         >>> current_learning_rates([optimizer])
         [0.05]
     """
-    given: Any = factor  # validated as data: callers may pass anything
-    if isinstance(given, bool) or not isinstance(given, numbers.Real) or not 0.0 < float(given) < 1.0:
-        raise InputError(f"`factor` must be a number in (0, 1) that lowers the learning rate, got {given!r}")
-    factor = float(given)
+    factor = check_number(factor, "factor", low=0.0, high=1.0)
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["lr"] = _scale(group["lr"], factor)

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ._validation import check_int, check_positive_float
-from .exceptions import InputError
+from ._validation import as_points, check_int, check_number, check_positive_float, check_state
+from .exceptions import InputError, NonFiniteError
 from .functional.collapse import collapse_index, epsilon_heuristic, resolve_weights
 from .functional.topology import _subsample, persistence_diagrams
 from .mmhm import MMHM
@@ -114,9 +114,7 @@ class TopoMonitor:
         self.projection_dim = check_int(projection_dim, "projection_dim", minimum=1)
         if epsilon is not None:
             check_positive_float(epsilon, "epsilon")
-        quantile = check_positive_float(epsilon_quantile, "epsilon_quantile")
-        if quantile > 1.0:
-            raise InputError(f"`epsilon_quantile` must be in (0, 1], got {epsilon_quantile!r}")
+        check_number(epsilon_quantile, "epsilon_quantile", low=0.0, high=1.0, high_open=False)
         check_positive_float(epsilon_factor, "epsilon_factor")
         self.weights_ = resolve_weights(weights)
         self.max_points = check_int(max_points, "max_points", minimum=2)
@@ -253,18 +251,13 @@ class TopoMonitor:
 
     # --- internals -----------------------------------------------------------------------------------------
 
-    def _as_cloud(self, features: Any, min_samples: int = 2) -> NDArray[np.float64] | None:
-        if hasattr(features, "detach"):
-            features = features.detach().to("cpu").float().numpy()
-        array = np.asarray(features, dtype=np.float64)
-        if array.ndim != 2 or array.shape[0] < min_samples or array.shape[1] < 1:
-            raise InputError(
-                f"`features` must be a 2-D array of shape (n_samples, dim) with n_samples >= {min_samples}, got "
-                f"shape {array.shape}"
-            )
-        if not np.isfinite(array).all():
+    @staticmethod
+    def _as_cloud(features: Any, min_samples: int = 2) -> NDArray[np.float64] | None:
+        """Validated features, or None when they hold NaN or Inf (a diverged check)."""
+        try:
+            return as_points(features, "features", min_samples=min_samples)
+        except NonFiniteError:
             return None
-        return array
 
     def _fit_transform(self, cloud: NDArray[np.float64]) -> None:
         transform: dict[str, Any] = {"projection": self.projection}
@@ -406,11 +399,7 @@ class TopoMonitor:
             InputError: missing keys, another version, or (with ``verify_probe``) a probe with other contents.
         """
         keys = {"version", "probe_spec", "epsilon", "transform", "history", "policy", "lr_factor", "engine"}
-        missing = sorted(keys - set(state))
-        if missing:
-            raise InputError(f"`state` is missing key(s) {missing}; got keys {sorted(state)}")
-        if state["version"] != _STATE_VERSION:
-            raise InputError(f"`state['version']` must be {_STATE_VERSION}, got {state['version']!r}")
+        check_state(state, keys, _STATE_VERSION)
         if verify_probe and self.probe is not None and state["probe_spec"] is not None:
             self.probe.verify(ProbeSpec.from_dict(state["probe_spec"]))
         self.epsilon_ = state["epsilon"]

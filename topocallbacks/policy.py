@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ._validation import check_int, check_number, check_state
 from .exceptions import InputError
 
 __all__ = ["Action", "Decision", "Policy"]
@@ -77,24 +77,6 @@ def _check_choice(value: Any, name: str, choices: Sequence[str]) -> Action:
     return Action(text)
 
 
-def _check_number(value: Any, name: str, *, low: float, high: float, low_open: bool, high_open: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise InputError(f"`{name}` must be a finite number, got {value!r}")
-    result = float(value)
-    below = result <= low if low_open else result < low
-    above = result >= high if high_open else result > high
-    if below or above:
-        left, right = "(" if low_open else "[", ")" if high_open else "]"
-        raise InputError(f"`{name}` must be in {left}{low}, {high}{right}, got {value!r}")
-    return result
-
-
-def _check_count(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise InputError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 class Policy:
     """Rules over the index history, with warm-up, patience, cooldown and a cap on learning-rate cuts.
 
@@ -152,20 +134,20 @@ class Policy:
     ) -> None:
         actions = [a.value for a in Action]
         self.action_ = _check_choice(action, "action", actions)
-        _check_number(threshold, "threshold", low=-math.inf, high=math.inf, low_open=True, high_open=True)
-        _check_count(patience, "patience", 1)
-        _check_count(warmup, "warmup", 0)
-        _check_count(cooldown, "cooldown", 0)
+        check_number(threshold, "threshold")
+        check_int(patience, "patience", minimum=1)
+        check_int(warmup, "warmup", minimum=0)
+        check_int(cooldown, "cooldown", minimum=0)
         if (trend_window is None) != (trend_slope is None):
             raise InputError(
                 f"`trend_window` and `trend_slope` go together, got trend_window={trend_window!r}, "
                 f"trend_slope={trend_slope!r}"
             )
         if trend_window is not None:
-            _check_count(trend_window, "trend_window", 2)
-            _check_number(trend_slope, "trend_slope", low=0.0, high=math.inf, low_open=True, high_open=True)
-        _check_number(lr_factor, "lr_factor", low=0.0, high=1.0, low_open=True, high_open=True)
-        _check_count(max_lr_cuts, "max_lr_cuts", 0)
+            check_int(trend_window, "trend_window", minimum=2)
+            check_number(trend_slope, "trend_slope", low=0.0)
+        check_number(lr_factor, "lr_factor", low=0.0, high=1.0)
+        check_int(max_lr_cuts, "max_lr_cuts", minimum=0)
         self.after_max_lr_cuts_ = _check_choice(after_max_lr_cuts, "after_max_lr_cuts", ["warn", "stop", "none"])
         self.on_diverged_ = _check_choice(on_diverged, "on_diverged", actions)
         self.action = action
@@ -282,11 +264,7 @@ class Policy:
             InputError: missing keys or another version.
         """
         keys = {"version", "checks", "warmup_values", "recent", "over_threshold", "last_action_check", "lr_cuts"}
-        missing = sorted(keys - set(state))
-        if missing:
-            raise InputError(f"`state` is missing key(s) {missing}; got keys {sorted(state)}")
-        if state["version"] != _STATE_VERSION:
-            raise InputError(f"`state['version']` must be {_STATE_VERSION}, got {state['version']!r}")
+        check_state(state, keys, _STATE_VERSION)
         self.checks_ = int(state["checks"])
         self.warmup_values_ = [float(v) for v in state["warmup_values"]]
         self.recent_ = [float(v) for v in state["recent"]]

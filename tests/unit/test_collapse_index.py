@@ -139,8 +139,8 @@ def test_non_finite_features_raise_the_divergence_error():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"quantile": 0.0}, "`quantile` must be a finite number > 0, got 0.0"),
-        ({"quantile": 1.5}, r"`quantile` must be in \(0, 1\], got 1.5"),
+        ({"quantile": 0.0}, r"`quantile` must be a finite number in \(0, 1\], got 0.0"),
+        ({"quantile": 1.5}, r"`quantile` must be a finite number in \(0, 1\], got 1.5"),
         ({"factor": -2}, "`factor` must be a finite number > 0, got -2"),
     ],
 )
@@ -229,7 +229,7 @@ def test_collapse_index_load_state_errors():
     ("kwargs", "match"),
     [
         ({"epsilon": 0}, "`epsilon` must be a finite number > 0, got 0"),
-        ({"epsilon_quantile": 2.0}, r"`epsilon_quantile` must be in \(0, 1\], got 2.0"),
+        ({"epsilon_quantile": 2.0}, r"`epsilon_quantile` must be a finite number in \(0, 1\], got 2.0"),
         ({"epsilon_factor": float("inf")}, "`epsilon_factor` must be a finite number > 0, got inf"),
         ({"weights": {"loops": 1.0}}, "unknown component"),
         ({"max_points": 0}, "`max_points` must be an integer >= 2, got 0"),

@@ -99,5 +99,5 @@ def test_tensor_learning_rates_are_scaled_in_place():
 @pytest.mark.parametrize("factor", [0.0, 1.0, 1.5, -0.5, math.nan, "half"])
 def test_factor_must_lower_the_rate(factor):
     optimizer, scheduler = make("cosine")
-    with pytest.raises(InputError, match="`factor` must be a number in \\(0, 1\\)"):
+    with pytest.raises(InputError, match="`factor` must be a finite number in \\(0, 1\\), got"):
         scale_learning_rate([optimizer], [scheduler], factor)

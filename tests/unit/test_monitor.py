@@ -162,7 +162,7 @@ def test_jsonl_reader_skips_a_torn_last_line(tmp_path):
         ({"window": 1}, "`window` must be an integer >= 2, got 1"),
         ({"projection": "umap"}, "`projection` must be one of"),
         ({"epsilon": -1.0}, "`epsilon` must be a finite number > 0, got -1.0"),
-        ({"epsilon_quantile": 1.5}, r"`epsilon_quantile` must be in \(0, 1\], got 1.5"),
+        ({"epsilon_quantile": 1.5}, r"`epsilon_quantile` must be a finite number in \(0, 1\], got 1.5"),
         ({"policy": "strict"}, "`policy` must be a topocallbacks.policy.Policy, got str"),
         ({"probe": torch.zeros(4, 2)}, "`layer` is required with a `probe`"),
         ({"probe": torch.zeros(0, 2), "layer": "x"}, "`probe` is empty"),

@@ -56,3 +56,39 @@ def test_exception_hierarchy():
         assert issubclass(error, TopoCallbacksError)
         assert issubclass(error, ValueError)
     assert issubclass(NonFiniteError, InputError)
+
+
+@pytest.mark.parametrize(
+    ("value", "kwargs", "message"),
+    [
+        (1.0, {"low": 0.0, "high": 1.0}, "`x` must be a finite number in (0, 1), got 1.0"),
+        (0.0, {"low": 0.0, "high": 1.0, "high_open": False}, "`x` must be a finite number in (0, 1], got 0.0"),
+        (-1, {"low": 0.0, "low_open": False}, "`x` must be a finite number in [0, inf), got -1"),
+        (math.nan, {}, "`x` must be a finite number, got nan"),
+        (True, {}, "`x` must be a finite number, got True"),
+        ("0.5", {"low": 0.0, "high": 1.0}, "`x` must be a finite number in (0, 1), got '0.5'"),
+    ],
+)
+def test_check_number_names_the_interval(value, kwargs, message):
+    from topocallbacks._validation import check_number
+
+    with pytest.raises(InputError) as err:
+        check_number(value, "x", **kwargs)
+    assert str(err.value) == message
+
+
+def test_check_number_accepts_the_closed_end_and_returns_a_float():
+    from topocallbacks._validation import check_number
+
+    assert check_number(1, "x", low=0.0, high=1.0, high_open=False) == 1.0
+    assert isinstance(check_number(np.float32(0.5), "x"), float)
+
+
+def test_check_state():
+    from topocallbacks._validation import check_state
+
+    check_state({"version": 2, "a": 1}, {"version", "a"}, 2)
+    with pytest.raises(InputError, match=r"`state` is missing key\(s\) \['b'\]; got keys \['a', 'version'\]"):
+        check_state({"version": 2, "a": 1}, {"version", "a", "b"}, 2)
+    with pytest.raises(InputError, match=r"`state\['version'\]` must be 2, got 3"):
+        check_state({"version": 3, "a": 1}, {"version", "a"}, 2)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from scipy.sparse.csgraph import minimum_spanning_tree
 
-from .._validation import as_points, check_int, check_positive_float, check_seed
+from .._validation import as_points, check_int, check_number, check_positive_float, check_seed
 from ..exceptions import InputError
 from ._distances import pairwise_distances
 from .geometry import anisotropy
@@ -69,9 +69,7 @@ def epsilon_heuristic(
         1.0
     """
     cloud = as_points(points)
-    q = check_positive_float(quantile, "quantile")
-    if q > 1.0:
-        raise InputError(f"`quantile` must be in (0, 1], got {quantile!r}")
+    q = check_number(quantile, "quantile", low=0.0, high=1.0, high_open=False)
     scale = check_positive_float(factor, "factor")
     sample = _subsample(cloud, check_int(max_points, "max_points", minimum=2), check_seed(seed))
     distances = pairwise_distances(sample)[np.triu_indices(sample.shape[0], 1)]

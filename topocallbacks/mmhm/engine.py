@@ -42,7 +42,7 @@ from numpy.typing import NDArray
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from .._validation import as_points, check_int, check_positive_float
+from .._validation import as_points, check_int, check_positive_float, check_state
 from ..exceptions import InputError
 from ..functional._distances import epsilon_block, epsilon_graph, power_of_two_scale
 from ..functional.topology import BettiNumbers, betti_numbers_of_graph
@@ -369,11 +369,7 @@ class MMHM:
         Raises:
             InputError: missing keys, another version, an unknown mode, or a different ε or window.
         """
-        missing = sorted({"version", "epsilon", "window", "mode", "n_pushed", "rebuild"} - set(state))
-        if missing:
-            raise InputError(f"`state` is missing key(s) {missing}; got keys {sorted(state)}")
-        if state["version"] != _STATE_VERSION:
-            raise InputError(f"`state['version']` must be {_STATE_VERSION}, got {state['version']!r}")
+        check_state(state, {"version", "epsilon", "window", "mode", "n_pushed", "rebuild"}, _STATE_VERSION)
         if state["mode"] not in (None, "probe", "stream"):
             raise InputError(f"`state['mode']` must be None, 'probe' or 'stream', got {state['mode']!r}")
         if state["epsilon"] != self.epsilon or state["window"] != self.window:
