@@ -23,6 +23,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ._validation import as_points, check_int, check_number, check_positive_float, check_state
+from .distributed import rank_and_world
 from .exceptions import InputError, NonFiniteError
 from .functional.collapse import collapse_index, epsilon_heuristic, resolve_weights
 from .functional.topology import _subsample, persistence_diagrams
@@ -369,6 +370,8 @@ class TopoMonitor:
 
     def _emit(self, record: dict[str, Any], diagrams: list[NDArray[np.float64]] | None = None) -> None:
         self.history.append(record)
+        if rank_and_world()[0] != 0:
+            return  # in distributed training every rank keeps the history; only rank 0 writes files
         if self._history_sink is not None:
             self._history_sink.write(record)
         if self.tensorboard_dir is not None and record["kind"] == "check":

@@ -36,7 +36,9 @@ class Report(pl.Callback):
 def main(out: str, action: str, probe_size: int) -> None:
     probe, _ = digits(probe_size)
     policy = Policy(action=action, threshold=0.15, relative_to_baseline=True, patience=2, warmup=2, cooldown=5)
-    callback = TopoCollapseCallback(probe=probe, layer="avgpool", check_every=10, policy=policy)
+    callback = TopoCollapseCallback(
+        probe=probe, layer="avgpool", check_every=10, policy=policy, history_path=str(Path(out, "history.jsonl"))
+    )
     trainer = pl.Trainer(
         max_steps=200,
         accelerator="cpu",

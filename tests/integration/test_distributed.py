@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from topocallbacks.distributed import broadcast_object, gather_probe_features, shard
+from topocallbacks.sinks import JsonlSink
 
 HERE = Path(__file__).parent
 
@@ -77,6 +78,8 @@ def test_two_process_ddp_agrees_on_every_check_and_stops_together(tmp_path):
     assert stop["action"] == "stop"
     assert stop["step"] == ranks[0]["global_step"]
     assert Path(tmp_path, f"topo-stop-step{stop['step']}.ckpt").exists()
+    # Only rank 0 writes the history file: one line per check and per intervention, none twice.
+    assert JsonlSink.read(tmp_path / "history.jsonl") == ranks[0]["history"]
     assert (
         torch.load(Path(tmp_path, f"topo-stop-step{stop['step']}.ckpt"), weights_only=False)["global_step"]
         == stop["step"]
