@@ -131,6 +131,8 @@ class TopoMonitor:
         self.seed = check_int(seed, "seed", minimum=0)
         self.policy = policy if policy is not None else Policy(action="warn")
         self.extractor = None if layer is None else FeatureExtractor(layer, pooling=pooling, batch_size=batch_size)
+        self.max_probe_samples = max_probe_samples
+        self._loaded_probe_spec: ProbeSpec | None = None
         self.probe = None if probe is None else Probe(probe, max_samples=max_probe_samples, seed=self.seed)
         if mode == "probe" and self.probe is not None and self.extractor is None:
             raise InputError("`layer` is required with a `probe`: name the module whose output to watch")
@@ -149,6 +151,17 @@ class TopoMonitor:
     def should_check(self, step: int) -> bool:
         """Whether ``step`` is a check step (every ``check_every`` steps, from step 0)."""
         return step % self.check_every == 0
+
+    def set_probe(self, source: Any) -> None:
+        """Set the probe after construction (e.g. from a dataloader's dataset), checked against a loaded state.
+
+        Raises:
+            InputError: a bad source, or one whose contents differ from the probe a loaded state was saved with.
+        """
+        probe = Probe(source, max_samples=self.max_probe_samples, seed=self.seed)
+        if self._loaded_probe_spec is not None:
+            probe.verify(self._loaded_probe_spec)
+        self.probe = probe
 
     def features(self, model: Any, indices: Any = None) -> NDArray[np.float32]:
         """The probe's features at ``layer`` (all samples, or ``indices``).
@@ -403,8 +416,10 @@ class TopoMonitor:
         """
         keys = {"version", "probe_spec", "epsilon", "transform", "history", "policy", "lr_factor", "engine"}
         check_state(state, keys, _STATE_VERSION)
-        if verify_probe and self.probe is not None and state["probe_spec"] is not None:
-            self.probe.verify(ProbeSpec.from_dict(state["probe_spec"]))
+        spec = None if state["probe_spec"] is None else ProbeSpec.from_dict(state["probe_spec"])
+        if verify_probe and self.probe is not None and spec is not None:
+            self.probe.verify(spec)
+        self._loaded_probe_spec = spec
         self.epsilon_ = state["epsilon"]
         self._transform = state["transform"]
         self.history = [dict(r) for r in state["history"]]

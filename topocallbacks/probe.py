@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -174,19 +175,38 @@ class Probe:
             )
 
 
-def resolve_module(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    """The submodule called ``name`` (as in ``model.named_modules()``), or an error listing close matches.
+def resolve_layer(model: torch.nn.Module, layer: str | Sequence[str]) -> str:
+    """The module name ``layer`` designates in ``model``.
+
+    ``layer`` is a module name, or one or more ``fnmatch`` patterns (``"*.ln_f"``) tried in order; the first pattern
+    that matches wins, and among several matches of one pattern the last module (in ``named_modules`` order).
+    Presets use patterns so that one preset fits a bare model and one wrapped in a LightningModule.
+
+    Raises:
+        InputError: nothing matches; the message lists the patterns and the closest module names.
+    """
+    patterns: list[str] = [layer] if isinstance(layer, str) else [str(p) for p in layer]
+    names: list[str] = [n for n, _ in model.named_modules() if n]
+    for pattern in patterns:
+        if pattern in names:
+            return pattern
+        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if matches:
+            return matches[-1]
+    close = difflib.get_close_matches(patterns[0].replace("*", ""), names, n=5, cutoff=0.4)
+    hint = f"; closest: {close}" if close else f"; some names: {names[:8]}"
+    shown = patterns[0] if len(patterns) == 1 else patterns
+    raise InputError(f"`layer` {shown!r} is not a module of {type(model).__name__}{hint}")
+
+
+def resolve_module(model: torch.nn.Module, name: str | Sequence[str]) -> torch.nn.Module:
+    """The submodule ``name`` designates (a name or patterns, see :func:`resolve_layer`).
 
     Raises:
         InputError: no module has that name; the message lists the closest names.
     """
     modules: dict[str, torch.nn.Module] = dict(model.named_modules())
-    if name in modules and name != "":
-        return modules[name]
-    names = [n for n in modules if n]
-    close = difflib.get_close_matches(name, names, n=5, cutoff=0.4)
-    hint = f"; closest: {close}" if close else f"; some names: {names[:8]}"
-    raise InputError(f"`layer` {name!r} is not a module of {type(model).__name__}{hint}")
+    return modules[resolve_layer(model, name)]
 
 
 def _pool(output: torch.Tensor, pooling: str, mask: torch.Tensor | None) -> torch.Tensor:
@@ -237,7 +257,8 @@ class FeatureExtractor:
     forward hook removed afterwards, whatever happens. Features go to CPU float32 at once.
 
     Args:
-        layer: the module name (``model.named_modules()``), e.g. ``"backbone.avgpool"``.
+        layer: the module name (``model.named_modules()``), e.g. ``"backbone.avgpool"``, or name patterns
+            (see :func:`resolve_layer`).
         pooling: one of :data:`POOLINGS`: ``"auto"`` (2-D as is, 4-D global average, 3-D mask-aware mean),
             ``"mean"`` (mask-aware over tokens), ``"last"`` (last non-padding token), ``"cls"`` (first token),
             ``"flatten"``, or ``"none"``.
@@ -247,9 +268,10 @@ class FeatureExtractor:
         InputError: an unknown pooling or a bad batch size.
     """
 
-    def __init__(self, layer: str, *, pooling: str = "auto", batch_size: int = 256) -> None:
-        if not isinstance(layer, str) or not layer:
-            raise InputError(f"`layer` must be a module name (a non-empty string), got {layer!r}")
+    def __init__(self, layer: str | Sequence[str], *, pooling: str = "auto", batch_size: int = 256) -> None:
+        names = [layer] if isinstance(layer, str) else list(layer) if isinstance(layer, (list, tuple)) else None
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise InputError(f"`layer` must be a module name or a list of name patterns, got {layer!r}")
         if pooling not in POOLINGS:
             raise InputError(f"`pooling` must be one of {sorted(POOLINGS)}, got {pooling!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -262,7 +284,8 @@ class FeatureExtractor:
         self, model: torch.nn.Module, probe: Probe, indices: Sequence[int] | None = None
     ) -> NDArray[np.float32]:
         """Features ``(n, d)`` of the probe samples (all, or ``indices``) at ``self.layer``."""
-        module = resolve_module(model, self.layer)
+        self.resolved_layer_ = resolve_layer(model, self.layer)
+        module = dict(model.named_modules())[self.resolved_layer_]
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         captured: list[torch.Tensor] = []
         current_mask: list[torch.Tensor | None] = [None]

@@ -6,8 +6,11 @@ save a rescue checkpoint, stop).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,10 +18,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from ..distributed import broadcast_object, gather_probe_features, rank_and_world
-from ..exceptions import InputError
+from ..exceptions import ConfigError, InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..policy import Action, Decision, Policy
+from ..presets import load as load_preset
 from ..probe import _first_tensor, _pool, resolve_module
 from ..sinks import scalars_of
 
@@ -69,22 +73,28 @@ class TopoCollapseCallback(Callback):
     def __init__(
         self,
         probe: Any = None,
-        layer: str | None = None,
+        layer: str | list[str] | None = None,
         *,
-        check_every: int = 100,
+        preset: str | None = None,
+        check_every: int | None = None,
         check_on_validation_end: bool = False,
-        policy: Policy | None = None,
+        policy: Policy | Mapping[str, Any] | None = None,
         checkpoint_on_stop: bool = True,
         rescue_dir: str | None = None,
         **monitor_kwargs: Any,
     ) -> None:
-        if layer is None:
-            raise InputError("`layer` is required: the name of the module whose output to watch")
-        self.layer = layer
-        self.mode = monitor_kwargs.get("mode", "probe")
+        settings = monitor_settings(preset, layer=layer, check_every=check_every, policy=policy, **monitor_kwargs)
+        if "layer" not in settings:
+            raise InputError("`layer` is required: the name of the module whose output to watch (or a `preset`)")
+        self.preset = preset
+        self.layer = settings["layer"]
+        self.mode = settings.get("mode", "probe")
+        self._probe_source = probe if isinstance(probe, str) else None
+        if self._probe_source is not None and self._probe_source not in ("train", "val"):
+            raise InputError(f"`probe` given as text must be 'train' or 'val' (a dataloader's dataset), got {probe!r}")
         if self.mode == "probe" and probe is None:
-            raise InputError("`probe` is required in probe mode: a tensor, Dataset or list of inputs")
-        self.monitor = TopoMonitor(probe=probe, layer=layer, check_every=check_every, policy=policy, **monitor_kwargs)
+            raise InputError("`probe` is required in probe mode: a tensor, Dataset, list of inputs, 'train' or 'val'")
+        self.monitor = TopoMonitor(probe=None if self._probe_source else probe, **settings)
         self.checkpoint_on_stop = bool(checkpoint_on_stop)
         self.check_on_validation_end = bool(check_on_validation_end)
         self.rescue_dir = rescue_dir
@@ -94,9 +104,22 @@ class TopoCollapseCallback(Callback):
 
     # --- Lightning hooks ------------------------------------------------------------------------------------
 
+    @classmethod
+    def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseCallback:
+        """A callback configured by a preset (a name from ``topocallbacks.presets.available()`` or a YAML path).
+
+        Every value can be overridden: ``from_preset("gpt", probe=ids, check_every=20, policy={"patience": 5})``
+        (a ``policy`` mapping is merged into the preset's policy; a ``Policy`` replaces it).
+
+        Raises:
+            ConfigError: an unknown preset, an invalid preset file or an unknown override key.
+        """
+        return cls(probe=probe, preset=preset, **overrides)
+
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(layer=self.layer, mode=self.mode)
+        layer = self.layer if isinstance(self.layer, str) else ",".join(self.layer)
+        return self._generate_state_key(layer=layer, mode=self.mode)
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -115,6 +138,8 @@ class TopoCollapseCallback(Callback):
         self.monitor.close()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._probe_source is not None and self.monitor.probe is None:
+            self.monitor.set_probe(_dataloader_dataset(trainer, self._probe_source))
         # A first check before any update calibrates ε and starts the warm-up on the initial features.
         if self.mode == "probe":
             self._check(trainer, pl_module, log=False)
@@ -230,3 +255,61 @@ class TopoCollapseCallback(Callback):
             trainer.should_stop = True
             done.append("trainer.should_stop set")
         self.monitor.record_intervention(step, decision, "; ".join(done))
+
+
+def monitor_settings(preset: str | None, **explicit: Any) -> dict[str, Any]:
+    """TopoMonitor arguments: the preset's values (if any), then the explicitly given ones (None means unset).
+
+    Raises:
+        ConfigError: an unknown preset or argument name (with the valid names and a "did you mean").
+    """
+    settings: dict[str, Any] = {} if preset is None else load_preset(preset).monitor_kwargs()
+    policy = explicit.pop("policy", None)
+    for key, value in explicit.items():
+        if value is not None:
+            settings[key] = value
+    valid = set(inspect.signature(TopoMonitor).parameters) - {"probe"}
+    unknown = sorted(set(settings) - valid)
+    if unknown:
+        guess = difflib.get_close_matches(unknown[0], sorted(valid), n=1)
+        hint = f"; did you mean `{guess[0]}`?" if guess else ""
+        raise ConfigError(f"unknown argument `{unknown[0]}`{hint} Valid arguments: {sorted(valid)}")
+    if isinstance(policy, Mapping):
+        base = settings.get("policy")
+        merged = {**(_policy_arguments(base) if base is not None else {}), **policy}
+        try:
+            policy = Policy(**merged)
+        except TypeError as exc:
+            raise ConfigError(f"`policy` override: {exc}") from exc
+    if policy is not None:
+        settings["policy"] = policy
+    return settings
+
+
+def _policy_arguments(policy: Policy) -> dict[str, Any]:
+    names = inspect.signature(Policy).parameters
+    return {name: getattr(policy, name) for name in names}
+
+
+def _dataloader_dataset(trainer: pl.Trainer, which: str) -> Any:
+    """The dataset behind the trainer's training or (first) validation dataloader.
+
+    Lightning loads validation dataloaders lazily (at the sanity check or the first validation), so when they are
+    not loaded yet the datamodule, then the source given to ``fit``, is asked for them.
+    """
+    loaders = trainer.train_dataloader if which == "train" else trainer.val_dataloaders
+    if loaders is None and which == "val":
+        datamodule = getattr(trainer, "datamodule", None)
+        if datamodule is not None:
+            loaders = datamodule.val_dataloader()
+        else:
+            # The validation loop's source of what was passed to fit() (Lightning 2.x; absent elsewhere).
+            val_loop = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "val_loop", None)
+            source = getattr(val_loop, "_data_source", None)
+            loaders = source.dataloader() if source is not None and source.is_defined() else None
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    dataset = getattr(loaders, "dataset", None)
+    if dataset is None:
+        raise InputError(f"`probe`={which!r} needs a {which} dataloader with a dataset; none was given to fit()")
+    return dataset

@@ -1,0 +1,125 @@
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from topocallbacks import ConfigError, Policy, presets
+from topocallbacks.config import parse_preset
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_the_four_architectures_are_available_and_valid():
+    assert {"resnet", "vit", "gpt", "llama"} <= set(presets.available())
+    for name in ("resnet", "vit", "gpt", "llama"):
+        preset = presets.load(name)
+        assert preset.name == name
+        assert preset.probe.layer
+        assert preset.schedule.check_every >= 1
+        assert isinstance(preset.monitor_kwargs()["policy"], Policy)
+    assert presets.load("vit").probe.pooling == "cls"
+    assert presets.load("llama").probe.layer[0] == "model.norm"
+
+
+def write(tmp_path, text, name="my.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+MINIMAL = "probe:\n  layer: encoder\n"
+
+
+def test_a_users_own_yaml_works_like_a_bundled_one(tmp_path):
+    path = write(tmp_path, MINIMAL + "schedule:\n  check_every: 7\npolicy:\n  action: stop\n")
+    preset = presets.load(str(path))
+    assert preset.name == "my"
+    assert preset.probe.layer == ("encoder",)
+    assert preset.schedule.check_every == 7
+    assert preset.policy.action == "stop"
+    assert preset.index.weights == "paper"  # defaults fill the rest
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            "polcy: {}\n" + MINIMAL,
+            r"unknown key `polcy` in .*my.yaml; did you mean `policy`\? Valid keys: "
+            r"\['description', 'index', 'name', 'policy', 'probe', 'schedule'\]",
+        ),
+        (
+            MINIMAL + "policy:\n  patince: 3\n",
+            r"unknown key `policy.patince` in .*; did you mean `policy.patience`\? "
+            r"Valid keys of policy: \['action', 'after_max_lr_cuts',",
+        ),
+        (MINIMAL + "policy:\n  patience: three\n", r"`policy.patience` must be int, got 'three' \(str\) in .*my.yaml"),
+        (MINIMAL + "policy:\n  patience: 0\n", r"`policy.patience` must be an integer >= 1, got 0 in .*my.yaml"),
+        (MINIMAL + "policy:\n  lr_factor: 2\n", r"`policy.lr_factor` must be a finite number in \(0, 1\), got 2.0"),
+        (MINIMAL + "schedule:\n  check_every: 0\n", r"`schedule.check_every` must be an integer >= 1, got 0"),
+        (MINIMAL + "schedule:\n  mode: batch\n", r"`schedule.mode` must be one of \['probe', 'stream'\], got 'batch'"),
+        (
+            MINIMAL + "index:\n  epsilon_quantile: 1.5\n",
+            r"`index.epsilon_quantile` must be a finite number in \(0, 1\]",
+        ),
+        (MINIMAL + "index:\n  normalize: yes please\n", r"`index.normalize` must be bool, got 'yes please'"),
+        ("probe:\n  pooling: mean\n", r"`probe.layer` is required in"),
+        (MINIMAL + "probe:\n  layer: x\n  size: 1\n", r"`probe.size` must be an integer >= 2, got 1"),
+        ("- 1\n- 2\n", "a preset must be a mapping of sections, got list"),
+        ("probe: [1, 2]\n", "`probe` must be a mapping, got list"),
+        ("!!python/object/apply:os.system ['echo hacked']\n", "is not valid YAML"),
+    ],
+)
+def test_bad_presets_name_the_key_path_and_the_file(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        presets.load(str(write(tmp_path, text)))
+
+
+def test_unknown_preset_names():
+    with pytest.raises(ConfigError, match=r"unknown preset 'gtp'; did you mean 'gpt'\? Available presets: \["):
+        presets.load("gtp")
+    with pytest.raises(ConfigError, match=r"preset file 'missing\.yaml' does not exist"):
+        presets.load("missing.yaml")
+
+
+def test_parse_preset_from_a_mapping():
+    preset = parse_preset({"probe": {"layer": ["a", "*.b"]}, "policy": {"threshold": 0.2}}, origin="inline")
+    assert preset.probe.layer == ("a", "*.b")
+    assert preset.policy.threshold == 0.2
+
+
+def test_from_preset_overrides_every_value():
+    pytest.importorskip("lightning")
+    from topocallbacks.lightning import TopoCollapseCallback
+
+    probe = torch.randn(8, 3)
+    callback = TopoCollapseCallback.from_preset("gpt", probe=probe, check_every=20, policy={"patience": 5})
+    assert callback.monitor.check_every == 20
+    assert callback.monitor.policy.patience == 5
+    assert callback.monitor.policy.threshold == presets.load("gpt").policy.threshold  # merged, not replaced
+    assert callback.layer == list(presets.load("gpt").probe.layer)
+    replaced = TopoCollapseCallback.from_preset("resnet", probe=probe, policy=Policy(action="stop"))
+    assert replaced.monitor.policy.action == "stop"
+    with pytest.raises(ConfigError, match=r"unknown argument `chek_every`; did you mean `check_every`\?"):
+        TopoCollapseCallback.from_preset("gpt", probe=probe, chek_every=3)
+    with pytest.raises(ConfigError, match="`policy` override"):
+        TopoCollapseCallback.from_preset("gpt", probe=probe, policy={"patient": 3})
+
+
+@pytest.mark.slow
+def test_a_built_wheel_ships_the_presets(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    wheel = next(tmp_path.glob("topocallbacks-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for preset in ("resnet", "vit", "gpt", "llama"):
+        assert f"topocallbacks/configs/{preset}.yaml" in names
+    assert "topocallbacks/py.typed" in names
