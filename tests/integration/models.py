@@ -75,3 +75,18 @@ class TinyCNN(pl.LightningModule):
         else:
             raise ValueError(kind)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class DigitsData(pl.LightningDataModule):
+    """Digits as a datamodule (for LightningCLI)."""
+
+    def __init__(self, batch_size: int = 64):
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return digits_loader(self.batch_size)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        images, labels = digits(128)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=64)

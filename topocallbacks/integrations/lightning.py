@@ -55,8 +55,11 @@ class TopoCollapseCallback(Callback):
         policy: a :class:`~topocallbacks.policy.Policy` (default: warn only).
         checkpoint_on_stop: save a checkpoint before stopping, so a stop never loses the last state.
         rescue_dir: directory of rescue checkpoints (default: ``trainer.default_root_dir``).
-        **monitor_kwargs: any other :class:`~topocallbacks.monitor.TopoMonitor` argument (``mode``, ``window``,
-            ``pooling``, ``projection``, ``normalize``, ``epsilon``, ``weights``, ``history_path``, ...).
+        preset: a preset name (``topocallbacks.presets.available()``) or YAML path whose values are the defaults.
+        mode, pooling, window, points_per_batch, projection, projection_dim, normalize, epsilon, epsilon_quantile,
+            epsilon_factor, weights, max_points, max_probe_samples, batch_size, history_path, tensorboard_dir,
+            diagram_every, seed: :class:`~topocallbacks.monitor.TopoMonitor` arguments; None takes the preset's
+            value, else the monitor's default. Explicit (not ``**kwargs``) so that LightningCLI can set them.
 
     Raises:
         InputError: an argument is out of range (checked here); an unknown layer name is reported in ``setup``
@@ -78,12 +81,54 @@ class TopoCollapseCallback(Callback):
         preset: str | None = None,
         check_every: int | None = None,
         check_on_validation_end: bool = False,
-        policy: Policy | Mapping[str, Any] | None = None,
+        # dict first: LightningCLI tries union members in order and would turn a mapping into a whole new Policy
+        # instead of merging it into the preset's.
+        policy: dict[str, Any] | Policy | None = None,
         checkpoint_on_stop: bool = True,
         rescue_dir: str | None = None,
-        **monitor_kwargs: Any,
+        mode: str | None = None,
+        pooling: str | None = None,
+        window: int | None = None,
+        points_per_batch: int | None = None,
+        projection: str | None = None,
+        projection_dim: int | None = None,
+        normalize: bool | None = None,
+        epsilon: float | None = None,
+        epsilon_quantile: float | None = None,
+        epsilon_factor: float | None = None,
+        weights: str | dict[str, float] | None = None,
+        max_points: int | None = None,
+        max_probe_samples: int | None = None,
+        batch_size: int | None = None,
+        history_path: str | None = None,
+        tensorboard_dir: str | None = None,
+        diagram_every: int | None = None,
+        seed: int | None = None,
     ) -> None:
-        settings = monitor_settings(preset, layer=layer, check_every=check_every, policy=policy, **monitor_kwargs)
+        settings = monitor_settings(
+            preset,
+            layer=layer,
+            check_every=check_every,
+            policy=policy,
+            mode=mode,
+            pooling=pooling,
+            window=window,
+            points_per_batch=points_per_batch,
+            projection=projection,
+            projection_dim=projection_dim,
+            normalize=normalize,
+            epsilon=epsilon,
+            epsilon_quantile=epsilon_quantile,
+            epsilon_factor=epsilon_factor,
+            weights=weights,
+            max_points=max_points,
+            max_probe_samples=max_probe_samples,
+            batch_size=batch_size,
+            history_path=history_path,
+            tensorboard_dir=tensorboard_dir,
+            diagram_every=diagram_every,
+            seed=seed,
+        )
         if "layer" not in settings:
             raise InputError("`layer` is required: the name of the module whose output to watch (or a `preset`)")
         self.preset = preset
@@ -114,6 +159,12 @@ class TopoCollapseCallback(Callback):
         Raises:
             ConfigError: an unknown preset, an invalid preset file or an unknown override key.
         """
+        valid = sorted(set(inspect.signature(cls).parameters) - {"probe", "preset"})
+        unknown = sorted(set(overrides) - set(valid))
+        if unknown:
+            guess = difflib.get_close_matches(unknown[0], valid, n=1)
+            hint = f"; did you mean `{guess[0]}`?" if guess else ""
+            raise ConfigError(f"unknown argument `{unknown[0]}`{hint} Valid arguments: {valid}")
         return cls(probe=probe, preset=preset, **overrides)
 
     @property

@@ -1,0 +1,61 @@
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.mark.slow
+def test_lightning_cli_configures_the_callback_from_yaml(tmp_path):
+    pytest.importorskip("jsonargparse")
+    (tmp_path / "config.yaml").write_text(
+        textwrap.dedent(
+            """
+            trainer:
+              max_steps: 10
+              accelerator: cpu
+              devices: 1
+              logger: false
+              enable_checkpointing: false
+              enable_progress_bar: false
+              callbacks:
+                - class_path: topocallbacks.lightning.TopoCollapseCallback
+                  init_args:
+                    preset: resnet
+                    probe: train
+                    check_every: 5
+                    max_probe_samples: 64
+                    policy:
+                      patience: 4
+            """
+        )
+    )
+    (tmp_path / "cli.py").write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(ROOT)!r})
+            from lightning.pytorch.cli import LightningCLI
+            from tests.integration.models import DigitsData, TinyCNN
+            cli = LightningCLI(TinyCNN, DigitsData, save_config_kwargs={{"overwrite": True}})
+            callback = next(c for c in cli.trainer.callbacks if type(c).__name__ == "TopoCollapseCallback")
+            print("CHECKS", [r["step"] for r in callback.history if r["kind"] == "check"])
+            print("PATIENCE", callback.monitor.policy.patience, callback.monitor.policy.threshold)
+            print("PROBE", callback.monitor.probe.spec.source, callback.monitor.probe.spec.n_samples)
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "cli.py", "fit", "--config", "config.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "CHECKS [0, 5, 10]" in result.stdout
+    assert "PATIENCE 4 0.15" in result.stdout  # the override merged into the preset's policy
+    assert "PROBE dataset:TensorDataset 64" in result.stdout
