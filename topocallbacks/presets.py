@@ -6,13 +6,18 @@ repository's ``configs/`` folder.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from .config import Preset, read_preset
 from .exceptions import ConfigError
+from .policy import Policy
 
-__all__ = ["available", "load", "preset_dir"]
+__all__ = ["available", "load", "monitor_settings", "preset_dir"]
 
 
 def preset_dir() -> Path:
@@ -51,9 +56,46 @@ def load(name_or_path: str | os.PathLike[str]) -> Preset:
         return read_preset(path)
     names = available()
     if text not in names:
-        import difflib
-
         guess = difflib.get_close_matches(text, names, n=1)
         hint = f"; did you mean {guess[0]!r}?" if guess else ""
         raise ConfigError(f"unknown preset {text!r}{hint} Available presets: {names} (or pass a .yaml path)")
     return read_preset(preset_dir() / f"{text}.yaml")
+
+
+def monitor_settings(preset: str | None, **explicit: Any) -> dict[str, Any]:
+    """TopoMonitor arguments: the preset's values (if any), then the explicitly given ones (None means unset).
+
+    The training adapters call this, so a preset configures every framework the same way. A ``policy`` mapping
+    is merged into the preset's policy; a :class:`~topocallbacks.policy.Policy` replaces it.
+
+    Raises:
+        ConfigError: an unknown preset or argument name (with the valid names and a "did you mean").
+    """
+    settings: dict[str, Any] = {} if preset is None else load(preset).monitor_kwargs()
+    policy = explicit.pop("policy", None)
+    for key, value in explicit.items():
+        if value is not None:
+            settings[key] = value
+    from .monitor import TopoMonitor  # torch, imported only when a monitor is being configured
+
+    valid = set(inspect.signature(TopoMonitor).parameters) - {"probe"}
+    unknown = sorted(set(settings) - valid)
+    if unknown:
+        guess = difflib.get_close_matches(unknown[0], sorted(valid), n=1)
+        hint = f"; did you mean `{guess[0]}`?" if guess else ""
+        raise ConfigError(f"unknown argument `{unknown[0]}`{hint} Valid arguments: {sorted(valid)}")
+    if isinstance(policy, Mapping):
+        base = settings.get("policy")
+        merged = {**(_policy_arguments(base) if base is not None else {}), **policy}
+        try:
+            policy = Policy(**merged)
+        except TypeError as exc:
+            raise ConfigError(f"`policy` override: {exc}") from exc
+    if policy is not None:
+        settings["policy"] = policy
+    return settings
+
+
+def _policy_arguments(policy: Policy) -> dict[str, Any]:
+    names = inspect.signature(Policy).parameters
+    return {name: getattr(policy, name) for name in names}

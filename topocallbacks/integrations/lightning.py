@@ -10,7 +10,6 @@ import difflib
 import inspect
 import os
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,7 +21,7 @@ from ..exceptions import ConfigError, InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..policy import Action, Decision, Policy
-from ..presets import load as load_preset
+from ..presets import monitor_settings
 from ..probe import _first_tensor, _pool, resolve_module
 from ..sinks import scalars_of
 
@@ -306,40 +305,6 @@ class TopoCollapseCallback(Callback):
             trainer.should_stop = True
             done.append("trainer.should_stop set")
         self.monitor.record_intervention(step, decision, "; ".join(done))
-
-
-def monitor_settings(preset: str | None, **explicit: Any) -> dict[str, Any]:
-    """TopoMonitor arguments: the preset's values (if any), then the explicitly given ones (None means unset).
-
-    Raises:
-        ConfigError: an unknown preset or argument name (with the valid names and a "did you mean").
-    """
-    settings: dict[str, Any] = {} if preset is None else load_preset(preset).monitor_kwargs()
-    policy = explicit.pop("policy", None)
-    for key, value in explicit.items():
-        if value is not None:
-            settings[key] = value
-    valid = set(inspect.signature(TopoMonitor).parameters) - {"probe"}
-    unknown = sorted(set(settings) - valid)
-    if unknown:
-        guess = difflib.get_close_matches(unknown[0], sorted(valid), n=1)
-        hint = f"; did you mean `{guess[0]}`?" if guess else ""
-        raise ConfigError(f"unknown argument `{unknown[0]}`{hint} Valid arguments: {sorted(valid)}")
-    if isinstance(policy, Mapping):
-        base = settings.get("policy")
-        merged = {**(_policy_arguments(base) if base is not None else {}), **policy}
-        try:
-            policy = Policy(**merged)
-        except TypeError as exc:
-            raise ConfigError(f"`policy` override: {exc}") from exc
-    if policy is not None:
-        settings["policy"] = policy
-    return settings
-
-
-def _policy_arguments(policy: Policy) -> dict[str, Any]:
-    names = inspect.signature(Policy).parameters
-    return {name: getattr(policy, name) for name in names}
 
 
 def _dataloader_dataset(trainer: pl.Trainer, which: str) -> Any:
