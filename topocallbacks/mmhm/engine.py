@@ -650,6 +650,19 @@ class MMHM:
             learn=False,
         )
 
+    def _begin_incremental(self, deadline: float | None) -> float | None:
+        """Build the modules if a rebuild left only totals and reset the operation counters.
+
+        Returns the deadline moved by the build's time: the one-off build does not count against the path.
+        """
+        self._ensure_modules()
+        self._ops = self._certified = 0
+        return None if deadline is None else deadline + self._setup_seconds
+
+    def _past(self, deadline: float | None) -> bool:
+        """Whether an incremental path ran past ``deadline`` (checked every ``_DEADLINE_CHECK_EVERY`` operations)."""
+        return deadline is not None and self._ops % _DEADLINE_CHECK_EVERY == 0 and time.perf_counter() > deadline
+
     def _vertex_path(
         self,
         new_points: NDArray[np.float64],
@@ -661,10 +674,7 @@ class MMHM:
         deadline: float | None,
     ) -> None:
         """Delete the ``evicted`` slots, then insert ``new_points`` into ``slots``, one certificate each."""
-        self._ensure_modules()
-        if deadline is not None:
-            deadline += self._setup_seconds  # the one-off module build does not count against the path
-        self._ops = self._certified = 0
+        deadline = self._begin_incremental(deadline)
         total = evicted.size + slots.size
         degree = 2 * self.n_edges / max(self.n_points, 1)
         planned = path_features(
@@ -672,7 +682,7 @@ class MMHM:
         )
         removed = 0
         for slot in evicted:
-            if deadline is not None and self._ops % _DEADLINE_CHECK_EVERY == 0 and time.perf_counter() > deadline:
+            if self._past(deadline):
                 self._points[slots] = new_points
                 self._alive[slots] = True
                 self._bail_out("vertex", start, self._ops, total, planned, reason)
@@ -685,7 +695,7 @@ class MMHM:
         rows = epsilon_block(new_points, self._points, self.epsilon, scale=scale)
         added = 0
         for k, slot in enumerate(slots):
-            if deadline is not None and self._ops % _DEADLINE_CHECK_EVERY == 0 and time.perf_counter() > deadline:
+            if self._past(deadline):
                 self._alive[slots] = True
                 self._bail_out("vertex", start, self._ops, total, planned, reason)
                 return
@@ -712,10 +722,7 @@ class MMHM:
         deadline: float | None,
     ) -> None:
         """Apply the exact edge diff: removals first, then insertions, one certificate each."""
-        self._ensure_modules()
-        if deadline is not None:
-            deadline += self._setup_seconds  # the one-off module build does not count against the path
-        self._ops = self._certified = 0
+        deadline = self._begin_incremental(deadline)
         rows, cols = np.nonzero(flips)
         present = self._adjacency[rows, cols]
         n, d = self._points.shape
@@ -726,7 +733,7 @@ class MMHM:
             *((self._remove_edge, e) for e in removals),
             *((self._add_edge, e) for e in insertions),
         ]:
-            if deadline is not None and self._ops % _DEADLINE_CHECK_EVERY == 0 and time.perf_counter() > deadline:
+            if self._past(deadline):
                 self._bail_out("edge", start, self._ops, rows.size, planned, reason)
                 return
             operation(int(u), int(v))
