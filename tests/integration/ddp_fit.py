@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.integration.models import TinyCNN, digits, digits_loader
+from tests.integration.models import TinyCNN, digits, digits_loader, quiet_trainer
 from topocallbacks import Policy
 from topocallbacks.lightning import TopoCollapseCallback
 
@@ -39,18 +39,7 @@ def main(out: str, action: str, probe_size: int) -> None:
     callback = TopoCollapseCallback(
         probe=probe, layer="avgpool", check_every=10, policy=policy, history_path=str(Path(out, "history.jsonl"))
     )
-    trainer = pl.Trainer(
-        max_steps=200,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback, Report(out, callback)],
-        default_root_dir=out,
-    )
+    trainer = quiet_trainer(out, [callback, Report(out, callback)], 200, devices=2, strategy="ddp_spawn")
     trainer.fit(TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader(batch_size=32))
 
 

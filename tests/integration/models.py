@@ -90,3 +90,20 @@ class DigitsData(pl.LightningDataModule):
     def val_dataloader(self) -> torch.utils.data.DataLoader:
         images, labels = digits(128)
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=64)
+
+
+def quiet_trainer(root, callbacks, max_steps: int, **overrides) -> pl.Trainer:
+    """A CPU trainer without logger, checkpoints, progress bar or summary; ``overrides`` replace any setting."""
+    settings = {
+        "max_steps": max_steps,
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "callbacks": callbacks,
+        "default_root_dir": str(root),
+    }
+    settings.update(overrides)
+    return pl.Trainer(**settings)

@@ -9,25 +9,11 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from tests.integration.models import TinyCNN, digits, digits_loader
+from tests.integration.models import quiet_trainer as trainer
 from topocallbacks import InputError, Policy
 from topocallbacks.lightning import TopoCollapseCallback
 
 PROBE, _ = digits(256)
-
-
-def trainer(tmp_path, callbacks, max_steps, **kwargs):
-    return pl.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=kwargs.pop("enable_checkpointing", False),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=str(tmp_path),
-        **kwargs,
-    )
 
 
 class LearningRates(pl.Callback):
@@ -239,17 +225,7 @@ def test_lightning_tensorboard_logger_receives_the_index(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
-    fit = pl.Trainer(
-        max_steps=30,
-        accelerator="cpu",
-        devices=1,
-        logger=TensorBoardLogger(str(tmp_path), name="run"),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
+    fit = trainer(tmp_path, [callback], 30, logger=TensorBoardLogger(str(tmp_path), name="run"), log_every_n_steps=1)
     fit.fit(TinyCNN(), digits_loader())
     events = EventAccumulator(fit.logger.log_dir).Reload()
     assert {"topo/ci", "topo/betti0", "topo/anisotropy_term"} <= set(events.Tags()["scalars"])

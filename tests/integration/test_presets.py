@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from tests.integration.models import digits, digits_loader
+from tests.integration.models import digits, digits_loader, quiet_trainer
 from topocallbacks.lightning import TopoCollapseCallback
 
 TEXT = codecs.decode(this.s, "rot13").encode()  # the Zen of Python: real text, byte-level tokens
@@ -117,17 +117,7 @@ def test_each_preset_runs_on_its_architecture_with_finite_index_at_every_check(t
         else torch.utils.data.DataLoader(torch.utils.data.TensorDataset(text_windows()), batch_size=16, shuffle=True)
     )
     callback = TopoCollapseCallback.from_preset(name, probe=probe, check_every=5)
-    trainer = pl.Trainer(
-        max_steps=15,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        default_root_dir=str(tmp_path),
-    )
+    trainer = quiet_trainer(tmp_path, [callback], 15)
     trainer.fit(tiny(name), loader)
     checks = [r for r in callback.history if r["kind"] == "check"]
     assert [r["step"] for r in checks] == [0, 5, 10, 15]
@@ -145,19 +135,7 @@ def test_probe_from_the_validation_dataloader(tmp_path):
     images, labels = digits(96)
     validation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=32)
     callback = TopoCollapseCallback.from_preset("resnet", probe="val", check_every=5, max_probe_samples=64)
-    trainer = pl.Trainer(
-        max_steps=5,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        default_root_dir=str(tmp_path),
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(tmp_path, [callback], 5, num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(tiny("resnet"), digits_loader(batch_size=32), validation)
     assert callback.monitor.probe.spec.source == "dataset:TensorDataset"
     assert callback.monitor.probe.spec.n_samples == 64
