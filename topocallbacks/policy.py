@@ -17,7 +17,7 @@ import numpy as np
 from ._validation import check_int, check_number, check_state
 from .exceptions import InputError
 
-__all__ = ["Action", "Decision", "Policy"]
+__all__ = ["Action", "Decision", "Policy", "trailing_zscore"]
 
 _STATE_VERSION = 1
 
@@ -68,6 +68,54 @@ class Decision:
     def from_dict(cls, data: Mapping[str, Any]) -> Decision:
         """The inverse of :meth:`as_dict`."""
         return cls(**{**data, "action": Action(data["action"])})
+
+
+def trailing_zscore(past: Sequence[float], value: float, *, direction: int = 1, window: int = 10) -> float | None:
+    r"""How unusual ``value`` is against the recent past, in robust standard deviations.
+
+    .. math:: z = \mathrm{dir} \cdot \frac{v - \mathrm{median}(\text{last } w \text{ values})}
+              {1.4826\,\mathrm{median}(|\text{last } 2w \text{ differences}|) / \sqrt 2}
+
+    The level is the median of the last ``window`` values, so slow healthy drift is followed; the noise is the
+    robust spread of the check-to-check differences over the last ``2 * window`` values, divided by sqrt(2) (a
+    difference of two noisy values has twice the variance); when most differences are exactly 0 (a quantised
+    value such as a Betti ratio), 1.2533 x their mean absolute value stands in. ``direction`` +1 scores rises,
+    -1 drops, 0 either (``|z|``). This is the warning rule of the collapse-evidence suite
+    (``benchmarks/collapse/``).
+
+    Args:
+        past: earlier values, oldest first (non-finite ones are skipped).
+        value: the new value.
+        direction: +1, -1 or 0.
+        window: values in the level estimate (>= 2).
+
+    Returns:
+        The score, or None when fewer than 3 past values (or differences) are available or ``value`` is not finite.
+
+    Example:
+        >>> round(trailing_zscore([1.0, 1.1, 0.9, 1.0, 1.1, 0.9], 2.0), 2)  # median 1.0, |differences| 0.1-0.2
+        9.54
+        >>> trailing_zscore([1.0, 1.1, 0.9, 1.0, 1.1, 0.9], 2.0, direction=-1) < 0
+        True
+    """
+    if direction not in (-1, 0, 1):
+        raise InputError(f"`direction` must be -1, 0 or 1, got {direction!r}")
+    check_int(window, "window", minimum=2)
+    if not math.isfinite(value):
+        return None
+    values = np.asarray(past, dtype=np.float64)
+    recent = values[-window:]
+    recent = recent[np.isfinite(recent)]
+    diffs = np.diff(values[-2 * window :])
+    diffs = diffs[np.isfinite(diffs)]
+    if recent.size < 3 or diffs.size < 3:
+        return None
+    level = float(np.median(recent))
+    spread = np.abs(diffs)
+    noise = 1.4826 * float(np.median(spread)) or 1.2533 * float(np.mean(spread))
+    noise = max(noise / math.sqrt(2), 1e-9 * max(abs(level), 1e-12))  # a constant history: any change is far out
+    deviation = (value - level) / noise
+    return abs(deviation) if direction == 0 else direction * deviation
 
 
 def _check_choice(value: Any, name: str, choices: Sequence[str]) -> Action:

@@ -135,3 +135,37 @@ def test_bad_arguments(kwargs, match):
 def test_load_state_errors():
     with pytest.raises(InputError, match=r"missing key\(s\)"):
         Policy().load_state_dict({"version": 1})
+
+
+# --- trailing z-score (the collapse suite's warning rule) ------------------------------------------------------
+
+
+def test_trailing_zscore_known_values():
+    from topocallbacks.policy import trailing_zscore
+
+    past = [1.0, 1.1, 0.9, 1.0, 1.1, 0.9]
+    # level = median 1.0; |differences| = 0.1, 0.2, 0.1, 0.1, 0.2 -> median 0.1 -> noise 1.4826 * 0.1 / sqrt(2).
+    noise = 1.4826 * 0.1 / math.sqrt(2)
+    assert trailing_zscore(past, 2.0) == pytest.approx(1.0 / noise)
+    assert trailing_zscore(past, 2.0, direction=-1) == pytest.approx(-1.0 / noise)
+    assert trailing_zscore(past, 0.0, direction=0) == pytest.approx(1.0 / noise)
+    # Only the last `window` values set the level: a slow drift is followed.
+    drift = [float(i) for i in range(30)]
+    assert trailing_zscore(drift, 30.0, window=10) == pytest.approx((30 - 24.5) / (1.4826 / math.sqrt(2)))
+    # Quantised history (most differences 0): the mean absolute difference stands in for the median.
+    flips = [1.0] * 9 + [0.0, 1.0]
+    assert trailing_zscore(flips, 0.0) == pytest.approx(-1.0 / (1.2533 * 0.2 / math.sqrt(2)))
+    # Not enough history, or a non-finite value: no score.
+    assert trailing_zscore([1.0, 2.0], 3.0) is None
+    assert trailing_zscore(past, math.nan) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"direction": 2}, "`direction` must be -1, 0 or 1, got 2"), ({"window": 1}, "`window` must be")],
+)
+def test_trailing_zscore_rejects_bad_arguments(kwargs, message):
+    from topocallbacks.policy import trailing_zscore
+
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        trailing_zscore([1.0, 2.0, 3.0, 4.0], 5.0, **kwargs)
