@@ -71,6 +71,7 @@ class IndexConfig:
         epsilon_factor: ...times this factor.
         max_points: subsample size of the persistence diagrams.
         weights: ``"paper"`` or a mapping of component weights.
+        name: what the policy watches (``TopoMonitor(index=...)``): ``"diagram_drift"``, ``"paper"``, ``"rankme"``.
     """
 
     normalize: bool = True
@@ -80,6 +81,7 @@ class IndexConfig:
     epsilon_factor: float = 0.5
     max_points: int = 256
     weights: str | dict[str, float] = "paper"
+    name: str = "diagram_drift"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +89,10 @@ class PolicyConfig:
     """The policy's arguments (see :class:`~topocallbacks.policy.Policy`)."""
 
     action: str = "warn"
-    threshold: float = 0.15
-    relative_to_baseline: bool = True
-    patience: int = 3
-    warmup: int = 3
+    threshold: float = 4.5
+    relative_to_baseline: bool = False
+    patience: int = 1
+    warmup: int = 10
     cooldown: int = 5
     trend_window: int | None = None
     trend_slope: float | None = None
@@ -99,6 +101,8 @@ class PolicyConfig:
     after_max_lr_cuts: str = "stop"
     checkpoint: bool = False
     on_diverged: str = "stop"
+    score: str = "zscore"
+    zscore_window: int = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +147,7 @@ class Preset:
             "epsilon_factor": self.index.epsilon_factor,
             "max_points": self.index.max_points,
             "weights": self.index.weights,
+            "index": self.index.name,
             "policy": Policy(**dataclasses.asdict(self.policy)),
         }
 
@@ -247,7 +252,9 @@ def _check_ranges(preset: Preset, origin: str) -> None:
         section = {f.name: s for s, kind in _SECTIONS.items() for f in dataclasses.fields(kind)}
         message = str(exc)
         key = message.split("`")[1] if message.count("`") >= 2 else ""
-        renamed = {"max_probe_samples": "probe.size"}.get(key, f"{section.get(key, 'index')}.{key}")
+        renamed = {"max_probe_samples": "probe.size", "index": "index.name"}.get(
+            key, f"{section.get(key, 'index')}.{key}"
+        )
         raise ConfigError(message.replace(f"`{key}`", f"`{renamed}`", 1) + f" in {origin}") from exc
 
 

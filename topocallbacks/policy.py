@@ -19,7 +19,8 @@ from .exceptions import InputError
 
 __all__ = ["Action", "Decision", "Policy", "trailing_zscore"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_SCORES = ("value", "baseline", "zscore")
 
 
 class Action(str, enum.Enum):
@@ -130,8 +131,10 @@ class Policy:
 
     A check *fires* when either rule holds after the warm-up:
 
-    * threshold: the score (the index, or its excess over the warm-up mean when ``relative_to_baseline``) is
-      ``>= threshold`` for ``patience`` consecutive checks;
+    * threshold: the score is ``>= threshold`` for ``patience`` consecutive checks. The score is the index itself
+      (``score="value"``), its excess over the warm-up mean (``score="baseline"``, or ``relative_to_baseline``),
+      or :func:`trailing_zscore` of the index against its last ``zscore_window`` values (``score="zscore"``: how
+      many robust standard deviations it jumped; the rule the collapse-evidence suite tuned);
     * trend (when ``trend_window`` is set): the least-squares slope of the last ``trend_window`` index values,
       per check, is ``>= trend_slope``.
 
@@ -150,7 +153,9 @@ class Policy:
         lr_factor: learning-rate multiplier of ``lower_lr``, in ``(0, 1)``.
         max_lr_cuts: cuts before escalating (>= 0).
         after_max_lr_cuts: ``"warn"``, ``"stop"`` or ``"none"``.
-        relative_to_baseline: compare ``index - warm-up mean`` with the threshold instead of the index.
+        relative_to_baseline: same as ``score="baseline"`` (kept for existing configurations).
+        score: ``"value"``, ``"baseline"`` or ``"zscore"`` (see above).
+        zscore_window: values in the z-score's level (>= 2); the noise uses twice as many.
         checkpoint: ask for a rescue checkpoint before ``lower_lr`` and ``stop``.
         on_diverged: the action for a diverged check (``"stop"`` by default).
 
@@ -179,6 +184,8 @@ class Policy:
         relative_to_baseline: bool = False,
         checkpoint: bool = False,
         on_diverged: str = "stop",
+        score: str = "value",
+        zscore_window: int = 10,
     ) -> None:
         actions = [a.value for a in Action]
         self.action_ = _check_choice(action, "action", actions)
@@ -198,6 +205,11 @@ class Policy:
         check_int(max_lr_cuts, "max_lr_cuts", minimum=0)
         self.after_max_lr_cuts_ = _check_choice(after_max_lr_cuts, "after_max_lr_cuts", ["warn", "stop", "none"])
         self.on_diverged_ = _check_choice(on_diverged, "on_diverged", actions)
+        if score not in _SCORES:
+            raise InputError(f"`score` must be one of {list(_SCORES)}, got {score!r}")
+        if relative_to_baseline and score == "zscore":
+            raise InputError('`relative_to_baseline=True` contradicts `score="zscore"`; give one of them')
+        check_int(zscore_window, "zscore_window", minimum=2)
         self.action = action
         self.threshold = float(threshold)
         self.patience = int(patience)
@@ -211,6 +223,9 @@ class Policy:
         self.relative_to_baseline = bool(relative_to_baseline)
         self.checkpoint = bool(checkpoint)
         self.on_diverged = on_diverged
+        self.score = score
+        self.zscore_window = int(zscore_window)
+        self.score_ = "baseline" if self.relative_to_baseline else score
         self.reset()
 
     def reset(self) -> None:
@@ -218,6 +233,7 @@ class Policy:
         self.checks_ = 0
         self.warmup_values_: list[float] = []
         self.recent_: list[float] = []
+        self.values_: list[float] = []  # the last 2 * zscore_window values, for score="zscore"
         self.over_threshold_ = 0
         self.last_action_check_: int | None = None
         self.lr_cuts_ = 0
@@ -240,14 +256,23 @@ class Policy:
         self.checks_ += 1
         if diverged or ci is None or not math.isfinite(ci):
             return self._act(self.on_diverged_, step, None, "diverged", "the probe features diverged (NaN or Inf)")
+        past = self.values_
+        self.values_ = [*past, ci][-2 * self.zscore_window :]
         if self.checks_ <= self.warmup:
             self.warmup_values_.append(ci)
             return Decision(Action.NONE, f"warm-up check {self.checks_} of {self.warmup}", step, ci)
         window = self.trend_window or 0
         self.recent_ = [*self.recent_, ci][-max(window, 1) :]
-        baseline = self.baseline_ if self.relative_to_baseline else None
-        score = ci - baseline if baseline is not None else ci
-        what = f"index - baseline {score:.4f} (baseline {baseline:.4f})" if baseline is not None else f"index {ci:.4f}"
+        baseline = self.baseline_ if self.score_ == "baseline" else None
+        if self.score_ == "zscore":
+            z = trailing_zscore(past, ci, window=self.zscore_window)
+            score = -math.inf if z is None else z
+            what = f"index {ci:.4g} at z = {score:.2f} against its last {self.zscore_window} checks"
+        elif baseline is not None:
+            score = ci - baseline
+            what = f"index - baseline {score:.4f} (baseline {baseline:.4f})"
+        else:
+            score, what = ci, f"index {ci:.4f}"
         self.over_threshold_ = self.over_threshold_ + 1 if score >= self.threshold else 0
         if self.over_threshold_:
             reason = (
@@ -300,6 +325,7 @@ class Policy:
             "checks": self.checks_,
             "warmup_values": list(self.warmup_values_),
             "recent": list(self.recent_),
+            "values": list(self.values_),
             "over_threshold": self.over_threshold_,
             "last_action_check": self.last_action_check_,
             "lr_cuts": self.lr_cuts_,
@@ -311,11 +337,13 @@ class Policy:
         Raises:
             InputError: missing keys or another version.
         """
-        keys = {"version", "checks", "warmup_values", "recent", "over_threshold", "last_action_check", "lr_cuts"}
+        keys = {"version", "checks", "warmup_values", "recent", "values", "over_threshold", "last_action_check"}
+        keys.add("lr_cuts")
         check_state(state, keys, _STATE_VERSION)
         self.checks_ = int(state["checks"])
         self.warmup_values_ = [float(v) for v in state["warmup_values"]]
         self.recent_ = [float(v) for v in state["recent"]]
+        self.values_ = [float(v) for v in state["values"]]
         self.over_threshold_ = int(state["over_threshold"])
         self.last_action_check_ = None if state["last_action_check"] is None else int(state["last_action_check"])
         self.lr_cuts_ = int(state["lr_cuts"])
@@ -333,5 +361,6 @@ class Policy:
             f"warmup={self.warmup!r}, cooldown={self.cooldown!r}, trend_window={self.trend_window!r}, "
             f"trend_slope={self.trend_slope!r}, lr_factor={self.lr_factor!r}, max_lr_cuts={self.max_lr_cuts!r}, "
             f"after_max_lr_cuts={self.after_max_lr_cuts!r}, relative_to_baseline={self.relative_to_baseline!r}, "
-            f"checkpoint={self.checkpoint!r}, on_diverged={self.on_diverged!r})"
+            f"checkpoint={self.checkpoint!r}, on_diverged={self.on_diverged!r}, score={self.score!r}, "
+            f"zscore_window={self.zscore_window!r})"
         )

@@ -85,8 +85,10 @@ def monitor_settings(preset: str | None, **explicit: Any) -> dict[str, Any]:
         hint = f"; did you mean `{guess[0]}`?" if guess else ""
         raise ConfigError(f"unknown argument `{unknown[0]}`{hint} Valid arguments: {sorted(valid)}")
     if isinstance(policy, Mapping):
-        base = settings.get("policy")
-        merged = {**(_policy_arguments(base) if base is not None else {}), **policy}
+        from .monitor import DEFAULT_INDEX, default_policy
+
+        base = settings.get("policy") or default_policy(settings.get("index", DEFAULT_INDEX))
+        merged = {**_policy_arguments(base), **policy}
         try:
             policy = Policy(**merged)
         except TypeError as exc:

@@ -18,11 +18,16 @@ __all__ = ["JsonlSink", "TensorBoardSink", "scalars_of"]
 
 
 def scalars_of(record: Mapping[str, Any]) -> dict[str, float]:
-    """The ``topo/*`` scalars of a check record (what loggers and TensorBoard receive)."""
+    """The ``topo/*`` scalars of a check record (what loggers and TensorBoard receive).
+
+    ``topo/index`` is the value the policy watches (``TopoMonitor(index=...)``, diagram drift by default);
+    ``topo/ci`` the paper's composite, logged beside its components.
+    """
     if record.get("status") != "ok":
         return {"topo/diverged": 1.0}
     scalars = {
         "topo/ci": record["ci"],
+        "topo/index": record["index_value"],
         "topo/betti0": record["betti0"],
         "topo/betti1": record["betti1"],
         "topo/persistence_entropy": record["persistence_entropy"],

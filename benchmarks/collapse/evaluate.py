@@ -11,8 +11,10 @@ The protocol (also in ``benchmarks/README.md``):
   ``2 * TRAIL`` checks divided by sqrt(2); two-sided signals use ``|z|``. A check is *flagged* when ``z >= k``
   at it and the ``patience - 1`` checks before it. A diverged check (NaN/Inf features or loss) is always flagged.
   Fused signals flag when either part's score reaches ``k``.
-* **Standard metric warning**: the first check at which the metric is worse than its best so far by more than
-  ``STANDARD_MARGIN`` (relative); its false-positive rate on healthy twins is reported too.
+* **Standard metric warning**: the first check at which the metric is worse than its best so far by more than a
+  relative margin. The margin is held to the same false-positive budget as the signals: for each metric
+  (accuracy, held-out loss, k-NN accuracy), the smallest of ``MARGINS`` that flags at most ``FP_BUDGET`` of the
+  healthy twins' post-warm-up checks (pooled over the scenarios with that metric).
 * **Tuning and held-out split**: two folds of three scenarios. For each signal, ``(k, patience)`` is chosen on one
   fold: the smallest ``k`` whose pooled false-positive rate on that fold's healthy twins is at most
   ``FP_BUDGET``, for each patience, keeping the patience that warns before the standard metric in the most
@@ -53,7 +55,7 @@ from topocallbacks.policy import trailing_zscore  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 WARMUP = 10
 TRAIL = 10
-STANDARD_MARGIN = 0.05
+MARGINS = (0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
 FP_BUDGET = 0.02
 THRESHOLDS = tuple(float(k) for k in np.round(np.geomspace(1.0, 1000.0, 61), 3))
 PATIENCES = (1, 2, 3)
@@ -72,9 +74,11 @@ class Run:
     fault_step: int
     steps: np.ndarray  # check steps
     metric: np.ndarray
+    metric_name: str
     higher_is_better: bool
     diverged: np.ndarray  # bool per check
     signals: dict[str, np.ndarray]
+    margin: float = MARGINS[2]  # the standard metric's margin, set by calibrate_standard()
 
 
 # --- signals ----------------------------------------------------------------------------------------------------
@@ -134,6 +138,7 @@ def load_runs(directory: Path = RECORDINGS, jobs: int = 1) -> list[Run]:
                         fault_step=int(data["fault_step"]),
                         steps=steps,
                         metric=data[f"{kind}/metric"],
+                        metric_name=str(data["metric_name"]),
                         higher_is_better=bool(data["higher_is_better"]),
                         diverged=diverged,
                         signals=signals[kind],
@@ -174,7 +179,7 @@ def flagged(z: np.ndarray, k: float, patience: int) -> np.ndarray:
 
 
 def standard_warning(run: Run) -> int | None:
-    """Step of the first check after the fault at which the metric is STANDARD_MARGIN worse than its best."""
+    """Step of the first check after the fault at which the metric is ``run.margin`` worse than its best."""
     flags = standard_flags(run)
     after = np.flatnonzero(flags & (run.steps > run.fault_step))
     return int(run.steps[after[0]]) if after.size else None
@@ -184,9 +189,27 @@ def standard_flags(run: Run) -> np.ndarray:
     sign = 1.0 if run.higher_is_better else -1.0
     metric = np.where(np.isfinite(run.metric), sign * run.metric, -math.inf)
     best = np.maximum.accumulate(metric)
-    flags = metric < best - STANDARD_MARGIN * np.abs(best)
+    flags = metric < best - run.margin * np.abs(best)
     flags[:WARMUP] = False
     return flags | run.diverged
+
+
+def calibrate_standard(runs: list[Run]) -> dict[str, float]:
+    """Set each run's standard-metric margin: per metric, the smallest within the FP budget on healthy twins."""
+    margins = {}
+    for name in sorted({r.metric_name for r in runs}):
+        healthy = [r for r in runs if r.metric_name == name and r.kind == "healthy"]
+        for margin in MARGINS:
+            for run in healthy:
+                run.margin = margin
+            flags = sum(int(standard_flags(r)[WARMUP:].sum()) for r in healthy)
+            if flags <= FP_BUDGET * sum(r.steps.size - WARMUP for r in healthy):
+                break
+        margins[name] = margin
+        for run in runs:
+            if run.metric_name == name:
+                run.margin = margin
+    return margins
 
 
 @dataclasses.dataclass
@@ -293,7 +316,12 @@ def summarise(runs: list[Run], outcomes: dict[tuple[str, str, int], Outcome]) ->
         known_leads = [x for x in leads if x is not None]
         fp_flags = sum(outcomes[(scenario, "healthy", r.seed)].flagged_checks for r in healthy)
         fp_checks = sum(outcomes[(scenario, "healthy", r.seed)].checks for r in healthy)
+        silent = [r for r in collapse if standard_warning(r) is None]
         per_scenario[scenario] = {
+            "standard_warned": len(collapse) - len(silent),
+            "warned_without_standard": sum(
+                1 for r in silent if outcomes[(scenario, "collapse", r.seed)].warning_step is not None
+            ),
             "median_lead_steps": statistics.median(known_leads) if known_leads else None,
             "median_lead_fraction": statistics.median(known) if known else None,
             "fp_rate": fp_flags / max(1, fp_checks),
@@ -315,7 +343,9 @@ def summarise(runs: list[Run], outcomes: dict[tuple[str, str, int], Outcome]) ->
 
 
 def rank_key(summary: dict[str, Any]) -> tuple[int, float]:
-    return summary["scenarios_early"], summary["median_lead_fraction"] or -math.inf
+    """Scenarios warned early first, then the median lead fraction (missing: last)."""
+    fraction = summary["median_lead_fraction"]
+    return summary["scenarios_early"], -math.inf if fraction is None else fraction
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     runs = load_runs(args.recordings, args.jobs)
+    margins = calibrate_standard(runs)
     missing = sorted({s for fold in FOLDS for s in fold} - {r.scenario for r in runs})
     if missing:
         print(f"warning: no recordings for {missing}; the folds are incomplete", file=sys.stderr)
@@ -345,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     within = [n for n in SIGNALS if summaries[n]["fp_rate"] <= FP_BUDGET] or list(SIGNALS)
     best = max(within, key=lambda n: rank_key(summaries[n]))
     winner = args.default
-    print(table(summaries, winner, standard_fp))
+    print(table(summaries, winner, standard_fp, margins))
     print(f"best held-out signal within the {FP_BUDGET:.0%} budget: {best}; the package default: {winner}")
 
     records = []
@@ -380,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "protocol": {
             "warmup_checks": WARMUP,
             "trail_checks": TRAIL,
-            "standard_margin": STANDARD_MARGIN,
+            "standard_margins": margins,
             "fp_budget": FP_BUDGET,
             "folds": FOLDS,
         },
@@ -404,24 +435,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None or not math.isfinite(value) else format(value, spec)
+    if value is None:
+        return "n/a"
+    return "missed" if value == -math.inf else format(value, spec)
 
 
-def table(summaries: dict[str, dict[str, Any]], winner: str, standard_fp: float) -> str:
+def table(summaries: dict[str, dict[str, Any]], winner: str, standard_fp: float, margins: dict[str, float]) -> str:
     scenarios = list(next(iter(summaries.values()))["per_scenario"])
     header = "| signal | early in | median lead | FP (healthy) | " + " | ".join(scenarios) + " |"
     lines = [header, "|" + "---|" * (4 + len(scenarios))]
     for name, s in sorted(summaries.items(), key=lambda item: rank_key(item[1]), reverse=True):
         cells = [
-            _fmt(v["median_lead_fraction"], "+.0%") + f" ({_fmt(v['median_lead_steps'], '+.0f')})"
+            "n/a" if v["median_lead_steps"] is None
+            else "missed" if v["median_lead_steps"] == -math.inf
+            else f"{v['median_lead_fraction']:+.0%} ({v['median_lead_steps']:+.0f})"
             for v in s["per_scenario"].values()
-        ]
+        ]  # fmt: skip
         label = f"**{name}**" if name == winner else name
         lines.append(
             f"| {label} | {s['scenarios_early']}/{s['scenarios']} | {_fmt(s['median_lead_fraction'], '+.0%')} | "
             f"{s['fp_rate']:.1%} | " + " | ".join(cells) + " |"
         )
-    lines.append(f"\nstandard-metric rule ({STANDARD_MARGIN:.0%} worse than its best): {standard_fp:.1%} of healthy")
+    rule = ", ".join(f"{name} {margin:.1%}" for name, margin in margins.items())
+    lines.append(f"\nstandard metric: worse than its best by {rule}; flags {standard_fp:.1%} of healthy checks")
     return "\n".join(lines)
 
 

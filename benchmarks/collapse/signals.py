@@ -27,7 +27,7 @@ from topocallbacks.functional.indices import betti_curve, diagram_distance, tota
 from topocallbacks.functional.topology import _subsample
 
 #: Bump when a signal's definition changes: cached signal files with another version are recomputed.
-VERSION = 3
+VERSION = 4
 DIAGRAM_POINTS = 256
 
 

@@ -57,5 +57,5 @@ def test_lightning_cli_configures_the_callback_from_yaml(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "CHECKS [0, 5, 10]" in result.stdout
-    assert "PATIENCE 4 0.15" in result.stdout  # the override merged into the preset's policy
+    assert "PATIENCE 4 4.5" in result.stdout  # the override merged into the preset's policy
     assert "PROBE dataset:TensorDataset 64" in result.stdout

@@ -35,6 +35,8 @@ def interventions(callback):
 
 
 def blow_up_policy(action):
+    # The paper composite with a baseline-relative threshold (these tests pin index="paper"); the default index,
+    # diagram drift with its z-score rule, has its own test below.
     return Policy(action=action, threshold=0.15, relative_to_baseline=True, patience=2, warmup=2, cooldown=5)
 
 
@@ -56,7 +58,9 @@ def test_checks_run_every_n_steps_are_logged_and_leave_the_module_training(tmp_p
 
 
 def test_an_induced_lr_blow_up_warns(tmp_path):
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=blow_up_policy("warn"))
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", check_every=10, index="paper", policy=blow_up_policy("warn")
+    )
     with pytest.warns(RuntimeWarning, match=r"topocallbacks at step \d+: index - baseline .* >= threshold 0.15"):
         trainer(tmp_path, [callback], max_steps=120).fit(
             TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader()
@@ -68,7 +72,9 @@ def test_an_induced_lr_blow_up_warns(tmp_path):
 
 
 def test_an_induced_lr_blow_up_stops_the_run_with_a_checkpoint(tmp_path):
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=blow_up_policy("stop"))
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", check_every=10, index="paper", policy=blow_up_policy("stop")
+    )
     fit = trainer(tmp_path, [callback], max_steps=300)
     fit.fit(TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader())
     stop = interventions(callback)[-1]
@@ -234,3 +240,21 @@ def test_lightning_tensorboard_logger_receives_the_index(tmp_path):
     logged = [event.value for event in events.Scalars("topo/ci")]
     distinct = [value for i, value in enumerate(logged) if i == 0 or value != logged[i - 1]]
     assert distinct == pytest.approx([r["ci"] for r in checks(callback) if r["step"] > 0])
+
+
+def test_the_default_index_and_rule_warn_on_an_induced_lr_blow_up(tmp_path):
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=2)
+    assert callback.monitor.index == "diagram_drift"
+    with pytest.warns(RuntimeWarning, match=r"topocallbacks at step \d+: index .* at z = .* >= threshold 4.5"):
+        trainer(tmp_path, [callback], max_steps=120).fit(
+            TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader()
+        )
+    first = interventions(callback)[0]
+    assert first["action"] == "warn"
+    records = checks(callback)
+    assert records[0]["index_value"] == 0.0  # nothing to drift from at the first check
+    # The warm-up is 10 checks (steps 0-18); the ramp (x1.1 per step) is flagged at the first check after it,
+    # while the drift has tripled, long before the features end fully collapsed (drift 0: empty diagrams).
+    assert first["step"] == 20
+    assert records[10]["index_value"] > 3 * records[1]["index_value"]
+    assert records[-1]["index_value"] == 0.0

@@ -89,7 +89,8 @@ def make_run(evaluate, values, metric, kind="collapse", fault=100):
     steps = np.arange(len(values)) * 10
     return evaluate.Run(
         scenario="resnet_lr_ramp", kind=kind, seed=0, fault_step=fault, steps=steps, metric=np.asarray(metric),
-        higher_is_better=True, diverged=np.zeros(len(values), dtype=bool), signals={"rankme": np.asarray(values)},
+        metric_name="accuracy", higher_is_better=True, diverged=np.zeros(len(values), dtype=bool),
+        signals={"rankme": np.asarray(values)},
     )  # fmt: skip
 
 

@@ -171,3 +171,60 @@ def test_jsonl_reader_skips_a_torn_last_line(tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(InputError, match=match):
         TopoMonitor(**kwargs)
+
+
+# --- the watched index (diagram drift by default, chosen by benchmarks/collapse) -------------------------------
+
+
+def test_default_index_is_diagram_drift_and_matches_the_functional_definition():
+    rng = np.random.default_rng(0)
+    frames = [rng.normal(size=(120, 6)) for _ in range(3)]
+    monitor = TopoMonitor(check_every=1)
+    assert monitor.index == "diagram_drift"
+    assert monitor.policy.score == "zscore"
+    assert monitor.policy.threshold == 4.5
+    assert monitor.policy.warmup == 10
+    records = [monitor.process(frame, step) for step, frame in enumerate(frames)]
+    assert records[0]["index"] == "diagram_drift"
+    assert records[0]["index_value"] == 0.0  # nothing to drift from at the first check
+    previous = None
+    for frame, record in zip(frames, records, strict=True):
+        centred = frame - frame.mean(axis=0)
+        cloud = centred / np.sqrt(np.mean(np.sum(centred**2, axis=1)))
+        sample = cloud  # 120 points: below max_points, no subsample
+        diagrams = F.persistence_diagrams(sample, threshold=F.longest_mst_edge(sample))
+        if previous is not None:
+            expected = sum(F.diagram_distance(a, b) for a, b in zip(previous, diagrams, strict=True))
+            assert record["index_value"] == pytest.approx(expected)
+            assert record["decision"]["ci"] == pytest.approx(expected)  # what the policy saw
+        previous = diagrams
+    assert records[1]["index_value"] > 0
+
+
+def test_rankme_is_handed_to_the_policy_negated_and_paper_keeps_the_threshold_policy():
+    features = np.random.default_rng(1).normal(size=(100, 5))
+    rankme = TopoMonitor(check_every=1, index="rankme")
+    record = rankme.process(features, 0)
+    assert record["index_value"] == pytest.approx(F.effective_rank(features - features.mean(axis=0)))
+    assert record["decision"]["ci"] == pytest.approx(-record["index_value"])
+    paper = TopoMonitor(check_every=1, index="paper")
+    record = paper.process(features, 0)
+    assert record["index_value"] == record["ci"]
+    assert paper.policy.score == "value"
+    assert paper.policy.threshold == 0.7
+    with pytest.raises(InputError, match=r"`index` must be one of \['diagram_drift', 'paper', 'rankme'\], got 'ci'"):
+        TopoMonitor(index="ci")
+
+
+def test_drift_state_survives_a_round_trip_so_a_resume_continues_the_drift():
+    rng = np.random.default_rng(2)
+    frames = [rng.normal(size=(80, 4)) for _ in range(3)]
+    uninterrupted = TopoMonitor(check_every=1)
+    expected = [uninterrupted.process(f, i)["index_value"] for i, f in enumerate(frames)]
+    first = TopoMonitor(check_every=1)
+    first.process(frames[0], 0)
+    first.process(frames[1], 1)
+    resumed = TopoMonitor(check_every=1)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert resumed.process(frames[2], 2)["index_value"] == pytest.approx(expected[2])
+    assert pickle.loads(pickle.dumps(first)).state_dict() == first.state_dict()

@@ -2,6 +2,7 @@ import json
 import math
 import pickle
 
+import numpy as np
 import pytest
 
 from topocallbacks import InputError
@@ -169,3 +170,35 @@ def test_trailing_zscore_rejects_bad_arguments(kwargs, message):
 
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         trailing_zscore([1.0, 2.0, 3.0, 4.0], 5.0, **kwargs)
+
+
+def test_zscore_score_is_the_trailing_zscore_with_warmup_and_patience():
+    from topocallbacks.policy import trailing_zscore
+
+    rng = np.random.default_rng(0)
+    values = [*list(1.0 + 0.01 * rng.normal(size=15)), 1.5, 1.5, 1.0]
+    policy = Policy(action="stop", score="zscore", threshold=4.5, patience=1, warmup=10, cooldown=0)
+    decisions = [policy.decide(step, value) for step, value in enumerate(values)]
+    assert [d.action for d in decisions[:10]] == [Action.NONE] * 10  # warm-up
+    expected = trailing_zscore(values[-20 - 3 : 15], values[15], window=10)
+    assert f"z = {expected:.2f}" in decisions[15].reason
+    assert [d.action for d in decisions[10:15]] == [Action.NONE] * 5
+    assert decisions[15].action is Action.STOP
+    assert decisions[15].rule == "threshold"
+    # The same series through a saved and restored policy gives the same decisions.
+    first = Policy(action="stop", score="zscore", threshold=4.5, patience=1, warmup=10, cooldown=0)
+    for step, value in enumerate(values[:12]):
+        first.decide(step, value)
+    restored = Policy(action="stop", score="zscore", threshold=4.5, patience=1, warmup=10, cooldown=0)
+    restored.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert [restored.decide(s, v).action for s, v in enumerate(values[12:], 12)] == [d.action for d in decisions[12:]]
+
+
+def test_score_arguments_are_validated():
+    with pytest.raises(InputError, match=r"`score` must be one of \['value', 'baseline', 'zscore'\], got 'z'"):
+        Policy(score="z")
+    with pytest.raises(InputError, match="contradicts"):
+        Policy(score="zscore", relative_to_baseline=True)
+    with pytest.raises(InputError, match="`zscore_window` must be"):
+        Policy(score="zscore", zscore_window=1)
+    assert Policy(relative_to_baseline=True).score_ == "baseline"

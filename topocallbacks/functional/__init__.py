@@ -17,17 +17,21 @@ from .collapse import (
     resolve_weights,
 )
 from .geometry import anisotropy, effective_rank, participation_ratio
+from .indices import BettiCurve, betti_curve, diagram_distance, total_persistence
 from .topology import BettiNumbers, betti_numbers, persistence_diagrams, persistence_entropy
 
 __all__ = [
     "COMPONENTS",
     "PAPER_WEIGHTS",
+    "BettiCurve",
     "BettiNumbers",
     "CollapseReport",
     "anisotropy",
+    "betti_curve",
     "betti_numbers",
     "betti_term",
     "collapse_index",
+    "diagram_distance",
     "effective_rank",
     "entropy_term",
     "epsilon_heuristic",
@@ -36,4 +40,5 @@ __all__ = [
     "persistence_diagrams",
     "persistence_entropy",
     "resolve_weights",
+    "total_persistence",
 ]

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 from scipy.sparse.csgraph import minimum_spanning_tree
 
 from .._validation import as_points, check_int, check_number, check_positive_float, check_seed
@@ -269,6 +270,20 @@ def collapse_index(
         >>> 0.0 <= report.ci <= 1.0, report.betti0 >= 1, sorted(report.components)
         (True, True, ['anisotropy', 'betti', 'entropy'])
     """
+    report, _ = _collapse_index(features, epsilon, weights, max_points=max_points, seed=seed, betti=betti)
+    return report
+
+
+def _collapse_index(
+    features: Any,
+    epsilon: float | None,
+    weights: str | Mapping[str, float] | None,
+    *,
+    max_points: int,
+    seed: int,
+    betti: tuple[int, int] | None,
+) -> tuple[CollapseReport, list[NDArray[np.float64]]]:
+    """:func:`collapse_index` and the H0, H1 diagrams it computed (the monitor reuses them for diagram drift)."""
     start = time.perf_counter()
     cloud = as_points(features, "features")
     resolved = resolve_weights(weights)
@@ -296,7 +311,7 @@ def collapse_index(
 
     terms = {"betti": betti_term(b0, b1), "entropy": entropy_term(entropy), "anisotropy": aniso}
     ci = float(min(max(sum(resolved[name] * terms[name] for name in COMPONENTS), 0.0), 1.0))
-    return CollapseReport(
+    report = CollapseReport(
         ci=ci,
         betti_term=terms["betti"],
         entropy_term=terms["entropy"],
@@ -316,3 +331,4 @@ def collapse_index(
             "total": (time.perf_counter() - start) * 1e3,
         },
     )
+    return report, [h0, h1]

@@ -51,12 +51,13 @@ class TopoCollapseCallback(Callback):
         check_every: optimizer steps between checks (>= 1).
         check_on_validation_end: also check after every validation run (probe mode; sanity checks skipped),
             e.g. with a large ``check_every`` to check once per validation only.
-        policy: a :class:`~topocallbacks.policy.Policy` (default: warn only).
+        policy: a :class:`~topocallbacks.policy.Policy`, or a mapping of its arguments merged into the preset's
+            policy (default: the preset's, else :func:`~topocallbacks.monitor.default_policy`, which warns only).
         checkpoint_on_stop: save a checkpoint before stopping, so a stop never loses the last state.
         rescue_dir: directory of rescue checkpoints (default: ``trainer.default_root_dir``).
         preset: a preset name (``topocallbacks.presets.available()``) or YAML path whose values are the defaults.
         mode, pooling, window, points_per_batch, projection, projection_dim, normalize, epsilon, epsilon_quantile,
-            epsilon_factor, weights, max_points, max_probe_samples, batch_size, history_path, tensorboard_dir,
+            epsilon_factor, weights, index, max_points, max_probe_samples, batch_size, history_path, tensorboard_dir,
             diagram_every, seed: :class:`~topocallbacks.monitor.TopoMonitor` arguments; None takes the preset's
             value, else the monitor's default. Explicit (not ``**kwargs``) so that LightningCLI can set them.
 
@@ -96,6 +97,7 @@ class TopoCollapseCallback(Callback):
         epsilon_quantile: float | None = None,
         epsilon_factor: float | None = None,
         weights: str | dict[str, float] | None = None,
+        index: str | None = None,
         max_points: int | None = None,
         max_probe_samples: int | None = None,
         batch_size: int | None = None,
@@ -120,6 +122,7 @@ class TopoCollapseCallback(Callback):
             epsilon_quantile=epsilon_quantile,
             epsilon_factor=epsilon_factor,
             weights=weights,
+            index=index,
             max_points=max_points,
             max_probe_samples=max_probe_samples,
             batch_size=batch_size,
