@@ -7,11 +7,16 @@ from typing import Any
 
 import numpy as np
 
-COMPONENTS = {"paper_ci": ("betti_term", "entropy_term", "anisotropy")}
+COMPONENTS = {
+    "paper_ci": ("betti_term", "entropy_term", "anisotropy"),
+    "diagram_drift": ("h0_drift", "h1_drift"),
+}
+WARMUP = 10  # checks left out of the scaling (the first checks of training move fastest)
 
 
 def _scaled(values: np.ndarray) -> np.ndarray:
-    finite = values[np.isfinite(values)]
+    """Min-max scaled over the checks after the warm-up (earlier checks may fall outside [0, 1])."""
+    finite = values[WARMUP:][np.isfinite(values[WARMUP:])]
     if finite.size == 0:
         return values
     low, high = float(finite.min()), float(finite.max())
@@ -47,7 +52,8 @@ def plot_scenarios(
             for name, width, alpha in lines:
                 label = f"{name} (default)" if name == index else name
                 bottom.plot(run.steps, _scaled(run.signals[name]), linewidth=width, alpha=alpha, label=label)
-            bottom.set_ylabel("min-max scaled")
+            bottom.set_ylabel("min-max scaled after warm-up")
+            bottom.set_ylim(-0.1, 1.3)
             bottom.set_xlabel("step")
             for ax in (top, bottom):
                 ax.axvline(run.fault_step, color="grey", linestyle=":", label="fault onset")

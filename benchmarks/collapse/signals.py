@@ -27,7 +27,7 @@ from topocallbacks.functional.indices import betti_curve, diagram_distance, tota
 from topocallbacks.functional.topology import _subsample
 
 #: Bump when a signal's definition changes: cached signal files with another version are recomputed.
-VERSION = 4
+VERSION = 5
 DIAGRAM_POINTS = 256
 
 
@@ -56,6 +56,8 @@ SIGNALS: dict[str, Signal] = {
         Signal("h0_total_persistence", -1, "topology", "H0 total persistence in units of the median distance"),
         Signal("h1_total_persistence", 0, "topology", "H1 total persistence in units of the median distance"),
         Signal("diagram_drift", 1, "topology", "Wasserstein-1 distance between consecutive H0 and H1 diagrams"),
+        Signal("h0_drift", 1, "topology", "the H0 part of diagram_drift"),
+        Signal("h1_drift", 1, "topology", "the H1 part of diagram_drift"),
         Signal("rankme", -1, "geometry", "effective rank (RankMe)"),
         Signal("grad_norm", 0, "training", "mean gradient norm since the previous check"),
         Signal("loss", 1, "training", "mean training loss since the previous check"),
@@ -136,10 +138,12 @@ def feature_signals(frames: np.ndarray, state: dict | None = None) -> tuple[dict
         out["betti1_area"].append(curve.loop_area)
         out["h0_total_persistence"].append(h0)
         out["h1_total_persistence"].append(h1)
-        drift = math.nan
+        drifts = [math.nan, math.nan]
         if previous is not None:
-            drift = sum(diagram_distance(a, b) for a, b in zip(previous, diagrams, strict=True))
-        out["diagram_drift"].append(drift)
+            drifts = [diagram_distance(a, b) for a, b in zip(previous, diagrams, strict=True)]
+        out["h0_drift"].append(drifts[0])
+        out["h1_drift"].append(drifts[1])
+        out["diagram_drift"].append(drifts[0] + drifts[1])
         out["rankme"].append(effective_rank(cloud) if median > 0 else 1.0)
         previous = diagrams
     signals = {name: np.asarray(values, dtype=np.float64) for name, values in out.items()}
