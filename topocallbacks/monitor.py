@@ -97,7 +97,8 @@ class TopoMonitor:
         weights: Collapse Index weights (``"paper"``/None, or a mapping).
         index: what the policy watches: ``"diagram_drift"`` (the default, see :data:`DEFAULT_INDEX`),
             ``"paper"`` (the composite Collapse Index) or ``"rankme"``. The composite and its components are
-            computed and logged either way.
+            computed and logged either way. The suite measured probe mode; in streaming mode the drift also
+            reflects the window's turnover between checks.
         max_points: subsample size for the persistence diagrams (>= 2).
         policy: a :class:`~topocallbacks.policy.Policy` (default: :func:`default_policy` for ``index``, which
             warns only).

@@ -33,6 +33,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import fashion_mnist
 
+from topocallbacks.functional import gradient_norm
+
 PROBE_SIZE = 512
 EVAL_IMAGES = 1024
 TEXT_CONTEXT = 64
@@ -87,8 +89,7 @@ class Trainee:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss(step, settings)
         loss.backward()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        norm = gradient_norm(self.model.parameters())
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()

@@ -150,3 +150,16 @@ def test_diagram_distance_matches_a_brute_force_matching():
                 cost += sum(((b[j, 1] - b[j, 0]) / 2) ** 2 for j in range(2) if j not in right)
                 best = min(best, cost)
     assert diagram_distance(a, b, order=2) == pytest.approx(math.sqrt(best))
+
+
+def test_gradient_norm_is_the_norm_clip_grad_norm_sees():
+    import torch
+
+    from topocallbacks.functional import gradient_norm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    assert gradient_norm(model.parameters()) == 0.0  # no gradients yet
+    model(torch.randn(8, 5)).pow(2).sum().backward()
+    expected = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf")))
+    assert gradient_norm(model.parameters()) == pytest.approx(expected, rel=1e-6)

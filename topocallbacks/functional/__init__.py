@@ -19,6 +19,7 @@ from .collapse import (
 from .geometry import anisotropy, effective_rank, participation_ratio
 from .indices import BettiCurve, betti_curve, diagram_distance, total_persistence
 from .topology import BettiNumbers, betti_numbers, persistence_diagrams, persistence_entropy
+from .training import gradient_norm
 
 __all__ = [
     "COMPONENTS",
@@ -35,6 +36,7 @@ __all__ = [
     "effective_rank",
     "entropy_term",
     "epsilon_heuristic",
+    "gradient_norm",
     "longest_mst_edge",
     "participation_ratio",
     "persistence_diagrams",

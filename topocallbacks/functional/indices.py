@@ -2,8 +2,9 @@
 
 These are the candidate collapse indices that the collapse-evidence suite (``benchmarks/collapse/``) compares with
 the paper's composite. Unlike a Betti ratio at one fixed ε, none of them depends on the absolute feature scale:
-Betti curves take their scales from the quantiles of the current pairwise distances, and total persistence is
-measured in units of the current median distance.
+Betti curves take their scales from the quantiles of the current pairwise distances, total persistence is
+measured in units of the current median distance, and diagram drift is taken between clouds that
+:class:`~topocallbacks.TopoMonitor` has normalised to unit RMS radius.
 """
 
 from __future__ import annotations
