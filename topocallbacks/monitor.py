@@ -23,7 +23,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ._validation import as_points, check_int, check_number, check_positive_float, check_state
-from .distributed import rank_and_world
+from .distributed import broadcast_object, gather_probe_features, rank_and_world
 from .exceptions import InputError, NonFiniteError
 from .functional.collapse import _collapse_index, epsilon_heuristic, resolve_weights
 from .functional.geometry import effective_rank
@@ -218,6 +218,43 @@ class TopoMonitor:
         """Probe mode: run the probe through ``model`` and evaluate it (see :meth:`process`)."""
         start = time.perf_counter()
         return self.process(self.features(model), step, start=start)
+
+    def check_everywhere(self, model: Any, step: int) -> dict[str, Any]:
+        """:meth:`check` on every rank of a distributed job (outside one, just :meth:`check`).
+
+        Every rank computes its shard of the probe, rank 0 evaluates and decides, every rank adopts rank 0's record.
+        Every rank must call it at the same step. Returns the record, the same on every rank.
+
+        Raises:
+            InputError: no probe, or the probe pass failed (the message names the model, layer and step).
+        """
+        if self.probe is None:
+            raise InputError("this monitor has no probe (and layer): pass features to process() instead")
+        probe = self.probe
+        try:
+            features = gather_probe_features(lambda idx: self.features(model, idx), len(probe))
+        except InputError as exc:
+            layer = None if self.extractor is None else self.extractor.layer
+            raise InputError(f"{exc} (model {type(model).__name__}, layer {layer!r}, step {step})") from exc
+        shared = None
+        if rank_and_world()[0] == 0:
+            self.process(features, step)
+            shared = self.share()
+        record = self.adopt(shared)
+        assert record is not None  # rank 0 always evaluated this check
+        return record
+
+    def adopt(self, shared: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """Broadcast rank 0's :meth:`share` (or None: nothing new) and adopt it on the other ranks.
+
+        Every rank must call it at the same step. Returns the latest record, or None when rank 0 had nothing.
+        """
+        shared = broadcast_object(shared)
+        if shared is None:
+            return None
+        if rank_and_world()[0] != 0:
+            self.receive(shared)
+        return self.last_record
 
     def process(self, features: Any, step: int, *, start: float | None = None) -> dict[str, Any]:
         """Evaluate one check of probe features ``(n, d)`` and return its record (the decision included).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +78,7 @@ def monitor_settings(preset: str | None, **explicit: Any) -> dict[str, Any]:
             settings[key] = value
     from .monitor import TopoMonitor  # torch, imported only when a monitor is being configured
 
-    valid = set(inspect.signature(TopoMonitor).parameters) - {"probe"}
-    unknown = sorted(set(settings) - valid)
-    if unknown:
-        guess = difflib.get_close_matches(unknown[0], sorted(valid), n=1)
-        hint = f"; did you mean `{guess[0]}`?" if guess else ""
-        raise ConfigError(f"unknown argument `{unknown[0]}`{hint} Valid arguments: {sorted(valid)}")
+    reject_unknown(settings, set(inspect.signature(TopoMonitor).parameters) - {"probe"})
     if isinstance(policy, Mapping):
         from .monitor import DEFAULT_INDEX, default_policy
 
@@ -96,6 +91,27 @@ def monitor_settings(preset: str | None, **explicit: Any) -> dict[str, Any]:
     if policy is not None:
         settings["policy"] = policy
     return settings
+
+
+def reject_unknown(given: Iterable[str], valid: Iterable[str]) -> None:
+    """Raise for the first name in ``given`` that is not in ``valid``, with a "did you mean" and the valid names.
+
+    Raises:
+        ConfigError: an unknown name.
+
+    Example:
+        >>> reject_unknown(["check_evry"], ["check_every", "layer"])
+        Traceback (most recent call last):
+        ...
+        topocallbacks.exceptions.ConfigError: unknown argument `check_evry`; did you mean `check_every`? Valid \
+arguments: ['check_every', 'layer']
+    """
+    names = sorted(set(valid))
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        guess = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f"; did you mean `{guess[0]}`?" if guess else ""
+        raise ConfigError(f"unknown argument `{unknown[0]}`{hint} Valid arguments: {names}")
 
 
 def _policy_arguments(policy: Policy) -> dict[str, Any]:

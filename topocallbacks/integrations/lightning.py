@@ -6,7 +6,6 @@ save a rescue checkpoint, stop).
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import os
 import warnings
@@ -16,12 +15,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ..distributed import broadcast_object, gather_probe_features, rank_and_world
-from ..exceptions import ConfigError, InputError
+from ..distributed import rank_and_world
+from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..policy import Action, Decision, Policy
-from ..presets import monitor_settings
+from ..presets import monitor_settings, reject_unknown
 from ..probe import _first_tensor, _pool, resolve_module
 from ..sinks import scalars_of
 
@@ -161,12 +160,7 @@ class TopoCollapseCallback(Callback):
         Raises:
             ConfigError: an unknown preset, an invalid preset file or an unknown override key.
         """
-        valid = sorted(set(inspect.signature(cls).parameters) - {"probe", "preset"})
-        unknown = sorted(set(overrides) - set(valid))
-        if unknown:
-            guess = difflib.get_close_matches(unknown[0], valid, n=1)
-            hint = f"; did you mean `{guess[0]}`?" if guess else ""
-            raise ConfigError(f"unknown argument `{unknown[0]}`{hint} Valid arguments: {valid}")
+        reject_unknown(overrides, set(inspect.signature(cls).parameters) - {"probe", "preset"})
         return cls(probe=probe, preset=preset, **overrides)
 
     @property
@@ -231,18 +225,7 @@ class TopoCollapseCallback(Callback):
         if step == self._last_checked_step:
             return  # gradient accumulation, or the step a resumed run was saved at
         self._last_checked_step = step
-        probe = self.monitor.probe
-        assert probe is not None  # probe mode requires one (checked in __init__)
-        try:
-            features = gather_probe_features(lambda idx: self.monitor.features(pl_module, idx), len(probe))
-        except InputError as exc:
-            raise InputError(f"{exc} (model {type(pl_module).__name__}, layer {self.layer!r}, step {step})") from exc
-        rank, _ = rank_and_world()
-        shared = None
-        if rank == 0:
-            self.monitor.process(features, step)
-            shared = self.monitor.share()
-        self._adopt(trainer, pl_module, shared, log=log)
+        self._act(trainer, pl_module, self.monitor.check_everywhere(pl_module, step), log=log)
 
     def _capture(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         """Streaming mode: keep the pooled output of the watched layer during training forwards."""
@@ -263,18 +246,12 @@ class TopoCollapseCallback(Callback):
         self._last_checked_step = step
         # Every rank reaches this broadcast on the same steps: rank 0 watches its own batches and decides.
         shared = self.monitor.share() if rank == 0 and record is not None else None
-        self._adopt(trainer, pl_module, shared, log=True)
+        adopted = self.monitor.adopt(shared)
+        if adopted is not None:
+            self._act(trainer, pl_module, adopted, log=True)
 
-    def _adopt(self, trainer: pl.Trainer, pl_module: pl.LightningModule, shared: Any, *, log: bool) -> None:
-        """Share rank 0's result, log it everywhere, and apply its decision on every rank."""
-        rank, _ = rank_and_world()
-        shared = broadcast_object(shared)
-        if shared is None:
-            return
-        if rank != 0:
-            self.monitor.receive(shared)
-        record = self.monitor.last_record
-        assert record is not None
+    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: dict[str, Any], *, log: bool) -> None:
+        """Log rank 0's record (the same on every rank) and apply its decision on every rank."""
         if log:
             for name, value in scalars_of(record).items():
                 pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "topo/ci", batch_size=1)

@@ -1,0 +1,273 @@
+"""The Hugging Face callback in real ``transformers.Trainer.train`` runs on CPU."""
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from tests.integration.models import digits
+from topocallbacks import InputError, Policy
+from topocallbacks.exceptions import ConfigError
+from topocallbacks.hf import TopoCollapseTrainerCallback
+
+
+class DigitsNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU())
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x, labels=None):
+        logits = self.head(self.encoder(x))
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits}
+
+
+def flat_digits():
+    images, labels = digits()
+    return images.flatten(1), labels
+
+
+def digits_dataset(n=512):
+    x, y = flat_digits()
+    return [{"x": x[i], "labels": y[i]} for i in range(n)]
+
+
+PROBE = flat_digits()[0][:128]
+
+
+def arguments(tmp_path, **overrides):
+    settings = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 32,
+        "learning_rate": 0.1,
+        "max_steps": 10,
+        "lr_scheduler_type": "constant",
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "logging_strategy": "no",
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+class Recorder(TrainerCallback):
+    """Records the hooks that matter here, with the control flags as the callbacks before it left them."""
+
+    def __init__(self):
+        self.events = []
+        self.rates = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.events.append(("on_train_begin", state.global_step))
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.events.append(("on_step_end", state.global_step, control.should_save, control.should_training_stop))
+        self.rates[state.global_step] = optimizer.param_groups[0]["lr"]
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(("on_save", state.global_step))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.events.append(("on_train_end", state.global_step))
+
+
+def always(action, **kwargs):
+    """A policy that fires at the first check after a one-check warm-up."""
+    return Policy(action=action, score="value", threshold=-1.0, patience=1, warmup=1, cooldown=100, **kwargs)
+
+
+def checks(callback):
+    return [r for r in callback.history if r["kind"] == "check"]
+
+
+def interventions(callback):
+    return [r for r in callback.history if r["kind"] == "intervention"]
+
+
+def test_checks_land_in_log_history_every_n_steps(tmp_path):
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5)
+    trainer = Trainer(model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[callback])
+    trainer.train()
+    assert [r["step"] for r in checks(callback)] == [0, 5, 10]
+    logged = [entry for entry in trainer.state.log_history if "topo/index" in entry]
+    assert [entry["step"] for entry in logged] == [0, 5, 10]
+    assert logged[0]["topo/index"] == 0.0  # diagram drift has nothing to drift from at the first check
+    assert all(math.isfinite(entry["topo/ci"]) and entry["topo/index"] >= 0 for entry in logged)
+    assert [entry["topo/index"] for entry in logged] == [r["index_value"] for r in checks(callback)]
+
+
+def test_a_stop_saves_a_checkpoint_then_stops_in_this_exact_hook_sequence(tmp_path):
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=always("stop"))
+    recorder = Recorder()
+    trainer = Trainer(
+        model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[callback, recorder]
+    )
+    trainer.train()
+    assert recorder.events == [
+        ("on_train_begin", 0),
+        ("on_step_end", 1, False, False),
+        ("on_step_end", 2, True, True),  # our callback only set the Trainer's control flags
+        ("on_save", 2),  # the Trainer saved the checkpoint of the stopping step first
+        ("on_train_end", 2),
+    ]
+    assert (tmp_path / "checkpoint-2").is_dir()
+    stop = interventions(callback)[-1]
+    assert stop["step"] == 2
+    assert stop["action"] == "stop"
+    assert "control.should_save set (the Trainer saves checkpoint-2)" in stop["detail"]
+    assert "control.should_training_stop set" in stop["detail"]
+
+
+def test_the_learning_rate_cut_is_still_in_effect_steps_later_under_the_linear_schedule(tmp_path):
+    callback = TopoCollapseTrainerCallback(
+        probe=PROBE, layer="encoder", check_every=2, policy=always("lower_lr", lr_factor=0.5, max_lr_cuts=1)
+    )
+    recorder = Recorder()
+    args = arguments(tmp_path, lr_scheduler_type="linear", warmup_steps=0)
+    Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[callback, recorder]).train()
+    # Linear decay from 0.1 to 0 over 10 steps; halved from step 2 on (the cut lands in step 2's on_step_end).
+    assert recorder.rates[1] == pytest.approx(0.1 * (1 - 1 / 10))
+    for step in range(2, 10):
+        assert recorder.rates[step] == pytest.approx(0.05 * (1 - step / 10)), step
+    cut = interventions(callback)
+    assert len(cut) == 1
+    assert cut[0]["action"] == "lower_lr"
+    assert cut[0]["lr_factor"] == 0.5
+
+
+def test_a_warning_names_the_step_and_the_reason(tmp_path):
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=always("warn"))
+    with pytest.warns(RuntimeWarning, match=r"topocallbacks at step 2: index .* >= threshold -1.0"):
+        Trainer(
+            model=DigitsNet(),
+            args=arguments(tmp_path, max_steps=2),
+            train_dataset=digits_dataset(),
+            callbacks=[callback],
+        ).train()
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["read-by-the-callback", "rebuilt-by-the-trainer"])
+def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp_path, rebuild):
+    policy = {"action": "warn", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1, "cooldown": 100}
+    first = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy)
+    args = arguments(
+        tmp_path, max_steps=8, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=rebuild
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[first]).train()
+    assert [r["step"] for r in interventions(first)] == [2]
+    saved = transformers.TrainerState.load_from_json(str(tmp_path / "checkpoint-4" / "trainer_state.json"))
+    assert saved.stateful_callbacks["TopoCollapseTrainerCallback"]["args"]["probe_hash"] is not None
+
+    fresh = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy)
+    trainer = Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[fresh])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a re-fired warning would fail here
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    restored = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TopoCollapseTrainerCallback))
+    assert (restored is not fresh) is rebuild  # with the flag on, the Trainer rebuilt it from trainer_state.json
+    assert [r["step"] for r in checks(restored)] == [0, 2, 4, 6, 8]
+    assert [r["step"] for r in interventions(restored)] == [2]
+    assert [r["index_value"] for r in checks(restored)][:3] == [r["index_value"] for r in checks(first)][:3]
+
+
+def test_a_restore_without_the_probe_in_this_process_says_what_to_do():
+    with pytest.raises(InputError, match="pass the same probe to the callback of the resumed run"):
+        TopoCollapseTrainerCallback(layer="encoder", probe_hash="0" * 64)
+
+
+def test_probe_from_the_train_dataset_drops_the_labels(tmp_path):
+    callback = TopoCollapseTrainerCallback(probe="train", layer="encoder", check_every=5, max_probe_samples=64)
+    Trainer(
+        model=DigitsNet(), args=arguments(tmp_path, max_steps=5), train_dataset=digits_dataset(), callbacks=[callback]
+    ).train()
+    assert callback.monitor.probe.spec.n_samples == 64
+    assert "labels" not in callback.monitor.probe.items[0]
+    assert [r["n_points"] for r in checks(callback)] == [64, 64]
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(InputError, match="`probe` given as text must be 'train' or 'eval'"):
+        TopoCollapseTrainerCallback(probe="val", layer="encoder")
+    with pytest.raises(InputError, match="`mode` must be 'probe'"):
+        TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", mode="stream")
+    with pytest.raises(ConfigError, match="unknown argument `check_evry`; did you mean `check_every`"):
+        TopoCollapseTrainerCallback.from_preset("gpt", probe=PROBE, check_evry=3)
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="nope")
+    with pytest.raises(InputError, match="`layer` 'nope' is not a module of DigitsNet"):
+        callback.on_train_begin(None, transformers.TrainerState(), transformers.TrainerControl(), model=DigitsNet())
+
+
+def test_gpt_preset_on_a_tiny_gpt2_through_trainer(tmp_path):
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (96, 16), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[::3, 12:] = 0  # some padded windows: the preset's mean pooling must skip them
+    data = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i]} for i in range(96)]
+    probe = [{"input_ids": ids[i], "attention_mask": mask[i]} for i in range(48)]
+    callback = TopoCollapseTrainerCallback.from_preset("gpt", probe=probe, check_every=2)
+    assert callback.monitor.check_every == 2
+    assert callback.monitor.index == "diagram_drift"
+    Trainer(model=model, args=arguments(tmp_path, max_steps=6, learning_rate=1e-3), train_dataset=data,
+            callbacks=[callback]).train()  # fmt: skip
+    records = checks(callback)
+    assert [r["step"] for r in records] == [0, 2, 4, 6]
+    assert all(math.isfinite(r["ci"]) and math.isfinite(r["index_value"]) for r in records)
+    assert callback.monitor.extractor.resolved_layer_ == "transformer.ln_f"
+
+
+def test_import_without_transformers_gives_an_install_hint():
+    code = "import sys; sys.modules['transformers'] = None\nimport topocallbacks.hf"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
+    assert result.returncode != 0
+    assert "pip install 'topocallbacks[hf]'" in result.stderr
+
+
+def test_the_callback_pickles_and_its_state_is_json(tmp_path):
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5)
+    Trainer(
+        model=DigitsNet(), args=arguments(tmp_path, max_steps=5), train_dataset=digits_dataset(), callbacks=[callback]
+    ).train()
+    state = json.loads(json.dumps(callback.state()))
+    assert state["args"]["layer"] == "encoder"
+    assert [r["step"] for r in state["attributes"]["_restored"]["monitor"]["history"]] == [0, 5]
+    clone = pickle.loads(pickle.dumps(callback))
+    assert clone.monitor.state_dict() == callback.monitor.state_dict()
+
+
+def test_a_dataset_that_is_not_a_torch_dataset_is_read_as_inputs(tmp_path):
+    class Columns:  # what a `datasets.Dataset` looks like to the callback: sized, indexable, dict items
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, index):
+            return {"x": self.x[index].tolist(), "labels": int(self.y[index])}
+
+    x, y = flat_digits()
+    callback = TopoCollapseTrainerCallback(probe=Columns(x[:50], y[:50]), layer="encoder", check_every=5)
+    assert callback.monitor.probe.spec.n_samples == 50
+    assert set(callback.monitor.probe.items[0]) == {"x"}
+    torch.testing.assert_close(callback.monitor.probe.items[3]["x"], x[3])
