@@ -510,8 +510,7 @@ class TopoMonitor:
         Raises:
             InputError: missing keys, another version, or (with ``verify_probe``) a probe with other contents.
         """
-        keys = {"version", "probe_spec", "epsilon", "transform", "history", "policy", "lr_factor", "engine"}
-        keys.add("diagrams")
+        keys = {"version", "probe_spec", "epsilon", "transform", "history", "policy", "lr_factor", "engine", "diagrams"}
         check_state(state, keys, _STATE_VERSION)
         spec = None if state["probe_spec"] is None else ProbeSpec.from_dict(state["probe_spec"])
         if verify_probe and self.probe is not None and spec is not None:

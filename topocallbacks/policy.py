@@ -337,8 +337,16 @@ class Policy:
         Raises:
             InputError: missing keys or another version.
         """
-        keys = {"version", "checks", "warmup_values", "recent", "values", "over_threshold", "last_action_check"}
-        keys.add("lr_cuts")
+        keys = {
+            "version",
+            "checks",
+            "warmup_values",
+            "recent",
+            "values",
+            "over_threshold",
+            "last_action_check",
+            "lr_cuts",
+        }
         check_state(state, keys, _STATE_VERSION)
         self.checks_ = int(state["checks"])
         self.warmup_values_ = [float(v) for v in state["warmup_values"]]
