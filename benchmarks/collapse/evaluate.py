@@ -79,6 +79,8 @@ class Run:
     diverged: np.ndarray  # bool per check
     signals: dict[str, np.ndarray]
     margin: float = MARGINS[2]  # the standard metric's margin, set by calibrate_standard()
+    # Each signal's rule scores, computed once: tuning evaluates every (threshold, patience) on the same scores.
+    zscores: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 # --- signals ----------------------------------------------------------------------------------------------------
@@ -162,9 +164,11 @@ def scores(values: np.ndarray, direction: int) -> np.ndarray:
 
 def run_scores(run: Run, name: str) -> np.ndarray:
     """The score of a signal (max over the parts of a fused one); diverged checks score +inf."""
-    signal = SIGNALS[name]
-    parts = signal.parts or (name,)
-    z = np.max([scores(run.signals[part], SIGNALS[part].direction) for part in parts], axis=0)
+    parts = SIGNALS[name].parts or (name,)
+    for part in parts:
+        if part not in run.zscores:
+            run.zscores[part] = scores(run.signals[part], SIGNALS[part].direction)
+    z = np.max([run.zscores[part] for part in parts], axis=0)
     return np.where(run.diverged, math.inf, z)
 
 
