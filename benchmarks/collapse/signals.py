@@ -14,17 +14,14 @@ import warnings
 import numpy as np
 
 from topocallbacks.functional import (
-    anisotropy,
     betti_numbers,
     collapse_index,
     effective_rank,
     epsilon_heuristic,
-    persistence_diagrams,
 )
 from topocallbacks.functional._distances import pairwise_distances
-from topocallbacks.functional.collapse import betti_term, longest_mst_edge
+from topocallbacks.functional.collapse import _collapse_index, betti_term
 from topocallbacks.functional.indices import betti_curve, diagram_distance, total_persistence
-from topocallbacks.functional.topology import _subsample
 
 #: Bump when a signal's definition changes: cached signal files with another version are recomputed.
 VERSION = 5
@@ -113,18 +110,15 @@ def feature_signals(frames: np.ndarray, state: dict | None = None) -> tuple[dict
             if eps_fixed is None:
                 eps_fixed = epsilon_heuristic(cloud)
                 eps_raw = epsilon_heuristic(frame)
-            report = collapse_index(cloud, epsilon=eps_fixed, weights="paper", max_points=DIAGRAM_POINTS)
+            # The monitor's own path: the composite and the diagrams its drift is measured on, computed once.
+            report, diagrams = _collapse_index(cloud, eps_fixed, "paper", max_points=DIAGRAM_POINTS, seed=0, betti=None)
             raw = collapse_index(frame, epsilon=eps_raw, weights="paper", max_points=DIAGRAM_POINTS)
             median = _median_distance(cloud)
-            sample = _subsample(cloud, DIAGRAM_POINTS, 0)
             if median > 0:
                 b0, b1 = betti_numbers(cloud, 0.5 * median)
-                diagrams = persistence_diagrams(
-                    sample, max_dimension=1, max_points=DIAGRAM_POINTS, threshold=longest_mst_edge(sample)
-                )
                 h0 = total_persistence(diagrams[0], scale=median)
                 h1 = total_persistence(diagrams[1], scale=median)
-            else:  # every point equal: the full-collapse values
+            else:  # most points coincide (median distance 0): the full-collapse values, nothing to drift from
                 b0, b1, h0, h1 = 1, 0, 0.0, 0.0
                 diagrams = [np.zeros((0, 2)), np.zeros((0, 2))]
             curve = betti_curve(cloud)
@@ -132,7 +126,7 @@ def feature_signals(frames: np.ndarray, state: dict | None = None) -> tuple[dict
         out["paper_ci"].append(report.ci)
         out["betti_term"].append(report.betti_term)
         out["entropy_term"].append(report.entropy_term)
-        out["anisotropy"].append(anisotropy(cloud))
+        out["anisotropy"].append(report.anisotropy_term)
         out["betti_term_scale_free"].append(betti_term(b0, b1))
         out["betti0_area"].append(curve.component_area)
         out["betti1_area"].append(curve.loop_area)
