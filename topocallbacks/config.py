@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from .exceptions import ConfigError, InputError
+from .policy import TUNED_RULE
 
 __all__ = ["IndexConfig", "PolicyConfig", "Preset", "ProbeConfig", "ScheduleConfig", "parse_preset"]
 
@@ -86,13 +87,16 @@ class IndexConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-    """The policy's arguments (see :class:`~topocallbacks.policy.Policy`)."""
+    """The policy's arguments (see :class:`~topocallbacks.policy.Policy`).
+
+    The defaults are the collapse suite's tuned rule, :data:`~topocallbacks.policy.TUNED_RULE`.
+    """
 
     action: str = "warn"
-    threshold: float = 4.5
+    threshold: float = TUNED_RULE["threshold"]
     relative_to_baseline: bool = False
-    patience: int = 1
-    warmup: int = 10
+    patience: int = TUNED_RULE["patience"]
+    warmup: int = TUNED_RULE["warmup"]
     cooldown: int = 5
     trend_window: int | None = None
     trend_slope: float | None = None
@@ -101,8 +105,8 @@ class PolicyConfig:
     after_max_lr_cuts: str = "stop"
     checkpoint: bool = False
     on_diverged: str = "stop"
-    score: str = "zscore"
-    zscore_window: int = 10
+    score: str = TUNED_RULE["score"]
+    zscore_window: int = TUNED_RULE["zscore_window"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from .functional.geometry import effective_rank
 from .functional.indices import diagram_distance
 from .functional.topology import _subsample, persistence_diagrams
 from .mmhm import MMHM
-from .policy import Action, Decision, Policy
+from .policy import TUNED_RULE, Action, Decision, Policy
 from .probe import FeatureExtractor, Probe, ProbeSpec
 from .sinks import JsonlSink, TensorBoardSink
 
@@ -61,9 +61,7 @@ def default_policy(index: str = DEFAULT_INDEX, action: str = "warn") -> Policy:
         raise InputError(f"`index` must be one of {sorted(INDICES)}, got {index!r}")
     if index == "paper":
         return Policy(action=action)
-    # The rule the suite tuned for diagram drift on all 18 healthy twins (<= 2 % flagged checks): the drift jumps
-    # 4.5 robust standard deviations above its last 10 checks, after a warm-up of 10 checks.
-    return Policy(action=action, score="zscore", threshold=4.5, patience=1, warmup=10, zscore_window=10)
+    return Policy(action=action, **TUNED_RULE)
 
 
 _MODES = ("probe", "stream")

@@ -83,7 +83,7 @@ def monitor_settings(preset: str | None, **explicit: Any) -> dict[str, Any]:
         from .monitor import DEFAULT_INDEX, default_policy
 
         base = settings.get("policy") or default_policy(settings.get("index", DEFAULT_INDEX))
-        merged = {**_policy_arguments(base), **policy}
+        merged = {**base.arguments(), **policy}
         try:
             policy = Policy(**merged)
         except TypeError as exc:
@@ -112,8 +112,3 @@ arguments: ['check_every', 'layer']
         guess = difflib.get_close_matches(unknown[0], names, n=1)
         hint = f"; did you mean `{guess[0]}`?" if guess else ""
         raise ConfigError(f"unknown argument `{unknown[0]}`{hint} Valid arguments: {names}")
-
-
-def _policy_arguments(policy: Policy) -> dict[str, Any]:
-    names = inspect.signature(Policy).parameters
-    return {name: getattr(policy, name) for name in names}

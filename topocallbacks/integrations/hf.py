@@ -128,7 +128,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
             "layer": layer,
             "preset": preset,
             "check_every": check_every,
-            "policy": _policy_arguments(policy),
+            "policy": policy.arguments() if isinstance(policy, Policy) else None if policy is None else dict(policy),
             "checkpoint_on_stop": self.checkpoint_on_stop,
             **{key: value for key, value in monitor_kwargs.items() if _is_json(value)},
         }
@@ -285,15 +285,6 @@ class _InputsOnly(torch.utils.data.Dataset[Any]):
         if isinstance(item, (tuple, list)):
             return torch.as_tensor(item[0])
         return torch.as_tensor(item)
-
-
-def _policy_arguments(policy: Mapping[str, Any] | Policy | None) -> dict[str, Any] | None:
-    if policy is None:
-        return None
-    if isinstance(policy, Policy):
-        names = inspect.signature(Policy).parameters
-        return {name: getattr(policy, name) for name in names}
-    return dict(policy)
 
 
 def _is_foreign_dataset(value: Any) -> bool:
