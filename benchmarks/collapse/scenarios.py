@@ -228,30 +228,32 @@ def _ramp(step: int, start: int, length: int, low: float, high: float) -> float:
     return low * math.exp(fraction * math.log(high / low))
 
 
-def resnet_lr_ramp(seed: int) -> Trainee:
+def _resnet_classifier(seed: int, schedule: Schedule) -> Trainee:
+    """The small ResNet with SGD (lr 0.05, momentum 0.9, weight decay 5e-4) that both ResNet scenarios train."""
     torch.manual_seed(seed)
     model = SmallResNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-
-    def schedule(step: int, kind: str, fault: int) -> dict[str, Any]:
-        if kind == "collapse":
-            return {"lr": _ramp(step, fault, 250, 0.05, 5.0)}
-        return {"lr": 0.05}
-
     return ImageClassifier(seed, model, optimizer, schedule)
+
+
+def _lr_ramp_schedule(step: int, kind: str, fault: int) -> dict[str, Any]:
+    if kind == "collapse":
+        return {"lr": _ramp(step, fault, 250, 0.05, 5.0)}
+    return {"lr": 0.05}
+
+
+def _weight_decay_schedule(step: int, kind: str, fault: int) -> dict[str, Any]:
+    if kind == "collapse":
+        return {"lr": 0.05, "weight_decay": _ramp(step, fault, 250, 5e-4, 0.5)}
+    return {"lr": 0.05, "weight_decay": 5e-4}
+
+
+def resnet_lr_ramp(seed: int) -> Trainee:
+    return _resnet_classifier(seed, _lr_ramp_schedule)
 
 
 def resnet_weight_decay(seed: int) -> Trainee:
-    torch.manual_seed(seed)
-    model = SmallResNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-
-    def schedule(step: int, kind: str, fault: int) -> dict[str, Any]:
-        if kind == "collapse":
-            return {"lr": 0.05, "weight_decay": _ramp(step, fault, 250, 5e-4, 0.5)}
-        return {"lr": 0.05, "weight_decay": 5e-4}
-
-    return ImageClassifier(seed, model, optimizer, schedule)
+    return _resnet_classifier(seed, _weight_decay_schedule)
 
 
 def vit_no_warmup(seed: int) -> Trainee:
