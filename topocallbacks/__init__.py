@@ -19,6 +19,7 @@ from .exceptions import ConfigError, InputError, NonFiniteError, TopoCallbacksEr
 from .functional import BettiNumbers, CollapseReport
 from .mmhm import MMHM
 from .policy import Action, Decision, Policy
+from .settings import MonitorSettings
 
 if TYPE_CHECKING:
     from .monitor import TopoMonitor
@@ -35,6 +36,7 @@ __all__ = [
     "ConfigError",
     "Decision",
     "InputError",
+    "MonitorSettings",
     "NonFiniteError",
     "Policy",
     "Probe",

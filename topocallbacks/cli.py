@@ -69,7 +69,7 @@ def run_demo(n_points: int = 512, seed: int = 0) -> int:
     failures = 0
     for step, strength in enumerate((0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6)):
         cloud = _dimensional_collapse(probe, strength)
-        drift = monitor.process(cloud, step)["index_value"]
+        drift = monitor.process(cloud, step).index_value  # None at the first check: nothing to drift from
         tick = time.perf_counter()
         report = index(cloud)
         elapsed = (time.perf_counter() - tick) * 1e3
@@ -79,14 +79,14 @@ def run_demo(n_points: int = 512, seed: int = 0) -> int:
         print(
             f"{strength:8.2f} {report.ci:6.3f} {report.betti_term:6.3f} {report.entropy_term:8.3f} "
             f"{report.anisotropy_term:6.3f} {report.betti0:5d} {report.betti1:4d} {effective_rank(cloud):7.2f} "
-            f"{drift:6.3f} "
+            f"{'-' if drift is None else format(drift, '6.3f'):>6} "
             f"{elapsed:6.1f}  {'agrees' if agrees else f'DIFFERS {reference}'}"
         )
     print(f"\nε = {index.epsilon_:.4f}; weights {index.weights_} (the paper's).")
     print("Every component is reported beside the composite, so you can see why the index moved.")
     print(
         "drift: the index the callbacks watch by default (Wasserstein distance between the persistence diagrams of\n"
-        "consecutive checks of the normalised cloud, 0 at the first); they warn when it jumps 4.5 robust standard\n"
+        "consecutive checks of the normalised cloud, none at the first); they warn when it jumps 4.5 robust standard\n"
         "deviations above its last 10 checks, after a 10-check warm-up (longer than this demo). Why this index, and\n"
         "how little warning any index gave on real training runs: README, 'Does it warn early?'."
     )

@@ -6,32 +6,31 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ._validation import check_int, check_number, check_positive_float, check_seed, check_state
+from ._validation import as_points, check_seed, check_state
 from .exceptions import InputError
-from .functional.collapse import CollapseReport, collapse_index, epsilon_heuristic, resolve_weights
+from .functional.collapse import CollapseReport, _collapse_index, calibrate_epsilon
+from .settings import IndexSettings, resolve_weights
 
 __all__ = ["CollapseIndex"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 class CollapseIndex:
     """Collapse Index with a scale ε fixed at calibration, for a series of clouds of the same probe.
 
-    The first call (or :meth:`calibrate`) sets ``epsilon_`` from :func:`~topocallbacks.functional.epsilon_heuristic`
-    unless ``epsilon`` was given; every later call reuses it, so a change of the index reflects the features, not a
-    moving scale. Constructor arguments are stored as given; fitted attributes end in ``_``.
+    The first call (or :meth:`calibrate`) sets ``epsilon_`` (the settings' ``epsilon``, else the quantile heuristic,
+    :func:`~topocallbacks.functional.calibrate_epsilon`); every later call reuses it, so a change of the index
+    reflects the features, not a moving scale. Fitted attributes end in ``_``.
 
     Args:
-        epsilon: a fixed scale (finite, > 0), or None to calibrate on the first cloud.
-        epsilon_quantile: quantile of pairwise distances used by the calibration, in ``(0, 1]``.
-        epsilon_factor: multiplier of that quantile (finite, > 0).
-        weights: ``"paper"``/None or a mapping of component weights.
-        max_points: subsample size for the persistence diagrams (>= 2).
+        settings: an :class:`~topocallbacks.settings.IndexSettings` (``epsilon``, ``epsilon_quantile``,
+            ``epsilon_factor``, ``weights``, ``max_points``); default: the defaults.
         seed: seed of the subsamples (>= 0).
+        **overrides: any field of the settings, e.g. ``CollapseIndex(epsilon=0.5)``.
 
     Raises:
-        InputError: an argument is out of range.
+        InputError: a value is out of range.
 
     Example:
         >>> import numpy as np
@@ -44,30 +43,12 @@ class CollapseIndex:
         1.0
     """
 
-    def __init__(
-        self,
-        *,
-        epsilon: float | None = None,
-        epsilon_quantile: float = 0.5,
-        epsilon_factor: float = 0.5,
-        weights: str | Mapping[str, float] | None = None,
-        max_points: int = 256,
-        seed: int = 0,
-    ) -> None:
-        if epsilon is not None:
-            check_positive_float(epsilon, "epsilon")
-        check_number(epsilon_quantile, "epsilon_quantile", low=0.0, high=1.0, high_open=False)
-        check_positive_float(epsilon_factor, "epsilon_factor")
-        self.weights_ = resolve_weights(weights)
-        check_int(max_points, "max_points", minimum=2)
-        check_seed(seed)
-        self.epsilon = epsilon
-        self.epsilon_quantile = epsilon_quantile
-        self.epsilon_factor = epsilon_factor
-        self.weights = weights
-        self.max_points = max_points
-        self.seed = seed
-        self.epsilon_: float | None = None if epsilon is None else float(epsilon)
+    def __init__(self, settings: IndexSettings | None = None, /, *, seed: int = 0, **overrides: Any) -> None:
+        base = IndexSettings() if settings is None else settings
+        self.settings: IndexSettings = base.replace(**overrides) if overrides else base
+        self.seed = check_seed(seed)
+        self.weights_ = resolve_weights(self.settings.weights)
+        self.epsilon_: float | None = self.settings.epsilon
 
     @property
     def is_calibrated(self) -> bool:
@@ -75,36 +56,27 @@ class CollapseIndex:
         return self.epsilon_ is not None
 
     def calibrate(self, features: Any) -> CollapseIndex:
-        """Set ``epsilon_`` from ``features`` (no-op if ``epsilon`` was given); returns ``self``."""
-        if self.epsilon is None:
-            self.epsilon_ = epsilon_heuristic(
-                features, quantile=self.epsilon_quantile, factor=self.epsilon_factor, seed=self.seed
-            )
+        """Set ``epsilon_`` from ``features``; returns ``self``."""
+        self.epsilon_ = calibrate_epsilon(as_points(features, "features"), self.settings, self.seed)
         return self
 
     def __call__(self, features: Any) -> CollapseReport:
         """Evaluate the index on ``features``, calibrating ε first if needed."""
+        cloud = as_points(features, "features")
         if self.epsilon_ is None:
-            self.calibrate(features)
-        return collapse_index(
-            features, epsilon=self.epsilon_, weights=self.weights_, max_points=self.max_points, seed=self.seed
+            self.epsilon_ = calibrate_epsilon(cloud, self.settings, self.seed)
+        report, _ = _collapse_index(
+            cloud, self.epsilon_, self.weights_, max_points=self.settings.max_points, seed=self.seed, betti=None
         )
+        return report
 
     def reset(self) -> None:
         """Forget the calibration (a given ``epsilon`` is kept)."""
-        self.epsilon_ = None if self.epsilon is None else float(self.epsilon)
+        self.epsilon_ = self.settings.epsilon
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: the calibrated ε and the settings it depends on."""
-        return {
-            "version": _STATE_VERSION,
-            "epsilon_": self.epsilon_,
-            "weights_": dict(self.weights_),
-            "epsilon_quantile": self.epsilon_quantile,
-            "epsilon_factor": self.epsilon_factor,
-            "max_points": self.max_points,
-            "seed": self.seed,
-        }
+        """JSON-serialisable state: the calibrated ε and the weights it goes with."""
+        return {"version": _STATE_VERSION, "epsilon_": self.epsilon_, "weights_": dict(self.weights_)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the weights and ε in the state win over the constructor's.
@@ -122,13 +94,9 @@ class CollapseIndex:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CollapseIndex):
             return NotImplemented
-        return self.state_dict() == other.state_dict() and self.epsilon == other.epsilon
+        return self.settings == other.settings and self.seed == other.seed and self.state_dict() == other.state_dict()
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
     def __repr__(self) -> str:
-        return (
-            f"CollapseIndex(epsilon={self.epsilon!r}, epsilon_quantile={self.epsilon_quantile!r}, "
-            f"epsilon_factor={self.epsilon_factor!r}, weights={self.weights!r}, max_points={self.max_points!r}, "
-            f"seed={self.seed!r})"
-        )
+        return f"CollapseIndex({self.settings!r}, seed={self.seed!r})"

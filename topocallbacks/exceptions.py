@@ -46,5 +46,5 @@ def _rebuild_non_finite(message: str, rows: tuple[int, ...], count: int) -> NonF
     return NonFiniteError(message, rows=rows, count=count)
 
 
-class ConfigError(TopoCallbacksError, ValueError):
-    """A configuration value or key is invalid."""
+class ConfigError(InputError):
+    """A configuration key is unknown, or a value read from a preset file is invalid (an :class:`InputError`)."""

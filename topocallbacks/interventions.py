@@ -1,4 +1,8 @@
-"""Applying interventions to a torch optimizer and its schedulers (no training framework involved).
+"""Applying decisions, and learning-rate cuts that survive the scheduler.
+
+:func:`apply` carries out a :class:`~topocallbacks.policy.Decision` through an :class:`Actuator`, the small
+interface each training adapter implements with its framework's own means (save a checkpoint, scale the learning
+rate, request a stop). No training framework is imported here.
 
 A learning-rate cut must survive the scheduler. ``LambdaLR``-family schedulers recompute the rate from
 ``base_lrs`` at every step, ``OneCycleLR`` from ``initial_lr``/``max_lr``/``min_lr`` stored in the param groups,
@@ -8,12 +12,76 @@ current rate. Scaling all of these together keeps the cut in effect at every lat
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 from ._validation import check_number
+from .distributed import rank_and_world
+from .policy import Decision
+from .settings import Action, InterventionSettings
 
-__all__ = ["current_learning_rates", "scale_learning_rate"]
+__all__ = ["Actuator", "apply", "current_learning_rates", "scale_learning_rate"]
+
+
+class Actuator(Protocol):
+    """What a training framework must offer for decisions to be carried out (one per adapter).
+
+    Every method is called on every rank at the same step; each returns what it did, in words, for the history.
+    """
+
+    def scale_learning_rate(self, factor: float) -> str:
+        """Multiply the learning rate by ``factor`` now and at every later scheduler step."""
+
+    def request_stop(self) -> str:
+        """Ask the training loop to stop after this step."""
+
+    def checkpoint_location(self, tag: str) -> str:
+        """Where :meth:`save_checkpoint` will write the checkpoint named by ``tag``, in words."""
+
+    def save_checkpoint(self, tag: str) -> None:
+        """Save (or ask the framework to save) a checkpoint of the current state, named by ``tag``."""
+
+
+def apply(
+    decision: Decision,
+    actuator: Actuator,
+    settings: InterventionSettings,
+    record: Callable[[str], None],
+) -> str:
+    """Carry out ``decision`` through ``actuator`` and return what was done, in words.
+
+    The order keeps nothing lost: the action is applied (a warning on rank 0, the learning-rate cut, the stop
+    request), then ``record(detail)`` writes the intervention to the history, and only then is the rescue
+    checkpoint saved (when the decision asks for one, or before a stop with ``checkpoint_on_stop``), so the
+    checkpoint holds the cut learning rate, the intervention and its reason.
+
+    Args:
+        decision: a decision that fired.
+        actuator: the framework's means.
+        settings: the intervention settings (``checkpoint_on_stop``).
+        record: called once with the detail, before the checkpoint is saved.
+    """
+    step = decision.step
+    done: list[str] = []
+    if decision.action is Action.WARN:
+        if rank_and_world()[0] == 0:
+            warnings.warn(f"topocallbacks at step {step}: {decision.reason}", RuntimeWarning, stacklevel=3)
+        done.append("warned")
+    elif decision.action is Action.LOWER_LR and decision.lr_factor is not None:
+        done.append(actuator.scale_learning_rate(decision.lr_factor))
+    elif decision.action is Action.STOP:
+        done.append(actuator.request_stop())
+    save = decision.checkpoint or (decision.action is Action.STOP and settings.checkpoint_on_stop)
+    tag = f"topo-{decision.action.value}-step{step}"
+    if save:
+        done.append(f"checkpoint {actuator.checkpoint_location(tag)}")
+    detail = "; ".join(done)
+    record(detail)
+    if save:
+        actuator.save_checkpoint(tag)
+    return detail
+
 
 # Param-group keys that schedulers read learning rates back from (OneCycleLR, and LRScheduler's initial_lr).
 _GROUP_RATE_KEYS = ("initial_lr", "max_lr", "min_lr")

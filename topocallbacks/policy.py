@@ -1,44 +1,33 @@
-"""When to act on the Collapse Index: rules over its history that return a :class:`Decision`.
+"""When to act on the watched index: rules over its history that return a :class:`Decision`.
 
 The policy only decides; applying a decision (warning, cutting the learning rate, stopping, saving a rescue
-checkpoint) is the training adapter's job, so the same policy drives Lightning, Hugging Face and plain loops.
+checkpoint) is :func:`topocallbacks.interventions.apply`'s job, so the same policy drives Lightning, Hugging Face
+and plain loops. A decision is made in three steps, each its own function:
+
+1. *score*: the index becomes the score the threshold is compared with (:func:`score_value`);
+2. *rule*: the threshold held for ``patience`` checks after the warm-up (:func:`rule_holds` for a whole series),
+   or a rising trend;
+3. *gate*: the action the rule asks for is held back by a cooldown or escalated after the learning-rate cuts.
+
+The collapse-evidence suite (``benchmarks/collapse/``) evaluates steps 1 and 2 with the same functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import inspect
 import math
-import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from ._validation import check_int, check_number, check_state
+from ._state import StateFields, Stateful
+from ._validation import check_int
 from .exceptions import InputError
+from .settings import Action, PolicySettings
 
-__all__ = ["TUNED_RULE", "Action", "Decision", "Policy", "trailing_zscore"]
-
-_STATE_VERSION = 2
-_SCORES = ("value", "baseline", "zscore")
-
-#: The warning rule the collapse-evidence suite (``benchmarks/collapse/``) tuned for the default index, diagram
-#: drift, on its 18 healthy runs (<= 2 % flagged checks): a jump of 4.5 robust standard deviations above the last
-#: 10 checks, after a warm-up of 10 checks. The monitor's default policy and the presets' defaults use it.
-TUNED_RULE: Mapping[str, Any] = types.MappingProxyType(
-    {"score": "zscore", "threshold": 4.5, "patience": 1, "warmup": 10, "zscore_window": 10}
-)
-
-
-class Action(str, enum.Enum):
-    """What a decision asks the adapter to do."""
-
-    NONE = "none"
-    WARN = "warn"
-    LOWER_LR = "lower_lr"
-    STOP = "stop"
+__all__ = ["Action", "Decision", "Policy", "rule_holds", "rule_scores", "score_value", "trailing_zscore"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +38,19 @@ class Decision:
         action: what to do.
         reason: why, in words (goes to the history and the warning).
         step: the training step of the check.
-        ci: the index value the rule saw (None for a diverged check).
-        rule: the rule that fired (``"threshold"``, ``"trend"``, ``"diverged"``), or None.
+        value: the index value the rule saw, oriented so that higher means more collapsed (None: diverged, or no
+            value yet).
+        score: the score compared with the threshold (the value, its excess over the baseline, or its z-score).
+        rule: the rule that held (``"threshold"``, ``"trend"``, ``"diverged"``), or None.
         lr_factor: the factor to multiply the learning rate by, for ``lower_lr``.
-        checkpoint: save a rescue checkpoint before acting.
+        checkpoint: save a rescue checkpoint with the action.
     """
 
     action: Action
     reason: str
     step: int
-    ci: float | None = None
+    value: float | None = None
+    score: float | None = None
     rule: str | None = None
     lr_factor: float | None = None
     checkpoint: bool = False
@@ -80,7 +72,9 @@ class Decision:
         return cls(**{**data, "action": Action(data["action"])})
 
 
-def trailing_zscore(past: Sequence[float], value: float, *, direction: int = 1, window: int = 10) -> float | None:
+def trailing_zscore(
+    past: Sequence[float | None], value: float, *, direction: int = 1, window: int = 10
+) -> float | None:
     r"""How unusual ``value`` is against the recent past, in robust standard deviations.
 
     .. math:: z = \mathrm{dir} \cdot \frac{v - \mathrm{median}(\text{last } w \text{ values})}
@@ -90,11 +84,11 @@ def trailing_zscore(past: Sequence[float], value: float, *, direction: int = 1, 
     robust spread of the check-to-check differences over the last ``2 * window`` values, divided by sqrt(2) (a
     difference of two noisy values has twice the variance); when most differences are exactly 0 (a quantised
     value such as a Betti ratio), 1.2533 x their mean absolute value stands in. ``direction`` +1 scores rises,
-    -1 drops, 0 either (``|z|``). This is the warning rule of the collapse-evidence suite
-    (``benchmarks/collapse/``).
+    -1 drops, 0 either (``|z|``). This is the default policy's score (``score="zscore"``).
 
     Args:
-        past: earlier values, oldest first (non-finite ones are skipped).
+        past: earlier values, oldest first (None or non-finite ones are gaps: skipped, and so are the differences
+            across them).
         value: the new value.
         direction: +1, -1 or 0.
         window: values in the level estimate (>= 2).
@@ -111,9 +105,12 @@ def trailing_zscore(past: Sequence[float], value: float, *, direction: int = 1, 
     if direction not in (-1, 0, 1):
         raise InputError(f"`direction` must be -1, 0 or 1, got {direction!r}")
     check_int(window, "window", minimum=2)
+    return _zscore(np.asarray(past, dtype=np.float64), value, direction, window)
+
+
+def _zscore(values: NDArray[np.float64], value: float, direction: int, window: int) -> float | None:
     if not math.isfinite(value):
         return None
-    values = np.asarray(past, dtype=np.float64)
     recent = values[-window:]
     recent = recent[np.isfinite(recent)]
     diffs = np.diff(values[-2 * window :])
@@ -128,121 +125,129 @@ def trailing_zscore(past: Sequence[float], value: float, *, direction: int = 1, 
     return abs(deviation) if direction == 0 else direction * deviation
 
 
-def _check_choice(value: Any, name: str, choices: Sequence[str]) -> Action:
-    text = value.value if isinstance(value, Action) else value
-    if text not in choices:
-        raise InputError(f"`{name}` must be one of {sorted(choices)}, got {value!r}")
-    return Action(text)
+def score_value(
+    settings: PolicySettings,
+    past: Sequence[float | None] | NDArray[np.float64],
+    value: float,
+    baseline: float | None = None,
+    direction: int = 1,
+) -> float | None:
+    """The score of ``value`` under ``settings.score`` given the ``past`` values (oldest first).
+
+    ``"value"``: the value; ``"baseline"``: its excess over ``baseline`` (None before there is one);
+    ``"zscore"``: :func:`trailing_zscore` against the last ``zscore_window`` values, in ``direction`` (+1 rises,
+    -1 drops, 0 either). None: no score yet.
+    """
+    if settings.score == "zscore":
+        return _zscore(np.asarray(past, dtype=np.float64), value, direction, settings.zscore_window)
+    if settings.score == "baseline":
+        return None if baseline is None else value - baseline
+    return value
 
 
-class Policy:
+def rule_scores(values: Sequence[float], settings: PolicySettings, *, direction: int = 1) -> NDArray[np.float64]:
+    """The score of every check of a series, as :class:`Policy` computes it (NaN during the warm-up and where none).
+
+    Non-finite values (diverged checks, or an index with no value yet) are gaps in the history.
+
+    Example:
+        >>> rule_scores([1.0, 1.0, 5.0], PolicySettings(score="value", warmup=1)).tolist()
+        [nan, 1.0, 5.0]
+    """
+    series = np.asarray(values, dtype=np.float64)
+    if settings.score != "zscore":
+        if direction not in (-1, 1):
+            raise InputError(f"`direction` must be -1 or 1 for score={settings.score!r}, got {direction!r}")
+        series = direction * series  # oriented: higher means more collapsed
+    scores = np.full(series.size, math.nan)
+    keep = 2 * settings.zscore_window
+    warm = [float(v) for v in series[: settings.warmup] if math.isfinite(v)]
+    baseline = float(np.mean(warm)) if warm else None
+    for i in range(settings.warmup, series.size):
+        score = score_value(settings, series[max(0, i - keep) : i], float(series[i]), baseline, direction)
+        scores[i] = math.nan if score is None else score
+    return scores
+
+
+def rule_holds(
+    scores: Sequence[float], threshold: float, patience: int, warmup: int, diverged: Sequence[bool] | None = None
+) -> NDArray[np.bool_]:
+    """Where the threshold rule holds over a series of scores (as :class:`Policy` applies it).
+
+    The rule holds at a check after the warm-up whose score and the ``patience - 1`` scores before it are
+    ``>= threshold``; a diverged check always holds (its action comes at once).
+
+    Example:
+        >>> rule_holds([0.0, 2.0, 2.0, 0.0, 2.0], threshold=1.0, patience=2, warmup=0).tolist()
+        [False, False, True, False, False]
+    """
+    above = np.asarray(scores, dtype=np.float64) >= threshold
+    holds = above.copy()
+    for lag in range(1, patience):
+        holds[lag:] &= above[:-lag]
+        holds[:lag] = False
+    holds[:warmup] = False
+    if diverged is not None:
+        holds |= np.asarray(diverged, dtype=bool)
+    result: NDArray[np.bool_] = holds
+    return result
+
+
+class Policy(Stateful):
     """Rules over the index history, with warm-up, patience, cooldown and a cap on learning-rate cuts.
 
-    A check *fires* when either rule holds after the warm-up:
+    A check's *rule holds* when, after the warm-up, either
 
-    * threshold: the score is ``>= threshold`` for ``patience`` consecutive checks. The score is the index itself
-      (``score="value"``), its excess over the warm-up mean (``score="baseline"``, or ``relative_to_baseline``),
-      or :func:`trailing_zscore` of the index against its last ``zscore_window`` values (``score="zscore"``: how
-      many robust standard deviations it jumped; the rule the collapse-evidence suite tuned);
-    * trend (when ``trend_window`` is set): the least-squares slope of the last ``trend_window`` index values,
-      per check, is ``>= trend_slope``.
+    * threshold: the score (see :class:`~topocallbacks.settings.PolicySettings`: the index, its excess over the
+      warm-up mean, or its z-score against the recent checks) is ``>= threshold`` for ``patience`` consecutive
+      checks; or
+    * trend (when ``trend_window`` is set): the least-squares slope of the last ``trend_window`` values, per
+      check, is ``>= trend_slope``.
 
-    A fired check returns ``action`` unless the last action was fewer than ``cooldown`` checks ago. Once
+    It then returns ``action`` unless the last action was fewer than ``cooldown`` checks ago. Once
     ``max_lr_cuts`` cuts were made, ``lower_lr`` escalates to ``after_max_lr_cuts``. A diverged check (NaN or Inf
     features) returns ``on_diverged`` at once, warm-up or not. After an action the patience count starts again.
 
     Args:
-        action: ``"warn"``, ``"lower_lr"``, ``"stop"`` or ``"none"`` (log only).
-        threshold: the score a check must reach (finite).
-        patience: consecutive checks at or above the threshold (>= 1).
-        warmup: checks that only build the baseline (>= 0).
-        cooldown: checks after an action during which nothing more fires (>= 0).
-        trend_window: checks in the trend fit (>= 2), or None for no trend rule.
-        trend_slope: the slope per check that fires the trend rule (finite, > 0); required with ``trend_window``.
-        lr_factor: learning-rate multiplier of ``lower_lr``, in ``(0, 1)``.
-        max_lr_cuts: cuts before escalating (>= 0).
-        after_max_lr_cuts: ``"warn"``, ``"stop"`` or ``"none"``.
-        relative_to_baseline: same as ``score="baseline"`` (kept for existing configurations).
-        score: ``"value"``, ``"baseline"`` or ``"zscore"`` (see above).
-        zscore_window: values in the z-score's level (>= 2); the noise uses twice as many.
-        checkpoint: ask for a rescue checkpoint before ``lower_lr`` and ``stop``.
-        on_diverged: the action for a diverged check (``"stop"`` by default).
+        settings: a :class:`~topocallbacks.settings.PolicySettings` (default: the tuned default rule).
+        **overrides: any of its fields, e.g. ``Policy(action="stop", threshold=0.8)``.
 
     Raises:
-        InputError: an argument is out of range.
+        InputError: a value is out of range.
+        ConfigError: an unknown field (with the closest one).
 
     Example:
-        >>> policy = Policy(action="stop", threshold=0.8, patience=2, warmup=1)
-        >>> [policy.decide(step, ci).action.value for step, ci in enumerate([0.5, 0.9, 0.9])]
+        >>> policy = Policy(action="stop", score="value", threshold=0.8, patience=2, warmup=1)
+        >>> [policy.decide(step, value).action.value for step, value in enumerate([0.5, 0.9, 0.9])]
         ['none', 'none', 'stop']
     """
 
-    def __init__(
-        self,
-        *,
-        action: str = "warn",
-        threshold: float = 0.7,
-        patience: int = 3,
-        warmup: int = 3,
-        cooldown: int = 5,
-        trend_window: int | None = None,
-        trend_slope: float | None = None,
-        lr_factor: float = 0.5,
-        max_lr_cuts: int = 3,
-        after_max_lr_cuts: str = "stop",
-        relative_to_baseline: bool = False,
-        checkpoint: bool = False,
-        on_diverged: str = "stop",
-        score: str = "value",
-        zscore_window: int = 10,
-    ) -> None:
-        actions = [a.value for a in Action]
-        self.action_ = _check_choice(action, "action", actions)
-        check_number(threshold, "threshold")
-        check_int(patience, "patience", minimum=1)
-        check_int(warmup, "warmup", minimum=0)
-        check_int(cooldown, "cooldown", minimum=0)
-        if (trend_window is None) != (trend_slope is None):
-            raise InputError(
-                f"`trend_window` and `trend_slope` go together, got trend_window={trend_window!r}, "
-                f"trend_slope={trend_slope!r}"
-            )
-        if trend_window is not None:
-            check_int(trend_window, "trend_window", minimum=2)
-            check_number(trend_slope, "trend_slope", low=0.0)
-        check_number(lr_factor, "lr_factor", low=0.0, high=1.0)
-        check_int(max_lr_cuts, "max_lr_cuts", minimum=0)
-        self.after_max_lr_cuts_ = _check_choice(after_max_lr_cuts, "after_max_lr_cuts", ["warn", "stop", "none"])
-        self.on_diverged_ = _check_choice(on_diverged, "on_diverged", actions)
-        if score not in _SCORES:
-            raise InputError(f"`score` must be one of {list(_SCORES)}, got {score!r}")
-        if relative_to_baseline and score == "zscore":
-            raise InputError('`relative_to_baseline=True` contradicts `score="zscore"`; give one of them')
-        check_int(zscore_window, "zscore_window", minimum=2)
-        self.action = action
-        self.threshold = float(threshold)
-        self.patience = int(patience)
-        self.warmup = int(warmup)
-        self.cooldown = int(cooldown)
-        self.trend_window = trend_window
-        self.trend_slope = None if trend_slope is None else float(trend_slope)
-        self.lr_factor = float(lr_factor)
-        self.max_lr_cuts = int(max_lr_cuts)
-        self.after_max_lr_cuts = after_max_lr_cuts
-        self.relative_to_baseline = bool(relative_to_baseline)
-        self.checkpoint = bool(checkpoint)
-        self.on_diverged = on_diverged
-        self.score = score
-        self.zscore_window = int(zscore_window)
-        self.score_ = "baseline" if self.relative_to_baseline else score
+    _state = StateFields(
+        version=3,
+        fields={
+            "checks": "checks_",
+            "warmup_values": "warmup_values_",
+            "recent": "recent_",
+            "values": "values_",
+            "over_threshold": "over_threshold_",
+            "last_action_check": "last_action_check_",
+            "lr_cuts": "lr_cuts_",
+        },
+    )
+
+    def __init__(self, settings: PolicySettings | None = None, /, **overrides: Any) -> None:
+        if settings is not None and not isinstance(settings, PolicySettings):
+            raise InputError(f"`settings` must be a PolicySettings, got {type(settings).__name__}")
+        base = PolicySettings() if settings is None else settings
+        self.settings: PolicySettings = base.replace(**overrides) if overrides else base
         self.reset()
 
     def reset(self) -> None:
         """Forget the history, the baseline and the counters."""
         self.checks_ = 0
         self.warmup_values_: list[float] = []
-        self.recent_: list[float] = []
-        self.values_: list[float] = []  # the last 2 * zscore_window values, for score="zscore"
+        self.recent_: list[float] = []  # the last trend_window values, for the trend rule
+        self.values_: list[float | None] = []  # the last 2 * zscore_window values (None: a gap), for the z-score
         self.over_threshold_ = 0
         self.last_action_check_: int | None = None
         self.lr_cuts_ = 0
@@ -250,143 +255,101 @@ class Policy:
     @property
     def baseline_(self) -> float | None:
         """Mean index over the warm-up checks (None until the warm-up is over or when it is 0 checks)."""
-        if self.checks_ <= self.warmup or not self.warmup_values_:
+        if self.checks_ <= self.settings.warmup or not self.warmup_values_:
             return None
         return float(np.mean(self.warmup_values_))
 
-    def decide(self, step: int, ci: float | None, *, diverged: bool = False) -> Decision:
+    def decide(self, step: int, value: float | None, *, diverged: bool = False) -> Decision:
         """The decision for one check.
 
         Args:
             step: the training step of the check.
-            ci: the index value (ignored when ``diverged``).
+            value: the index value, oriented so that higher means more collapsed; None when the index has no value
+                yet (e.g. diagram drift at the first check).
             diverged: the features held NaN or Inf.
         """
+        s = self.settings
         self.checks_ += 1
-        if diverged or ci is None or not math.isfinite(ci):
-            return self._act(self.on_diverged_, step, None, "diverged", "the probe features diverged (NaN or Inf)")
+        if diverged or (value is not None and not math.isfinite(value)):
+            self.values_ = [*self.values_, None][-2 * s.zscore_window :]
+            return self._act(Action(s.on_diverged), step, None, None, "diverged", "the features diverged (NaN or Inf)")
         past = self.values_
-        self.values_ = [*past, ci][-2 * self.zscore_window :]
-        if self.checks_ <= self.warmup:
-            self.warmup_values_.append(ci)
-            return Decision(Action.NONE, f"warm-up check {self.checks_} of {self.warmup}", step, ci)
-        window = self.trend_window or 0
-        self.recent_ = [*self.recent_, ci][-max(window, 1) :]
-        baseline = self.baseline_ if self.score_ == "baseline" else None
-        if self.score_ == "zscore":
-            z = trailing_zscore(past, ci, window=self.zscore_window)
-            score = -math.inf if z is None else z
-            what = f"index {ci:.4g} at z = {score:.2f} against its last {self.zscore_window} checks"
-        elif baseline is not None:
-            score = ci - baseline
-            what = f"index - baseline {score:.4f} (baseline {baseline:.4f})"
-        else:
-            score, what = ci, f"index {ci:.4f}"
-        self.over_threshold_ = self.over_threshold_ + 1 if score >= self.threshold else 0
+        self.values_ = [*past, value][-2 * s.zscore_window :]
+        if self.checks_ <= s.warmup:
+            if value is not None:
+                self.warmup_values_.append(value)
+            return Decision(Action.NONE, f"warm-up check {self.checks_} of {s.warmup}", step, value)
+        if value is None:
+            self.over_threshold_ = 0
+            return Decision(Action.NONE, "no index value at this check", step)
+        score = score_value(s, past, value, self.baseline_)
+        rule, reason = self._rule(value, score)
+        if rule is None:
+            return Decision(Action.NONE, reason, step, value, score)
+        if self.last_action_check_ is not None and self.checks_ - self.last_action_check_ <= s.cooldown:
+            held = f"{reason}; in cooldown after the action at check {self.last_action_check_}"
+            return Decision(Action.NONE, held, step, value, score, rule)
+        return self._act(Action(s.action), step, value, score, rule, reason)
+
+    def _describe(self, value: float, score: float | None) -> str:
+        s = self.settings
+        if s.score == "zscore":
+            shown = "none yet" if score is None else f"{score:.2f}"
+            return f"index {value:.4g} at z = {shown} against its last {s.zscore_window} checks"
+        if s.score == "baseline":
+            if score is None:
+                return f"index {value:.4f} (no baseline yet)"
+            return f"index - baseline {score:.4f} (baseline {value - score:.4f})"
+        return f"index {value:.4f}"
+
+    def _rule(self, value: float, score: float | None) -> tuple[str | None, str]:
+        """Which rule holds at this check (None: neither), and why, in words."""
+        s = self.settings
+        what = self._describe(value, score)
+        above = score is not None and score >= s.threshold
+        self.over_threshold_ = self.over_threshold_ + 1 if above else 0
+        if s.trend_window is not None:
+            self.recent_ = [*self.recent_, value][-s.trend_window :]
+        if self.over_threshold_ >= s.patience:
+            return "threshold", f"{what} >= threshold {s.threshold} for {self.over_threshold_} consecutive checks"
+        if s.trend_window is not None and s.trend_slope is not None and len(self.recent_) >= s.trend_window:
+            slope = float(np.polyfit(np.arange(s.trend_window), np.asarray(self.recent_), 1)[0])
+            if slope >= s.trend_slope:
+                return "trend", (
+                    f"index rising {slope:.4f} per check over the last {s.trend_window} checks (>= {s.trend_slope})"
+                )
         if self.over_threshold_:
-            reason = (
-                f"{what} >= threshold {self.threshold} for {self.over_threshold_} of {self.patience} required "
+            return None, (
+                f"{what} >= threshold {s.threshold} for {self.over_threshold_} of {s.patience} required "
                 "consecutive checks"
             )
-        else:
-            reason = f"{what} below threshold {self.threshold}"
-        rule = None
-        if self.over_threshold_ >= self.patience:
-            rule = "threshold"
-            reason = f"{what} >= threshold {self.threshold} for {self.over_threshold_} consecutive checks"
-        elif window and len(self.recent_) >= window:
-            slope = float(np.polyfit(np.arange(window), np.asarray(self.recent_), 1)[0])
-            if slope >= (self.trend_slope or math.inf):
-                rule = "trend"
-                reason = f"index rising {slope:.4f} per check over the last {window} checks (>= {self.trend_slope})"
-        if rule is None:
-            return Decision(Action.NONE, reason, step, ci)
-        if self.last_action_check_ is not None and self.checks_ - self.last_action_check_ <= self.cooldown:
-            return Decision(
-                Action.NONE,
-                f"{reason}; in cooldown after the action at check {self.last_action_check_}",
-                step,
-                ci,
-                rule,
-            )
-        return self._act(self.action_, step, ci, rule, reason)
+        return None, f"{what} below threshold {s.threshold}"
 
-    def _act(self, action: Action, step: int, ci: float | None, rule: str, reason: str) -> Decision:
-        if action is Action.LOWER_LR and self.lr_cuts_ >= self.max_lr_cuts:
-            reason = f"{reason}; {self.lr_cuts_} learning-rate cuts made already, so {self.after_max_lr_cuts_.value}"
-            action = self.after_max_lr_cuts_
+    def _act(
+        self, action: Action, step: int, value: float | None, score: float | None, rule: str, reason: str
+    ) -> Decision:
+        s = self.settings
+        if action is Action.LOWER_LR and self.lr_cuts_ >= s.max_lr_cuts:
+            action = Action(s.after_max_lr_cuts)
+            reason = f"{reason}; {self.lr_cuts_} learning-rate cuts made already, so {action.value}"
         if action is Action.NONE:
-            return Decision(Action.NONE, f"{reason} (action: none)", step, ci, rule)
+            return Decision(Action.NONE, f"{reason} (action: none)", step, value, score, rule)
         self.last_action_check_ = self.checks_
         self.over_threshold_ = 0
         factor = None
         if action is Action.LOWER_LR:
             self.lr_cuts_ += 1
-            factor = self.lr_factor
-            reason = f"{reason}: learning rate x {factor} (cut {self.lr_cuts_} of {self.max_lr_cuts})"
-        checkpoint = self.checkpoint and action in (Action.LOWER_LR, Action.STOP)
-        return Decision(action, reason, step, ci, rule, factor, checkpoint)
-
-    def arguments(self) -> dict[str, Any]:
-        """The constructor's arguments as given, so that ``Policy(**policy.arguments()) == policy`` (when fresh).
-
-        Example:
-            >>> Policy(action="stop", threshold=0.8).arguments()["threshold"]
-            0.8
-        """
-        return {name: getattr(self, name) for name in inspect.signature(Policy).parameters}
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-ready counters and history (the settings are the constructor's)."""
-        return {
-            "version": _STATE_VERSION,
-            "checks": self.checks_,
-            "warmup_values": list(self.warmup_values_),
-            "recent": list(self.recent_),
-            "values": list(self.values_),
-            "over_threshold": self.over_threshold_,
-            "last_action_check": self.last_action_check_,
-            "lr_cuts": self.lr_cuts_,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`.
-
-        Raises:
-            InputError: missing keys or another version.
-        """
-        keys = {
-            "version",
-            "checks",
-            "warmup_values",
-            "recent",
-            "values",
-            "over_threshold",
-            "last_action_check",
-            "lr_cuts",
-        }
-        check_state(state, keys, _STATE_VERSION)
-        self.checks_ = int(state["checks"])
-        self.warmup_values_ = [float(v) for v in state["warmup_values"]]
-        self.recent_ = [float(v) for v in state["recent"]]
-        self.values_ = [float(v) for v in state["values"]]
-        self.over_threshold_ = int(state["over_threshold"])
-        self.last_action_check_ = None if state["last_action_check"] is None else int(state["last_action_check"])
-        self.lr_cuts_ = int(state["lr_cuts"])
+            factor = s.lr_factor
+            reason = f"{reason}: learning rate x {factor} (cut {self.lr_cuts_} of {s.max_lr_cuts})"
+        checkpoint = s.checkpoint and action in (Action.LOWER_LR, Action.STOP)
+        return Decision(action, reason, step, value, score, rule, factor, checkpoint)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Policy):
             return NotImplemented
-        return self.__dict__ == other.__dict__
+        return self.settings == other.settings and self.state_dict() == other.state_dict()
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
     def __repr__(self) -> str:
-        return (
-            f"Policy(action={self.action!r}, threshold={self.threshold!r}, patience={self.patience!r}, "
-            f"warmup={self.warmup!r}, cooldown={self.cooldown!r}, trend_window={self.trend_window!r}, "
-            f"trend_slope={self.trend_slope!r}, lr_factor={self.lr_factor!r}, max_lr_cuts={self.max_lr_cuts!r}, "
-            f"after_max_lr_cuts={self.after_max_lr_cuts!r}, relative_to_baseline={self.relative_to_baseline!r}, "
-            f"checkpoint={self.checkpoint!r}, on_diverged={self.on_diverged!r}, score={self.score!r}, "
-            f"zscore_window={self.zscore_window!r})"
-        )
+        return f"Policy({self.settings!r})"

@@ -19,11 +19,9 @@ import torch
 from numpy.typing import NDArray
 
 from .exceptions import InputError
+from .settings import ProbeSettings
 
-__all__ = ["POOLINGS", "FeatureExtractor", "Probe", "ProbeSpec", "resolve_module"]
-
-#: How a layer's output becomes one vector per sample.
-POOLINGS = ("auto", "mean", "last", "cls", "flatten", "none")
+__all__ = ["FeatureExtractor", "Probe", "ProbeSpec", "StreamCapture", "resolve_layer", "resolve_module"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,57 +248,58 @@ def _first_tensor(output: Any) -> torch.Tensor:
     raise InputError(f"the probed layer returned {type(output).__name__}, not a tensor (or a tuple starting with one)")
 
 
+def _pooled(output: Any, pooling: str, mask: torch.Tensor | None) -> torch.Tensor:
+    """The ``(batch, d)`` features of a layer's output, pooled on the output's device."""
+    pooled = _pool(_first_tensor(output).detach(), pooling, mask)
+    return pooled.reshape(pooled.shape[0], -1)
+
+
 class FeatureExtractor:
-    """Runs the probe through a model and returns the features at a named layer.
+    """Runs the probe through a model and returns the features at the watched layer.
 
     The model is put in eval mode and run without gradients; every module's previous mode is restored and the
     forward hook removed afterwards, whatever happens. Features go to CPU float32 at once.
 
     Args:
-        layer: the module name (``model.named_modules()``), e.g. ``"backbone.avgpool"``, or name patterns
-            (see :func:`resolve_layer`).
-        pooling: one of :data:`POOLINGS`: ``"auto"`` (2-D as is, 4-D global average, 3-D mask-aware mean),
-            ``"mean"`` (mask-aware over tokens), ``"last"`` (last non-padding token), ``"cls"`` (first token),
-            ``"flatten"``, or ``"none"``.
-        batch_size: probe samples per forward pass (>= 1).
+        settings: the probe settings: ``layer`` (a module name or name patterns, see :func:`resolve_layer`),
+            ``pooling`` and ``batch_size``.
+        **overrides: any of them by name, e.g. ``FeatureExtractor(layer="backbone", batch_size=64)``.
 
     Raises:
-        InputError: an unknown pooling or a bad batch size.
+        InputError: a bad value, or no layer.
     """
 
-    def __init__(self, layer: str | Sequence[str], *, pooling: str = "auto", batch_size: int = 256) -> None:
-        names = [layer] if isinstance(layer, str) else list(layer) if isinstance(layer, (list, tuple)) else None
-        if not names or not all(isinstance(n, str) and n for n in names):
-            raise InputError(f"`layer` must be a module name or a list of name patterns, got {layer!r}")
-        if pooling not in POOLINGS:
-            raise InputError(f"`pooling` must be one of {sorted(POOLINGS)}, got {pooling!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise InputError(f"`batch_size` must be an integer >= 1, got {batch_size!r}")
-        self.layer = layer
-        self.pooling = pooling
-        self.batch_size = batch_size
+    def __init__(self, settings: ProbeSettings | None = None, /, **overrides: Any) -> None:
+        base = ProbeSettings() if settings is None else settings
+        self.settings: ProbeSettings = base.replace(**overrides) if overrides else base
+        if self.settings.layer is None:
+            raise InputError("`layer` is required with a `probe`: name the module whose output to watch")
+        self.layer: tuple[str, ...] = self.settings.layer
 
     def __call__(
         self, model: torch.nn.Module, probe: Probe, indices: Sequence[int] | None = None
     ) -> NDArray[np.float32]:
-        """Features ``(n, d)`` of the probe samples (all, or ``indices``) at ``self.layer``."""
+        """Features ``(n, d)`` of the probe samples (all, or ``indices``) at the watched layer.
+
+        Raises:
+            InputError: the layer is not a module of ``model``, or was never called by its forward pass.
+        """
         self.resolved_layer_ = resolve_layer(model, self.layer)
         module = dict(model.named_modules())[self.resolved_layer_]
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         captured: list[torch.Tensor] = []
         current_mask: list[torch.Tensor | None] = [None]
+        pooling = self.settings.pooling
 
         def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            tensor = _first_tensor(output)
-            pooled = _pool(tensor.detach(), self.pooling, current_mask[0])
-            captured.append(pooled.reshape(pooled.shape[0], -1).to("cpu", torch.float32))
+            captured.append(_pooled(output, pooling, current_mask[0]).to("cpu", torch.float32))
 
         modes = {m: m.training for m in model.modules()}
         handle = module.register_forward_hook(hook)
         try:
             model.eval()
             with torch.no_grad():
-                for batch in probe.batches(self.batch_size, indices):
+                for batch in probe.batches(self.settings.batch_size, indices):
                     if isinstance(batch, dict):
                         batch = {k: v.to(device) for k, v in batch.items()}
                         current_mask[0] = batch.get("attention_mask")
@@ -313,6 +312,60 @@ class FeatureExtractor:
             for submodule, training in modes.items():
                 submodule.training = training
         if not captured:
-            raise InputError(f"`layer` {self.layer!r} was never called during the forward pass of the probe")
+            shown = self.layer[0] if len(self.layer) == 1 else list(self.layer)
+            raise InputError(f"`layer` {shown!r} was never called during the forward pass of the probe")
         features: NDArray[np.float32] = torch.cat(captured).numpy()
         return features
+
+
+class StreamCapture:
+    """Streaming mode: keeps the pooled output of the watched layer during the model's *training* forwards.
+
+    ``attach`` registers a forward hook on the watched module (forwards in eval mode, such as a probe pass or
+    validation, are ignored); :meth:`take` returns what was captured since the last call and clears it.
+
+    Args:
+        pooling: how the layer's output becomes one vector per sample (see :class:`ProbeSettings`).
+    """
+
+    def __init__(self, pooling: str = "auto") -> None:
+        self.pooling = pooling
+        self._captured: list[torch.Tensor] = []
+        self._handle: Any = None
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hook is registered."""
+        return self._handle is not None
+
+    def attach(self, model: torch.nn.Module, layer: str | Sequence[str]) -> None:
+        """Register the hook on the module ``layer`` designates (once).
+
+        Raises:
+            InputError: no such module (with the closest names).
+        """
+        if self._handle is None:
+            self._handle = resolve_module(model, layer).register_forward_hook(self._hook)
+
+    def detach(self) -> None:
+        """Remove the hook and drop anything captured."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._captured = []
+
+    def take(self) -> NDArray[np.float32] | None:
+        """The ``(n, d)`` float32 features captured since the last call (None if none), then forget them."""
+        captured, self._captured = self._captured, []
+        if not captured:
+            return None
+        features: NDArray[np.float32] = torch.cat(captured).numpy()
+        return features
+
+    def _hook(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if module.training:
+            self._captured.append(_pooled(output, self.pooling, None).to("cpu", torch.float32))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Hooks are registered again by the adapter (ddp_spawn pickles callbacks); captured tensors are transient.
+        return {**self.__dict__, "_handle": None, "_captured": []}

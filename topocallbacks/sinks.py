@@ -14,29 +14,34 @@ from typing import Any
 
 import numpy as np
 
+from .check import CheckRecord
+
 __all__ = ["JsonlSink", "TensorBoardSink", "scalars_of"]
 
 
-def scalars_of(record: Mapping[str, Any]) -> dict[str, float]:
+def scalars_of(record: CheckRecord) -> dict[str, float]:
     """The ``topo/*`` scalars of a check record (what loggers and TensorBoard receive).
 
-    ``topo/index`` is the value the policy watches (``TopoMonitor(index=...)``, diagram drift by default);
-    ``topo/ci`` the paper's composite, logged beside its components.
+    ``topo/index`` is the value the policy watches (``TopoMonitor(index=...)``, diagram drift by default; absent
+    while the index has no value, e.g. the drift at the first check); ``topo/ci`` the paper's composite, logged
+    beside its components.
     """
-    if record.get("status") != "ok":
+    if not record.ok or record.report is None:
         return {"topo/diverged": 1.0}
+    report = record.report
     scalars = {
-        "topo/ci": record["ci"],
-        "topo/index": record["index_value"],
-        "topo/betti0": record["betti0"],
-        "topo/betti1": record["betti1"],
-        "topo/persistence_entropy": record["persistence_entropy"],
-        "topo/anisotropy": record["anisotropy"],
-        "topo/epsilon": record["epsilon"],
-        "topo/check_ms": record["check_ms"],
+        "topo/ci": report.ci,
+        "topo/betti0": report.betti0,
+        "topo/betti1": report.betti1,
+        "topo/persistence_entropy": report.persistence_entropy,
+        "topo/anisotropy": report.anisotropy_term,
+        "topo/epsilon": report.epsilon,
+        "topo/check_ms": record.check_ms,
         "topo/diverged": 0.0,
     }
-    for name, value in record["components"].items():
+    if record.index_value is not None:
+        scalars["topo/index"] = record.index_value
+    for name, value in report.components.items():
         scalars[f"topo/{name}_term"] = value
     return {key: float(value) for key, value in scalars.items()}
 
@@ -93,9 +98,9 @@ class TensorBoardSink:
         self._checks = 0
         self._warned = False
 
-    def write(self, record: Mapping[str, Any], diagrams: list[np.ndarray] | None = None) -> None:
+    def write(self, record: CheckRecord, diagrams: list[np.ndarray] | None = None) -> None:
         """Log a check record's scalars at its step; add a diagram figure when it is due."""
-        step = int(record["step"])
+        step = record.step
         for name, value in scalars_of(record).items():
             self.writer.add_scalar(name, value, global_step=step)
         self._checks += 1

@@ -5,9 +5,10 @@
 
 The protocol (also in ``benchmarks/README.md``):
 
-* **Warning rule** (the same for every signal): at check ``i`` after a warm-up of ``WARMUP`` checks, the score
-  is ``z = direction * (s_i - median(s over the previous TRAIL checks)) / noise``, with ``noise`` the robust
-  spread (1.4826 x median absolute deviation) of the check-to-check differences over the previous
+* **Warning rule** (the same for every signal): the package's default policy rule, computed by its own functions
+  (``topocallbacks.policy.rule_scores`` and ``rule_holds``): at check ``i`` after a warm-up of ``WARMUP`` checks,
+  the score is ``z = direction * (s_i - median(s over the previous TRAIL checks)) / noise``, with ``noise`` the
+  robust spread (1.4826 x median absolute deviation) of the check-to-check differences over the previous
   ``2 * TRAIL`` checks divided by sqrt(2); two-sided signals use ``|z|``. A check is *flagged* when ``z >= k``
   at it and the ``patience - 1`` checks before it. A diverged check (NaN/Inf features or loss) is always flagged.
   Fused signals flag when either part's score reaches ``k``.
@@ -50,11 +51,14 @@ sys.path.insert(0, str(ROOT))
 from record import KINDS, RECORDINGS  # noqa: E402
 from signals import SIGNALS, VERSION, feature_signals, training_signals  # noqa: E402
 
-from topocallbacks.policy import trailing_zscore  # noqa: E402
+from topocallbacks.policy import rule_holds, rule_scores  # noqa: E402
+from topocallbacks.settings import PolicySettings  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-WARMUP = 10
-TRAIL = 10
+#: The default policy's warm-up and z-score window: the rule the suite measures is the one that ships.
+RULE = PolicySettings()
+WARMUP = RULE.warmup
+TRAIL = RULE.zscore_window
 MARGINS = (0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
 FP_BUDGET = 0.02
 THRESHOLDS = tuple(float(k) for k in np.round(np.geomspace(1.0, 1000.0, 61), 3))
@@ -152,34 +156,18 @@ def load_runs(directory: Path = RECORDINGS, jobs: int = 1) -> list[Run]:
 # --- rules ------------------------------------------------------------------------------------------------------
 
 
-def scores(values: np.ndarray, direction: int) -> np.ndarray:
-    """The rule's score at every check (0 during the warm-up and where it is undefined)."""
-    z = np.zeros(values.size)
-    for i in range(WARMUP, values.size):
-        score = trailing_zscore(values[max(0, i - 2 * TRAIL) : i], float(values[i]), direction=direction,
-                                window=TRAIL)  # fmt: skip
-        z[i] = 0.0 if score is None else score
-    return z
-
-
 def run_scores(run: Run, name: str) -> np.ndarray:
-    """The score of a signal (max over the parts of a fused one); diverged checks score +inf."""
+    """The rule's score of a signal at every check (max over the parts of a fused one; NaN where none)."""
     parts = SIGNALS[name].parts or (name,)
     for part in parts:
         if part not in run.zscores:
-            run.zscores[part] = scores(run.signals[part], SIGNALS[part].direction)
-    z = np.max([run.zscores[part] for part in parts], axis=0)
-    return np.where(run.diverged, math.inf, z)
+            run.zscores[part] = rule_scores(run.signals[part], RULE, direction=SIGNALS[part].direction)
+    return np.fmax.reduce([run.zscores[part] for part in parts], axis=0)
 
 
-def flagged(z: np.ndarray, k: float, patience: int) -> np.ndarray:
-    above = z >= k
-    out = above.copy()
-    for lag in range(1, patience):
-        out[lag:] &= above[:-lag]
-        out[:lag] = False
-    out[:WARMUP] &= np.isinf(z[:WARMUP])  # only a divergence fires during the warm-up
-    return out
+def flagged(run: Run, z: np.ndarray, k: float, patience: int) -> np.ndarray:
+    """Where the rule holds at threshold ``k`` (a diverged check always does)."""
+    return rule_holds(z, k, patience, WARMUP, diverged=run.diverged)
 
 
 def standard_warning(run: Run) -> int | None:
@@ -260,7 +248,7 @@ def evaluate(runs: list[Run], name: str, k: float, patience: int) -> dict[str, A
     """Per-run outcomes of one signal with one rule setting, plus pooled summaries."""
     per_run = []
     for run in runs:
-        result = outcome(run, flagged(run_scores(run, name), k, patience))
+        result = outcome(run, flagged(run, run_scores(run, name), k, patience))
         per_run.append((run, result))
     healthy = [(r, o) for r, o in per_run if r.kind == "healthy"]
     collapse = [(r, o) for r, o in per_run if r.kind == "collapse"]
@@ -304,7 +292,9 @@ def held_out(runs: list[Run], name: str) -> tuple[dict[tuple[str, str, int], Out
         for run in runs:
             if run.scenario in fold:
                 settings[run.scenario] = (k, patience)
-                outcomes[(run.scenario, run.kind, run.seed)] = outcome(run, flagged(run_scores(run, name), k, patience))
+                outcomes[(run.scenario, run.kind, run.seed)] = outcome(
+                    run, flagged(run, run_scores(run, name), k, patience)
+                )
     return outcomes, settings
 
 
@@ -440,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plots:
         from plots import plot_scenarios
 
-        plot_scenarios(runs, winner, best, outcomes_by_signal, args.out / "collapse")
+        plot_scenarios(runs, winner, best, outcomes_by_signal, args.out / "collapse", standard_warning, WARMUP)
     return 0
 
 

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from signals import SIGNALS
 
 COMPONENTS = {
     "paper_ci": ("betti_term", "entropy_term", "anisotropy"),
     "diagram_drift": ("h0_drift", "h1_drift"),
 }
-WARMUP = 10  # checks left out of the scaling (the first checks of training move fastest)
 
 
-def _scaled(values: np.ndarray) -> np.ndarray:
+def _scaled(values: np.ndarray, warmup: int) -> np.ndarray:
     """Min-max scaled over the checks after the warm-up (earlier checks may fall outside [0, 1])."""
-    finite = values[WARMUP:][np.isfinite(values[WARMUP:])]
+    finite = values[warmup:][np.isfinite(values[warmup:])]
     if finite.size == 0:
         return values
     low, high = float(finite.min()), float(finite.max())
@@ -24,7 +25,13 @@ def _scaled(values: np.ndarray) -> np.ndarray:
 
 
 def plot_scenarios(
-    runs: list[Any], index: str, best: str, outcomes: dict[str, dict[tuple[str, str, int], Any]], directory: Path
+    runs: list[Any],
+    index: str,
+    best: str,
+    outcomes: dict[str, dict[tuple[str, str, int], Any]],
+    directory: Path,
+    standard_warning: Callable[[Any], int | None],
+    warmup: int,
 ) -> None:
     """Seed 0 (or the lowest seed) of each scenario: collapse run on the left, healthy twin on the right.
 
@@ -35,7 +42,6 @@ def plot_scenarios(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from evaluate import SIGNALS, standard_warning
 
     directory.mkdir(parents=True, exist_ok=True)
     lines = [(index, 2.2, 1.0), *((c, 0.9, 0.7) for c in COMPONENTS.get(index, ()))]
@@ -51,7 +57,7 @@ def plot_scenarios(
             top.set_title(f"{scenario}, seed {seed}: {kind}")
             for name, width, alpha in lines:
                 label = f"{name} (default)" if name == index else name
-                bottom.plot(run.steps, _scaled(run.signals[name]), linewidth=width, alpha=alpha, label=label)
+                bottom.plot(run.steps, _scaled(run.signals[name], warmup), linewidth=width, alpha=alpha, label=label)
             bottom.set_ylabel("min-max scaled after warm-up")
             bottom.set_ylim(-0.1, 1.3)
             bottom.set_xlabel("step")

@@ -1,8 +1,11 @@
 """Candidate signals evaluated on the recordings, each computed only from what a callback sees at a check.
 
-Every signal is built from functions of the package (``topocallbacks.functional``) applied to the probe features
-of one check (normalised like ``TopoMonitor`` does by default: centred, unit RMS radius), to the previous check's
-persistence diagrams (drift), or to the loss and gradient norm logged since the previous check.
+The indices the package ships (the paper's composite and its components, diagram drift, RankMe) come from the
+monitor's own check path: the features go through :class:`topocallbacks.transform.FeatureTransform` with the
+monitor's default settings (centred, unit RMS radius) and :func:`topocallbacks.check.measure` at the ε the monitor
+would calibrate (:func:`topocallbacks.functional.calibrate_epsilon`), so the suite measures what ships. The other
+candidates are built from functions of ``topocallbacks.functional`` on the same normalised cloud and diagrams, or
+from the loss and gradient norm logged since the previous check.
 """
 
 from __future__ import annotations
@@ -13,19 +16,18 @@ import warnings
 
 import numpy as np
 
-from topocallbacks.functional import (
-    betti_numbers,
-    collapse_index,
-    effective_rank,
-    epsilon_heuristic,
-)
+from topocallbacks.check import measure
+from topocallbacks.functional import betti_numbers, calibrate_epsilon, collapse_index
 from topocallbacks.functional._distances import pairwise_distances
-from topocallbacks.functional.collapse import _collapse_index, betti_term
-from topocallbacks.functional.indices import betti_curve, diagram_distance, total_persistence
+from topocallbacks.functional.collapse import betti_term
+from topocallbacks.functional.indices import betti_curve, total_persistence
+from topocallbacks.settings import IndexSettings
+from topocallbacks.transform import FeatureTransform
 
 #: Bump when a signal's definition changes: cached signal files with another version are recomputed.
-VERSION = 5
-DIAGRAM_POINTS = 256
+VERSION = 6
+#: The monitor's default index settings (diagram drift watched, the paper's composite beside it).
+INDEX = IndexSettings()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +78,6 @@ FEATURE_SIGNALS = tuple(
 )
 
 
-def normalise(cloud: np.ndarray) -> np.ndarray:
-    """Centre and scale to unit RMS radius (``TopoMonitor(normalize=True)`` in probe mode)."""
-    centred = cloud - cloud.mean(axis=0)
-    radius = float(np.sqrt(np.mean(np.sum(centred**2, axis=1))))
-    return centred / radius if radius > 0 else centred
-
-
 def _median_distance(cloud: np.ndarray) -> float:
     distances = pairwise_distances(cloud)[np.triu_indices(cloud.shape[0], 1)]
     return float(np.median(distances))
@@ -98,6 +93,7 @@ def feature_signals(frames: np.ndarray, state: dict | None = None) -> tuple[dict
     out: dict[str, list[float]] = {name: [] for name in (*FEATURE_SIGNALS, "paper_ci_raw")}
     state = dict(state or {"eps_fixed": None, "eps_raw": None, "previous": None})
     eps_fixed, eps_raw, previous = state["eps_fixed"], state["eps_raw"], state["previous"]
+    transform = FeatureTransform()  # the monitor's default: each check centred and scaled to unit RMS radius
     for frame in frames.astype(np.float64):
         if not np.isfinite(frame).all():
             for values in out.values():
@@ -106,21 +102,21 @@ def feature_signals(frames: np.ndarray, state: dict | None = None) -> tuple[dict
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a fully collapsed cloud warns about its scale
-            cloud = normalise(frame)
+            cloud = transform(frame)
             if eps_fixed is None:
-                eps_fixed = epsilon_heuristic(cloud)
-                eps_raw = epsilon_heuristic(frame)
-            # The monitor's own path: the composite and the diagrams its drift is measured on, computed once.
-            report, diagrams = _collapse_index(cloud, eps_fixed, "paper", max_points=DIAGRAM_POINTS, seed=0, betti=None)
-            raw = collapse_index(frame, epsilon=eps_raw, weights="paper", max_points=DIAGRAM_POINTS)
+                eps_fixed = calibrate_epsilon(cloud, INDEX)
+                eps_raw = calibrate_epsilon(frame, INDEX)
+            # The monitor's own check: the composite, the drift and RankMe, computed once.
+            found = measure(cloud, eps_fixed, INDEX, previous=previous, also=("rankme",))
+            report, diagrams = found.report, found.diagrams
+            raw = collapse_index(frame, epsilon=eps_raw, weights="paper", max_points=INDEX.max_points)
             median = _median_distance(cloud)
             if median > 0:
                 b0, b1 = betti_numbers(cloud, 0.5 * median)
                 h0 = total_persistence(diagrams[0], scale=median)
                 h1 = total_persistence(diagrams[1], scale=median)
-            else:  # most points coincide (median distance 0): the full-collapse values, nothing to drift from
+            else:  # most points coincide (median distance 0): the full-collapse values of these scale-free ones
                 b0, b1, h0, h1 = 1, 0, 0.0, 0.0
-                diagrams = [np.zeros((0, 2)), np.zeros((0, 2))]
             curve = betti_curve(cloud)
         out["paper_ci_raw"].append(raw.ci)
         out["paper_ci"].append(report.ci)
@@ -132,13 +128,12 @@ def feature_signals(frames: np.ndarray, state: dict | None = None) -> tuple[dict
         out["betti1_area"].append(curve.loop_area)
         out["h0_total_persistence"].append(h0)
         out["h1_total_persistence"].append(h1)
-        drifts = [math.nan, math.nan]
-        if previous is not None:
-            drifts = [diagram_distance(a, b) for a, b in zip(previous, diagrams, strict=True)]
+        drifts = (math.nan, math.nan) if found.drift is None else found.drift
         out["h0_drift"].append(drifts[0])
         out["h1_drift"].append(drifts[1])
-        out["diagram_drift"].append(drifts[0] + drifts[1])
-        out["rankme"].append(effective_rank(cloud) if median > 0 else 1.0)
+        drift = found.values["diagram_drift"]
+        out["diagram_drift"].append(math.nan if drift is None else drift)
+        out["rankme"].append(found.values["rankme"])
         previous = diagrams
     signals = {name: np.asarray(values, dtype=np.float64) for name, values in out.items()}
     return signals, {"eps_fixed": eps_fixed, "eps_raw": eps_raw, "previous": previous}

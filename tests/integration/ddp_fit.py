@@ -27,7 +27,7 @@ class Report(pl.Callback):
         data = {
             "rank": trainer.global_rank,
             "global_step": trainer.global_step,
-            "history": self.watched.history,
+            "history": [record.as_dict() for record in self.watched.history],
             "logged_ci": float(trainer.callback_metrics["topo/ci"]),
         }
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
@@ -35,7 +35,7 @@ class Report(pl.Callback):
 
 def main(out: str, action: str, probe_size: int) -> None:
     probe, _ = digits(probe_size)
-    policy = Policy(action=action, threshold=0.15, relative_to_baseline=True, patience=2, warmup=2, cooldown=5)
+    policy = Policy(action=action, threshold=0.15, score="baseline", patience=2, warmup=2, cooldown=5)
     callback = TopoCollapseCallback(
         probe=probe, layer="avgpool", check_every=10, policy=policy, history_path=str(Path(out, "history.jsonl"))
     )

@@ -26,10 +26,11 @@ def test_lightning_cli_configures_the_callback_from_yaml(tmp_path):
                   init_args:
                     preset: resnet
                     probe: train
-                    check_every: 5
-                    max_probe_samples: 64
-                    policy:
-                      patience: 4
+                    settings:
+                      check_every: 5
+                      max_probe_samples: 64
+                      policy:
+                        patience: 4
             """
         )
     )
@@ -42,8 +43,8 @@ def test_lightning_cli_configures_the_callback_from_yaml(tmp_path):
             from tests.integration.models import DigitsData, TinyCNN
             cli = LightningCLI(TinyCNN, DigitsData, save_config_kwargs={{"overwrite": True}})
             callback = next(c for c in cli.trainer.callbacks if type(c).__name__ == "TopoCollapseCallback")
-            print("CHECKS", [r["step"] for r in callback.history if r["kind"] == "check"])
-            print("PATIENCE", callback.monitor.policy.patience, callback.monitor.policy.threshold)
+            print("CHECKS", [r.step for r in callback.history if r.kind == "check"])
+            print("PATIENCE", callback.monitor.policy.settings.patience, callback.monitor.policy.settings.threshold)
             print("PROBE", callback.monitor.probe.spec.source, callback.monitor.probe.spec.n_samples)
             """
         )

@@ -91,23 +91,24 @@ def always(action, **kwargs):
 
 
 def checks(callback):
-    return [r for r in callback.history if r["kind"] == "check"]
+    return [r for r in callback.history if r.kind == "check"]
 
 
 def interventions(callback):
-    return [r for r in callback.history if r["kind"] == "intervention"]
+    return [r for r in callback.history if r.kind == "intervention"]
 
 
 def test_checks_land_in_log_history_every_n_steps(tmp_path):
     callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5)
     trainer = Trainer(model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[callback])
     trainer.train()
-    assert [r["step"] for r in checks(callback)] == [0, 5, 10]
-    logged = [entry for entry in trainer.state.log_history if "topo/index" in entry]
+    assert [r.step for r in checks(callback)] == [0, 5, 10]
+    logged = [entry for entry in trainer.state.log_history if "topo/ci" in entry]
     assert [entry["step"] for entry in logged] == [0, 5, 10]
-    assert logged[0]["topo/index"] == 0.0  # diagram drift has nothing to drift from at the first check
-    assert all(math.isfinite(entry["topo/ci"]) and entry["topo/index"] >= 0 for entry in logged)
-    assert [entry["topo/index"] for entry in logged] == [r["index_value"] for r in checks(callback)]
+    assert "topo/index" not in logged[0]  # diagram drift has nothing to drift from at the first check
+    assert all(math.isfinite(entry["topo/ci"]) for entry in logged)
+    assert [entry["topo/index"] for entry in logged[1:]] == [r.index_value for r in checks(callback)[1:]]
+    assert all(value > 0 for value in [entry["topo/index"] for entry in logged[1:]])
 
 
 def test_a_stop_saves_a_checkpoint_then_stops_in_this_exact_hook_sequence(tmp_path):
@@ -126,10 +127,10 @@ def test_a_stop_saves_a_checkpoint_then_stops_in_this_exact_hook_sequence(tmp_pa
     ]
     assert (tmp_path / "checkpoint-2").is_dir()
     stop = interventions(callback)[-1]
-    assert stop["step"] == 2
-    assert stop["action"] == "stop"
-    assert "control.should_save set (the Trainer saves checkpoint-2)" in stop["detail"]
-    assert "control.should_training_stop set" in stop["detail"]
+    assert stop.step == 2
+    assert stop.action == "stop"
+    assert "control.should_save set (the Trainer saves checkpoint-2)" in stop.detail
+    assert "control.should_training_stop set" in stop.detail
 
 
 def test_the_learning_rate_cut_is_still_in_effect_steps_later_under_the_linear_schedule(tmp_path):
@@ -145,8 +146,8 @@ def test_the_learning_rate_cut_is_still_in_effect_steps_later_under_the_linear_s
         assert recorder.rates[step] == pytest.approx(0.05 * (1 - step / 10)), step
     cut = interventions(callback)
     assert len(cut) == 1
-    assert cut[0]["action"] == "lower_lr"
-    assert cut[0]["lr_factor"] == 0.5
+    assert cut[0].action == "lower_lr"
+    assert cut[0].lr_factor == 0.5
 
 
 def test_a_warning_names_the_step_and_the_reason(tmp_path):
@@ -170,7 +171,7 @@ def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[first]).train()
-    assert [r["step"] for r in interventions(first)] == [2]
+    assert [r.step for r in interventions(first)] == [2]
     saved = transformers.TrainerState.load_from_json(str(tmp_path / "checkpoint-4" / "trainer_state.json"))
     assert saved.stateful_callbacks["TopoCollapseTrainerCallback"]["args"]["probe_hash"] is not None
 
@@ -181,9 +182,9 @@ def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     restored = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TopoCollapseTrainerCallback))
     assert (restored is not fresh) is rebuild  # with the flag on, the Trainer rebuilt it from trainer_state.json
-    assert [r["step"] for r in checks(restored)] == [0, 2, 4, 6, 8]
-    assert [r["step"] for r in interventions(restored)] == [2]
-    assert [r["index_value"] for r in checks(restored)][:3] == [r["index_value"] for r in checks(first)][:3]
+    assert [r.step for r in checks(restored)] == [0, 2, 4, 6, 8]
+    assert [r.step for r in interventions(restored)] == [2]
+    assert [r.index_value for r in checks(restored)][:3] == [r.index_value for r in checks(first)][:3]
 
 
 def test_a_restore_without_the_probe_in_this_process_says_what_to_do():
@@ -198,14 +199,14 @@ def test_probe_from_the_train_dataset_drops_the_labels(tmp_path):
     ).train()
     assert callback.monitor.probe.spec.n_samples == 64
     assert "labels" not in callback.monitor.probe.items[0]
-    assert [r["n_points"] for r in checks(callback)] == [64, 64]
+    assert [r.n_points for r in checks(callback)] == [64, 64]
 
 
 def test_bad_arguments_are_named():
     with pytest.raises(InputError, match="`probe` given as text must be 'train' or 'eval'"):
         TopoCollapseTrainerCallback(probe="val", layer="encoder")
-    with pytest.raises(InputError, match="`mode` must be 'probe'"):
-        TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", mode="stream")
+    with pytest.raises(InputError, match=r"`mode` must be one of \['probe', 'stream'\], got 'batch'"):
+        TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", mode="batch")
     with pytest.raises(ConfigError, match="unknown argument `check_evry`; did you mean `check_every`"):
         TopoCollapseTrainerCallback.from_preset("gpt", probe=PROBE, check_evry=3)
     callback = TopoCollapseTrainerCallback(probe=PROBE, layer="nope")
@@ -226,13 +227,15 @@ def test_gpt_preset_on_a_tiny_gpt2_through_trainer(tmp_path):
     data = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i]} for i in range(96)]
     probe = [{"input_ids": ids[i], "attention_mask": mask[i]} for i in range(48)]
     callback = TopoCollapseTrainerCallback.from_preset("gpt", probe=probe, check_every=2)
-    assert callback.monitor.check_every == 2
-    assert callback.monitor.index == "diagram_drift"
+    assert callback.monitor.settings.schedule.check_every == 2
+    assert callback.monitor.settings.index.name == "diagram_drift"
     Trainer(model=model, args=arguments(tmp_path, max_steps=6, learning_rate=1e-3), train_dataset=data,
             callbacks=[callback]).train()  # fmt: skip
     records = checks(callback)
-    assert [r["step"] for r in records] == [0, 2, 4, 6]
-    assert all(math.isfinite(r["ci"]) and math.isfinite(r["index_value"]) for r in records)
+    assert [r.step for r in records] == [0, 2, 4, 6]
+    assert all(math.isfinite(r.report.ci) for r in records)
+    assert records[0].index_value is None
+    assert all(math.isfinite(r.index_value) for r in records[1:])
     assert callback.monitor.extractor.resolved_layer_ == "transformer.ln_f"
 
 
@@ -249,7 +252,7 @@ def test_the_callback_pickles_and_its_state_is_json(tmp_path):
         model=DigitsNet(), args=arguments(tmp_path, max_steps=5), train_dataset=digits_dataset(), callbacks=[callback]
     ).train()
     state = json.loads(json.dumps(callback.state()))
-    assert state["args"]["layer"] == "encoder"
+    assert state["args"]["settings"]["probe"]["layer"] == ["encoder"]
     assert [r["step"] for r in state["attributes"]["_restored"]["monitor"]["history"]] == [0, 5]
     clone = pickle.loads(pickle.dumps(callback))
     assert clone.monitor.state_dict() == callback.monitor.state_dict()

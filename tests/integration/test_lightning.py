@@ -1,3 +1,4 @@
+import json
 import os
 import pickle
 import subprocess
@@ -27,17 +28,17 @@ class LearningRates(pl.Callback):
 
 
 def checks(callback):
-    return [r for r in callback.history if r["kind"] == "check"]
+    return [r for r in callback.history if r.kind == "check"]
 
 
 def interventions(callback):
-    return [r for r in callback.history if r["kind"] == "intervention"]
+    return [r for r in callback.history if r.kind == "intervention"]
 
 
 def blow_up_policy(action):
     # The paper composite with a baseline-relative threshold (these tests pin index="paper"); the default index,
     # diagram drift with its z-score rule, has its own test below.
-    return Policy(action=action, threshold=0.15, relative_to_baseline=True, patience=2, warmup=2, cooldown=5)
+    return Policy(action=action, threshold=0.15, score="baseline", patience=2, warmup=2, cooldown=5)
 
 
 def test_checks_run_every_n_steps_are_logged_and_leave_the_module_training(tmp_path):
@@ -47,12 +48,12 @@ def test_checks_run_every_n_steps_are_logged_and_leave_the_module_training(tmp_p
     model = TinyCNN()
     fit = trainer(tmp_path, [callback], max_steps=30)
     fit.fit(model, digits_loader())
-    assert [r["step"] for r in checks(callback)] == [0, 10, 20, 30]
-    assert all(0.0 <= r["ci"] <= 1.0 for r in checks(callback))
+    assert [r.step for r in checks(callback)] == [0, 10, 20, 30]
+    assert all(0.0 <= r.report.ci <= 1.0 for r in checks(callback))
     metrics = fit.callback_metrics
     for name in ["topo/ci", "topo/betti0", "topo/betti1", "topo/anisotropy", "topo/epsilon", "topo/check_ms"]:
         assert name in metrics
-    assert float(metrics["topo/ci"]) == pytest.approx(checks(callback)[-1]["ci"])
+    assert float(metrics["topo/ci"]) == pytest.approx(checks(callback)[-1].report.ci)
     assert model.training
     assert (tmp_path / "h.jsonl").read_text().count("\n") == 4
 
@@ -66,9 +67,9 @@ def test_an_induced_lr_blow_up_warns(tmp_path):
             TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader()
         )
     first = interventions(callback)[0]
-    assert first["action"] == "warn"
-    healthy = [r for r in checks(callback) if r["step"] <= 40]
-    assert all(r["decision"]["action"] == "none" for r in healthy)
+    assert first.action == "warn"
+    healthy = [r for r in checks(callback) if r.step <= 40]
+    assert all(r.decision.action.value == "none" for r in healthy)
 
 
 def test_an_induced_lr_blow_up_stops_the_run_with_a_checkpoint(tmp_path):
@@ -78,11 +79,11 @@ def test_an_induced_lr_blow_up_stops_the_run_with_a_checkpoint(tmp_path):
     fit = trainer(tmp_path, [callback], max_steps=300)
     fit.fit(TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader())
     stop = interventions(callback)[-1]
-    assert stop["action"] == "stop"
-    assert fit.global_step == stop["step"] < 300
-    assert f"checkpoint saved to {tmp_path}" in stop["detail"]
-    saved = torch.load(tmp_path / f"topo-stop-step{stop['step']}.ckpt", weights_only=False)
-    assert saved["global_step"] == stop["step"]
+    assert stop.action == "stop"
+    assert fit.global_step == stop.step < 300
+    assert f"checkpoint saved to {tmp_path}" in stop.detail
+    saved = torch.load(tmp_path / f"topo-stop-step{stop.step}.ckpt", weights_only=False)
+    assert saved["global_step"] == stop.step
 
 
 def test_a_stop_from_another_callback_is_never_cleared(tmp_path):
@@ -100,7 +101,14 @@ def test_a_stop_from_another_callback_is_never_cleared(tmp_path):
 @pytest.mark.parametrize("scheduler", ["cosine", "warmup", "onecycle", "plateau"])
 def test_the_learning_rate_stays_cut_after_the_scheduler_steps(tmp_path, scheduler):
     cut_policy = Policy(
-        action="lower_lr", threshold=-1.0, patience=1, warmup=1, cooldown=100, lr_factor=0.5, max_lr_cuts=1
+        action="lower_lr",
+        score="value",
+        threshold=-1.0,
+        patience=1,
+        warmup=1,
+        cooldown=100,
+        lr_factor=0.5,
+        max_lr_cuts=1,
     )
     reference, cut = LearningRates(), LearningRates()
     trainer(tmp_path / "ref", [reference], max_steps=25).fit(
@@ -110,20 +118,28 @@ def test_the_learning_rate_stays_cut_after_the_scheduler_steps(tmp_path, schedul
     trainer(tmp_path / "cut", [callback, cut], max_steps=25).fit(
         TinyCNN(scheduler=scheduler, total_steps=25), digits_loader()
     )
-    assert [r["step"] for r in interventions(callback)] == [10]
+    assert [r.step for r in interventions(callback)] == [10]
     for step in range(10, 26):  # from the cut on, including 5+ steps later, at half the reference rate
         assert cut.rates[step] == pytest.approx([0.5 * lr for lr in reference.rates[step]], rel=1e-6), step
     assert cut.rates[9] == pytest.approx(reference.rates[9])
 
 
 def test_resume_restores_history_and_never_refires(tmp_path):
-    policy = {"action": "lower_lr", "threshold": -1.0, "patience": 1, "warmup": 1, "cooldown": 100, "max_lr_cuts": 3}
+    policy = {
+        "action": "lower_lr",
+        "score": "value",
+        "threshold": -1.0,
+        "patience": 1,
+        "warmup": 1,
+        "cooldown": 100,
+        "max_lr_cuts": 3,
+    }
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=20, save_top_k=-1)
     first = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=Policy(**policy))
     trainer(tmp_path, [first, saver], max_steps=20, enable_checkpointing=True).fit(
         TinyCNN(scheduler="cosine"), digits_loader()
     )
-    assert [r["step"] for r in interventions(first)] == [10]
+    assert [r.step for r in interventions(first)] == [10]
     path = next((tmp_path / "ckpt").glob("*step=20*.ckpt"))
     second = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=Policy(**policy))
     rates = LearningRates()
@@ -131,12 +147,24 @@ def test_resume_restores_history_and_never_refires(tmp_path):
         TinyCNN(scheduler="cosine"), digits_loader(), ckpt_path=str(path)
     )
     # The cut at step 10 came back with the checkpoint and was not made again; cooldown (100 checks) holds.
-    assert [r["step"] for r in interventions(second)] == [10]
+    assert [r.step for r in interventions(second)] == [10]
     assert second.monitor.lr_factor_ == 0.5
-    assert [r["step"] for r in checks(second)] == [0, 10, 20, 30, 40]  # step 20 not checked twice
+    assert [r.step for r in checks(second)] == [0, 10, 20, 30, 40]  # step 20 not checked twice
     reference = LearningRates()
     trainer(tmp_path / "ref", [reference], max_steps=40).fit(TinyCNN(scheduler="cosine"), digits_loader())
     assert rates.rates[30] == pytest.approx([0.5 * lr for lr in reference.rates[30]], rel=1e-6)
+
+
+def test_the_callback_state_round_trip_is_idempotent_and_json(tmp_path):
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    trainer(tmp_path, [callback], max_steps=20).fit(TinyCNN(), digits_loader())
+    state = json.loads(json.dumps(callback.state_dict()))
+    twin = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    twin.load_state_dict(state)
+    assert json.dumps(twin.state_dict()) == json.dumps(state)  # the engine marker survives before any check
+    again = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    again.load_state_dict(twin.state_dict())
+    assert json.dumps(again.state_dict()) == json.dumps(state)
 
 
 def test_a_resume_with_another_probe_is_refused(tmp_path):
@@ -158,7 +186,7 @@ def test_early_stopping_and_model_checkpoint_can_monitor_the_index(tmp_path):
     )
     assert saver.best_model_path
     # ModelCheckpoint reads topo/ci at epoch ends: its best score is one of the values the callback logged.
-    logged = [r["ci"] for r in checks(callback) if r["step"] > 0]
+    logged = [r.report.ci for r in checks(callback) if r.step > 0]
     assert any(float(saver.best_model_score) == pytest.approx(ci, abs=1e-6) for ci in logged)
 
 
@@ -170,7 +198,7 @@ def test_checks_at_validation_end(tmp_path):
         tmp_path, [callback], max_steps=60, val_check_interval=20, check_val_every_n_epoch=None, num_sanity_val_steps=1
     )
     fit.fit(TinyCNN(), digits_loader(), validation)
-    assert [r["step"] for r in checks(callback)] == [0, 20, 40, 60]  # train start, then after each validation
+    assert [r.step for r in checks(callback)] == [0, 20, 40, 60]  # train start, then after each validation
 
 
 def test_two_callbacks_on_two_layers_coexist_and_pickle(tmp_path):
@@ -210,8 +238,8 @@ def test_streaming_mode_watches_the_training_batches(tmp_path):
     fit = trainer(tmp_path, [callback], max_steps=20)
     fit.fit(TinyCNN(), digits_loader())
     records = checks(callback)
-    assert [r["step"] for r in records] == [5, 10, 15, 20]
-    assert records[-1]["n_points"] == 256
+    assert [r.step for r in records] == [5, 10, 15, 20]
+    assert records[-1].n_points == 256
     assert "topo/ci" in fit.callback_metrics
 
 
@@ -239,22 +267,22 @@ def test_lightning_tensorboard_logger_receives_the_index(tmp_path):
     # again: the distinct values, in order, are the checks' values.
     logged = [event.value for event in events.Scalars("topo/ci")]
     distinct = [value for i, value in enumerate(logged) if i == 0 or value != logged[i - 1]]
-    assert distinct == pytest.approx([r["ci"] for r in checks(callback) if r["step"] > 0])
+    assert distinct == pytest.approx([r.report.ci for r in checks(callback) if r.step > 0])
 
 
 def test_the_default_index_and_rule_warn_on_an_induced_lr_blow_up(tmp_path):
     callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=2)
-    assert callback.monitor.index == "diagram_drift"
+    assert callback.monitor.settings.index.name == "diagram_drift"
     with pytest.warns(RuntimeWarning, match=r"topocallbacks at step \d+: index .* at z = .* >= threshold 4.5"):
         trainer(tmp_path, [callback], max_steps=120).fit(
             TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader()
         )
     first = interventions(callback)[0]
-    assert first["action"] == "warn"
+    assert first.action == "warn"
     records = checks(callback)
-    assert records[0]["index_value"] == 0.0  # nothing to drift from at the first check
+    assert records[0].index_value is None  # nothing to drift from at the first check
     # The warm-up is 10 checks (steps 0-18); the ramp (x1.1 per step) is flagged at the first check after it,
     # while the drift has tripled, long before the features end fully collapsed (drift 0: empty diagrams).
-    assert first["step"] == 20
-    assert records[10]["index_value"] > 3 * records[1]["index_value"]
-    assert records[-1]["index_value"] == 0.0
+    assert first.step == 20
+    assert records[10].index_value > 3 * records[1].index_value
+    assert records[-1].index_value == 0.0

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from tests.integration.models import digits, digits_loader, quiet_trainer
+from topocallbacks import InputError
 from topocallbacks.lightning import TopoCollapseCallback
 
 TEXT = codecs.decode(this.s, "rot13").encode()  # the Zen of Python: real text, byte-level tokens
@@ -119,9 +120,9 @@ def test_each_preset_runs_on_its_architecture_with_finite_index_at_every_check(t
     callback = TopoCollapseCallback.from_preset(name, probe=probe, check_every=5)
     trainer = quiet_trainer(tmp_path, [callback], 15)
     trainer.fit(tiny(name), loader)
-    checks = [r for r in callback.history if r["kind"] == "check"]
-    assert [r["step"] for r in checks] == [0, 5, 10, 15]
-    assert all(r["status"] == "ok" and math.isfinite(r["ci"]) and 0 <= r["ci"] <= 1 for r in checks)
+    checks = [r for r in callback.history if r.kind == "check"]
+    assert [r.step for r in checks] == [0, 5, 10, 15]
+    assert all(r.status == "ok" and math.isfinite(r.report.ci) and 0 <= r.report.ci <= 1 for r in checks)
     expected_layer = {
         "resnet": "model.resnet.pooler",
         "vit": "model.vit.layernorm",
@@ -135,8 +136,13 @@ def test_probe_from_the_validation_dataloader(tmp_path):
     images, labels = digits(96)
     validation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=32)
     callback = TopoCollapseCallback.from_preset("resnet", probe="val", check_every=5, max_probe_samples=64)
-    trainer = quiet_trainer(tmp_path, [callback], 5, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = quiet_trainer(tmp_path, [callback], 5, num_sanity_val_steps=0, limit_val_batches=1)
     trainer.fit(tiny("resnet"), digits_loader(batch_size=32), validation)
     assert callback.monitor.probe.spec.source == "dataset:TensorDataset"
     assert callback.monitor.probe.spec.n_samples == 64
-    assert len([r for r in callback.history if r["kind"] == "check"]) == 2
+    assert len([r for r in callback.history if r.kind == "check"]) == 2
+    disabled = TopoCollapseCallback.from_preset("resnet", probe="val", check_every=5)
+    with pytest.raises(InputError, match="does not load with limit_val_batches=0"):
+        quiet_trainer(tmp_path, [disabled], 5, limit_val_batches=0).fit(
+            tiny("resnet"), digits_loader(batch_size=32), validation
+        )

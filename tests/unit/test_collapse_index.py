@@ -5,7 +5,7 @@ import pickle
 import numpy as np
 import pytest
 
-from topocallbacks import CollapseIndex, CollapseReport, InputError, NonFiniteError
+from topocallbacks import CollapseIndex, CollapseReport, ConfigError, InputError, NonFiniteError
 from topocallbacks import functional as F
 
 
@@ -218,11 +218,11 @@ def test_collapse_index_state_round_trip_and_pickle():
 def test_collapse_index_load_state_errors():
     index = CollapseIndex()
     with pytest.raises(InputError, match=r"`state` is missing key\(s\) \['epsilon_', 'weights_'\]"):
-        index.load_state_dict({"version": 1})
-    with pytest.raises(InputError, match=r"`state\['version'\]` must be 1, got 7"):
+        index.load_state_dict({"version": 2})
+    with pytest.raises(InputError, match=r"`state\['version'\]` must be 2, got 7"):
         index.load_state_dict({"version": 7, "epsilon_": 1.0, "weights_": "paper"})
     with pytest.raises(InputError, match=r"`state\['epsilon_'\]` must be None or a finite number > 0, got -1"):
-        index.load_state_dict({"version": 1, "epsilon_": -1, "weights_": "paper"})
+        index.load_state_dict({"version": 2, "epsilon_": -1, "weights_": "paper"})
 
 
 @pytest.mark.parametrize(
@@ -241,7 +241,10 @@ def test_collapse_index_validates_in_init(kwargs, match):
         CollapseIndex(**kwargs)
 
 
-def test_collapse_index_repr_echoes_the_arguments():
+def test_collapse_index_repr_echoes_the_settings():
     assert repr(CollapseIndex(epsilon=1.5, seed=2)) == (
-        "CollapseIndex(epsilon=1.5, epsilon_quantile=0.5, epsilon_factor=0.5, weights=None, max_points=256, seed=2)"
+        "CollapseIndex(IndexSettings(name='diagram_drift', epsilon=1.5, epsilon_quantile=0.5, epsilon_factor=0.5, "
+        "weights='paper', max_points=256), seed=2)"
     )
+    with pytest.raises(ConfigError, match="unknown argument `epsilon_quantil`; did you mean `epsilon_quantile`"):
+        CollapseIndex(epsilon_quantil=0.4)

@@ -103,10 +103,10 @@ def test_rule_flags_a_drop_after_the_warm_up_with_patience(suite):
     metric[24:] = 0.5  # accuracy falls at step 240
     run = make_run(evaluate, values, metric)
     z = evaluate.run_scores(run, "rankme")
-    assert (z[: evaluate.WARMUP] == 0).all()
+    assert np.isnan(z[: evaluate.WARMUP]).all()  # no score during the warm-up
     assert z[20] > 10
     assert np.abs(z[evaluate.WARMUP : 20]).max() < 5
-    flags = evaluate.flagged(z, 5.0, 2)
+    flags = evaluate.flagged(run, z, 5.0, 2)
     assert np.flatnonzero(flags)[0] == 21  # patience 2: the second check of the drop
     result = evaluate.outcome(run, flags)
     assert result.warning_step == 210
@@ -115,9 +115,23 @@ def test_rule_flags_a_drop_after_the_warm_up_with_patience(suite):
     assert evaluate.lead(run, result.warning_step) == 30
     assert evaluate.lead_fraction(run, result.warning_step) == pytest.approx(30 / 140)
     assert evaluate.lead_fraction(run, None) == -1.0
-    # A diverged check is flagged even during the warm-up.
+    # A diverged check is flagged even during the warm-up, whatever the patience.
     run.diverged[3] = True
-    assert evaluate.flagged(evaluate.run_scores(run, "rankme"), 5.0, 1)[3]
+    assert evaluate.flagged(run, evaluate.run_scores(run, "rankme"), 5.0, 2)[3]
+
+
+def test_the_suite_scores_with_the_package_rule(suite):
+    from topocallbacks.policy import Policy
+
+    evaluate = suite["evaluate"]
+    rng = np.random.default_rng(2)
+    values = np.concatenate([10 + 0.1 * rng.normal(size=25), [7.0, 10.0]])
+    policy = Policy(evaluate.RULE, threshold=5.0)
+    decisions = [policy.decide(i, -v) for i, v in enumerate(values)]  # RankMe falls at collapse: oriented
+    run = make_run(evaluate, values, np.full(values.size, 0.8))
+    z = evaluate.run_scores(run, "rankme")
+    assert [d.score for d in decisions[evaluate.WARMUP :]] == pytest.approx(z[evaluate.WARMUP :].tolist())
+    assert [d.fired for d in decisions] == evaluate.flagged(run, z, 5.0, 1).tolist()
 
 
 def test_tuning_keeps_the_false_positive_budget_on_the_tuning_runs(suite):

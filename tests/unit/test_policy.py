@@ -5,8 +5,9 @@ import pickle
 import numpy as np
 import pytest
 
-from topocallbacks import InputError
-from topocallbacks.policy import Action, Decision, Policy
+from topocallbacks import ConfigError, InputError
+from topocallbacks.policy import Action, Decision, Policy, rule_holds, rule_scores
+from topocallbacks.settings import PolicySettings
 
 
 def run(policy, values, start=0):
@@ -18,7 +19,7 @@ def actions(decisions):
 
 
 def test_threshold_needs_patience_consecutive_checks_after_warmup():
-    policy = Policy(action="stop", threshold=0.7, patience=3, warmup=2, cooldown=0)
+    policy = Policy(action="stop", score="value", threshold=0.7, patience=3, warmup=2, cooldown=0)
     decisions = run(policy, [0.9, 0.9, 0.8, 0.8, 0.6, 0.8, 0.8, 0.8])
     assert actions(decisions) == ["none"] * 7 + ["stop"]
     assert decisions[0].reason == "warm-up check 1 of 2"
@@ -28,7 +29,7 @@ def test_threshold_needs_patience_consecutive_checks_after_warmup():
 
 
 def test_cooldown_blocks_and_patience_restarts_after_an_action():
-    policy = Policy(action="warn", threshold=0.5, patience=2, warmup=0, cooldown=3)
+    policy = Policy(action="warn", score="value", threshold=0.5, patience=2, warmup=0, cooldown=3)
     decisions = run(policy, [0.9] * 9)
     # Fires at check 2; checks 3-5 are in cooldown; patience counts again from check 3, so check 6 fires.
     assert actions(decisions) == ["none", "warn", "none", "none", "none", "warn", "none", "none", "none"]
@@ -37,7 +38,9 @@ def test_cooldown_blocks_and_patience_restarts_after_an_action():
 
 
 def test_rising_trend_fires_below_the_threshold():
-    policy = Policy(action="warn", threshold=0.95, patience=1, warmup=1, trend_window=4, trend_slope=0.04)
+    policy = Policy(
+        action="warn", score="value", threshold=0.95, patience=1, warmup=1, trend_window=4, trend_slope=0.04
+    )
     decisions = run(policy, [0.40, 0.40, 0.41, 0.40, 0.41, 0.45, 0.50, 0.55])
     fired = [i for i, d in enumerate(decisions) if d.fired]
     assert fired == [7]
@@ -46,8 +49,8 @@ def test_rising_trend_fires_below_the_threshold():
     assert "index rising 0.0470 per check over the last 4 checks (>= 0.04)" in decisions[7].reason
 
 
-def test_relative_to_baseline():
-    policy = Policy(action="warn", threshold=0.1, patience=1, warmup=3, relative_to_baseline=True)
+def test_score_relative_to_the_warmup_baseline():
+    policy = Policy(action="warn", score="baseline", threshold=0.1, patience=1, warmup=3)
     decisions = run(policy, [0.5, 0.6, 0.4, 0.55, 0.61])
     assert policy.baseline_ == pytest.approx(0.5)
     assert actions(decisions) == ["none", "none", "none", "none", "warn"]
@@ -57,6 +60,7 @@ def test_relative_to_baseline():
 def test_learning_rate_cuts_escalate_after_the_cap():
     policy = Policy(
         action="lower_lr",
+        score="value",
         threshold=0.5,
         patience=1,
         warmup=0,
@@ -76,7 +80,7 @@ def test_learning_rate_cuts_escalate_after_the_cap():
 
 
 def test_warn_never_asks_for_a_checkpoint():
-    policy = Policy(action="warn", threshold=0.5, patience=1, warmup=0, checkpoint=True)
+    policy = Policy(action="warn", score="value", threshold=0.5, patience=1, warmup=0, checkpoint=True)
     assert not policy.decide(0, 0.9).checkpoint
 
 
@@ -85,14 +89,22 @@ def test_divergence_acts_at_once_even_in_warmup():
     decision = policy.decide(12, None, diverged=True)
     assert decision.action is Action.STOP
     assert decision.rule == "diverged"
-    assert decision.ci is None
+    assert decision.value is None
     assert policy.decide(13, math.nan).action is Action.STOP
     assert Policy(on_diverged="none").decide(0, None, diverged=True).action is Action.NONE
 
 
 def test_state_round_trip_never_refires():
     values = [0.2, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
-    settings = {"action": "lower_lr", "threshold": 0.7, "patience": 2, "warmup": 2, "cooldown": 2, "max_lr_cuts": 5}
+    settings = {
+        "action": "lower_lr",
+        "score": "value",
+        "threshold": 0.7,
+        "patience": 2,
+        "warmup": 2,
+        "cooldown": 2,
+        "max_lr_cuts": 5,
+    }
     uninterrupted = actions(run(Policy(**settings), values))
     first = Policy(**settings)
     head = actions(run(first, values[:5]))
@@ -106,7 +118,7 @@ def test_state_round_trip_never_refires():
 
 
 def test_decision_round_trip():
-    decision = Decision(Action.LOWER_LR, "because", 10, 0.8, "threshold", 0.5, True)
+    decision = Decision(Action.LOWER_LR, "because", 10, 0.8, 0.8, "threshold", 0.5, True)
     assert Decision.from_dict(json.loads(json.dumps(decision.as_dict()))) == decision
     assert decision.as_dict()["action"] == "lower_lr"
 
@@ -114,17 +126,17 @@ def test_decision_round_trip():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"action": "explode"}, r"`action` must be one of \['lower_lr', 'none', 'stop', 'warn'\], got 'explode'"),
+        ({"action": "explode"}, r"`action` must be one of \['none', 'warn', 'lower_lr', 'stop'\], got 'explode'"),
         ({"threshold": math.nan}, "`threshold` must be a finite number, got nan"),
         ({"patience": 0}, "`patience` must be an integer >= 1, got 0"),
         ({"warmup": -1}, "`warmup` must be an integer >= 0, got -1"),
         ({"cooldown": 1.5}, "`cooldown` must be an integer >= 0, got 1.5"),
         ({"trend_window": 3}, "`trend_window` and `trend_slope` go together"),
         ({"trend_window": 1, "trend_slope": 0.1}, "`trend_window` must be an integer >= 2, got 1"),
-        ({"trend_window": 3, "trend_slope": -0.1}, r"`trend_slope` must be a finite number in \(0, inf\), got -0.1"),
+        ({"trend_window": 3, "trend_slope": -0.1}, r"`trend_slope` must be a finite number > 0, got -0.1"),
         ({"lr_factor": 1.0}, r"`lr_factor` must be a finite number in \(0, 1\), got 1.0"),
         ({"max_lr_cuts": -2}, "`max_lr_cuts` must be an integer >= 0, got -2"),
-        ({"after_max_lr_cuts": "lower_lr"}, r"`after_max_lr_cuts` must be one of \['none', 'stop', 'warn'\]"),
+        ({"after_max_lr_cuts": "lower_lr"}, r"`after_max_lr_cuts` must be one of \['warn', 'stop', 'none'\]"),
         ({"on_diverged": "panic"}, "`on_diverged` must be one of"),
     ],
 )
@@ -135,7 +147,16 @@ def test_bad_arguments(kwargs, match):
 
 def test_load_state_errors():
     with pytest.raises(InputError, match=r"missing key\(s\)"):
-        Policy().load_state_dict({"version": 1})
+        Policy().load_state_dict({"version": 3})
+    with pytest.raises(InputError, match=r"`state\['version'\]` must be 3, got 1"):
+        Policy().load_state_dict({**Policy().state_dict(), "version": 1})
+
+
+def test_an_unknown_field_gets_a_did_you_mean():
+    with pytest.raises(ConfigError, match=r"unknown argument `patiense`; did you mean `patience`\?"):
+        Policy(patiense=3)
+    with pytest.raises(InputError, match="`settings` must be a PolicySettings, got dict"):
+        Policy({"patience": 3})
 
 
 # --- trailing z-score (the collapse suite's warning rule) ------------------------------------------------------
@@ -197,8 +218,34 @@ def test_zscore_score_is_the_trailing_zscore_with_warmup_and_patience():
 def test_score_arguments_are_validated():
     with pytest.raises(InputError, match=r"`score` must be one of \['value', 'baseline', 'zscore'\], got 'z'"):
         Policy(score="z")
-    with pytest.raises(InputError, match="contradicts"):
-        Policy(score="zscore", relative_to_baseline=True)
     with pytest.raises(InputError, match="`zscore_window` must be"):
         Policy(score="zscore", zscore_window=1)
-    assert Policy(relative_to_baseline=True).score_ == "baseline"
+
+
+def test_the_default_policy_is_the_tuned_zscore_rule():
+    settings = Policy().settings
+    assert (settings.score, settings.threshold, settings.patience, settings.warmup, settings.zscore_window) == (
+        "zscore",
+        4.5,
+        1,
+        10,
+        10,
+    )
+    assert Policy(PolicySettings(action="stop"), patience=2).settings == PolicySettings(action="stop", patience=2)
+
+
+def test_series_functions_give_the_scores_and_holds_the_policy_computes():
+    rng = np.random.default_rng(4)
+    values = [*list(1.0 + 0.05 * rng.normal(size=25)), 2.5, 2.6, 1.0, math.nan, 1.02, 3.0]
+    settings = PolicySettings(action="warn", threshold=4.5, patience=2, warmup=10, cooldown=0)
+    policy = Policy(settings)
+    decisions = [policy.decide(i, None if math.isnan(v) else v, diverged=math.isnan(v)) for i, v in enumerate(values)]
+    scores = rule_scores(values, settings)
+    for i, decision in enumerate(decisions):
+        if i < 10 or math.isnan(values[i]) or decision.score is None:
+            assert math.isnan(scores[i])
+        else:
+            assert scores[i] == decision.score
+    holds = rule_holds(scores, 4.5, 2, 10, diverged=np.isnan(values))
+    assert holds.tolist() == [d.rule is not None for d in decisions]
+    assert np.flatnonzero(holds).tolist() == [26, 28]  # the jump held for 2 checks; the diverged check at once

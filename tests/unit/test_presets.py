@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from topocallbacks import ConfigError, Policy, presets
-from topocallbacks.config import parse_preset
+from topocallbacks import ConfigError, MonitorSettings, Policy, presets
+from topocallbacks.presets import parse_preset
 
 ROOT = Path(__file__).parents[2]
 
@@ -17,11 +17,26 @@ def test_the_four_architectures_are_available_and_valid():
     for name in ("resnet", "vit", "gpt", "llama"):
         preset = presets.load(name)
         assert preset.name == name
-        assert preset.probe.layer
-        assert preset.schedule.check_every >= 1
-        assert isinstance(preset.monitor_kwargs()["policy"], Policy)
-    assert presets.load("vit").probe.pooling == "cls"
-    assert presets.load("llama").probe.layer[0] == "model.norm"
+        assert preset.settings.probe.layer
+        assert preset.settings.probe.size == 512
+        assert preset.settings.rule == MonitorSettings().rule  # the suite's tuned rule, written nowhere in the files
+    assert presets.load("vit").settings.probe.pooling == "cls"
+    assert presets.load("llama").settings.probe.layer[0] == "model.norm"
+    assert presets.load("gpt").settings.transform.projection == "random"
+
+
+def test_preset_files_state_only_what_differs_from_the_defaults():
+    import yaml
+
+    defaults = MonitorSettings().as_dict()
+    for name in presets.available():
+        data = yaml.safe_load((presets.preset_dir() / f"{name}.yaml").read_text())
+        for section, values in data.items():
+            if section in ("name", "description"):
+                continue
+            for key, value in values.items():
+                default = defaults[section][key]
+                assert value != default, f"{name}.yaml repeats the default {section}.{key} = {default!r}"
 
 
 def write(tmp_path, text, name="my.yaml"):
@@ -37,10 +52,11 @@ def test_a_users_own_yaml_works_like_a_bundled_one(tmp_path):
     path = write(tmp_path, MINIMAL + "schedule:\n  check_every: 7\npolicy:\n  action: stop\n")
     preset = presets.load(str(path))
     assert preset.name == "my"
-    assert preset.probe.layer == ("encoder",)
-    assert preset.schedule.check_every == 7
-    assert preset.policy.action == "stop"
-    assert preset.index.weights == "paper"  # defaults fill the rest
+    assert preset.settings.probe.layer == ("encoder",)
+    assert preset.settings.schedule.check_every == 7
+    assert preset.settings.rule.action == "stop"
+    assert preset.settings.rule.threshold == 4.5  # merged into the default rule
+    assert preset.settings.index.weights == "paper"  # defaults fill the rest
 
 
 @pytest.mark.parametrize(
@@ -49,25 +65,39 @@ def test_a_users_own_yaml_works_like_a_bundled_one(tmp_path):
         (
             "polcy: {}\n" + MINIMAL,
             r"unknown key `polcy` in .*my.yaml; did you mean `policy`\? Valid keys: "
-            r"\['description', 'index', 'name', 'policy', 'probe', 'schedule'\]",
+            r"\['description', 'index', 'interventions', 'name', 'output', 'policy', 'probe', 'schedule', 'seed', "
+            r"'transform'\]",
         ),
         (
             MINIMAL + "policy:\n  patince: 3\n",
             r"unknown key `policy.patince` in .*; did you mean `policy.patience`\? "
             r"Valid keys of policy: \['action', 'after_max_lr_cuts',",
         ),
-        (MINIMAL + "policy:\n  patience: three\n", r"`policy.patience` must be int, got 'three' \(str\) in .*my.yaml"),
+        (
+            MINIMAL + "index:\n  projection: pca\n",
+            r"unknown key `index.projection` in .*my.yaml Valid keys of index: \['epsilon', ",
+        ),
+        (
+            MINIMAL + "policy:\n  patience: three\n",
+            r"`policy.patience` must be an integer >= 1, got 'three' of type str in .*my.yaml",
+        ),
         (MINIMAL + "policy:\n  patience: 0\n", r"`policy.patience` must be an integer >= 1, got 0 in .*my.yaml"),
-        (MINIMAL + "policy:\n  lr_factor: 2\n", r"`policy.lr_factor` must be a finite number in \(0, 1\), got 2.0"),
+        (
+            MINIMAL + "policy:\n  lr_factor: 2\n",
+            r"`policy.lr_factor` must be a finite number in \(0, 1\), got 2 in .*my.yaml",
+        ),
         (MINIMAL + "schedule:\n  check_every: 0\n", r"`schedule.check_every` must be an integer >= 1, got 0"),
         (MINIMAL + "schedule:\n  mode: batch\n", r"`schedule.mode` must be one of \['probe', 'stream'\], got 'batch'"),
         (
             MINIMAL + "index:\n  epsilon_quantile: 1.5\n",
             r"`index.epsilon_quantile` must be a finite number in \(0, 1\]",
         ),
-        (MINIMAL + "index:\n  normalize: yes please\n", r"`index.normalize` must be bool, got 'yes please'"),
+        (MINIMAL + "transform:\n  normalize: yes please\n", r"`transform.normalize` must be true or false, got 'yes"),
+        (MINIMAL + "probe:\n  layer: x\n  pooling: avg\n", r"`probe.pooling` must be one of \['auto', .* in .*my.yaml"),
+        (MINIMAL + "probe:\n  layer: []\n", r"`probe.layer` must be a module name or a non-empty list of name"),
         ("probe:\n  pooling: mean\n", r"`probe.layer` is required in"),
         (MINIMAL + "probe:\n  layer: x\n  size: 1\n", r"`probe.size` must be an integer >= 2, got 1"),
+        (MINIMAL + "seed: -2\n", r"`seed` must be an integer >= 0, got -2 in .*my.yaml"),
         ("- 1\n- 2\n", "a preset must be a mapping of sections, got list"),
         ("probe: [1, 2]\n", "`probe` must be a mapping, got list"),
         ("!!python/object/apply:os.system ['echo hacked']\n", "is not valid YAML"),
@@ -87,8 +117,8 @@ def test_unknown_preset_names():
 
 def test_parse_preset_from_a_mapping():
     preset = parse_preset({"probe": {"layer": ["a", "*.b"]}, "policy": {"threshold": 0.2}}, origin="inline")
-    assert preset.probe.layer == ("a", "*.b")
-    assert preset.policy.threshold == 0.2
+    assert preset.settings.probe.layer == ("a", "*.b")
+    assert preset.settings.rule.threshold == 0.2
 
 
 def test_from_preset_overrides_every_value():
@@ -97,16 +127,19 @@ def test_from_preset_overrides_every_value():
 
     probe = torch.randn(8, 3)
     callback = TopoCollapseCallback.from_preset("gpt", probe=probe, check_every=20, policy={"patience": 5})
-    assert callback.monitor.check_every == 20
-    assert callback.monitor.policy.patience == 5
-    assert callback.monitor.policy.threshold == presets.load("gpt").policy.threshold  # merged, not replaced
-    assert callback.layer == list(presets.load("gpt").probe.layer)
+    settings = callback.monitor.settings
+    assert settings.schedule.check_every == 20
+    assert settings.rule.patience == 5
+    assert settings.rule.threshold == presets.load("gpt").settings.rule.threshold  # merged, not replaced
+    assert callback.layer == presets.load("gpt").settings.probe.layer
     replaced = TopoCollapseCallback.from_preset("resnet", probe=probe, policy=Policy(action="stop"))
-    assert replaced.monitor.policy.action == "stop"
+    assert replaced.monitor.policy.settings.action == "stop"
     with pytest.raises(ConfigError, match=r"unknown argument `chek_every`; did you mean `check_every`\?"):
         TopoCollapseCallback.from_preset("gpt", probe=probe, chek_every=3)
-    with pytest.raises(ConfigError, match="`policy` override"):
+    with pytest.raises(ConfigError, match=r"unknown key `policy.patient`; did you mean `policy.patience`\?"):
         TopoCollapseCallback.from_preset("gpt", probe=probe, policy={"patient": 3})
+    with pytest.raises(ConfigError, match="give a `preset` or a MonitorSettings value as `settings`, not both"):
+        TopoCollapseCallback(probe=probe, preset="gpt", settings=MonitorSettings())
 
 
 @pytest.mark.slow

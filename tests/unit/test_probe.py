@@ -36,7 +36,7 @@ def test_features_of_a_conv_layer_are_pooled_and_the_model_is_restored():
     model = Net().train()
     model.head.eval()  # a mixed state must come back exactly
     probe = Probe(torch.randn(10, 1, 5, 5))
-    features = FeatureExtractor("backbone", batch_size=3)(model, probe)
+    features = FeatureExtractor(layer="backbone", batch_size=3)(model, probe)
     assert features.shape == (10, 4)
     assert features.dtype == np.float32
     with torch.no_grad():
@@ -51,7 +51,7 @@ def test_features_of_a_conv_layer_are_pooled_and_the_model_is_restored():
 def test_eval_mode_during_the_pass_makes_features_deterministic():
     model = Net().train()
     probe = Probe(torch.randn(6, 1, 5, 5))
-    extractor = FeatureExtractor("head")
+    extractor = FeatureExtractor(layer="head")
     np.testing.assert_array_equal(extractor(model, probe), extractor(model, probe))
 
 
@@ -59,7 +59,7 @@ def test_the_hook_is_removed_when_the_forward_fails():
     model = Net()
     probe = Probe(torch.randn(4, 2, 5, 5))  # wrong channel count
     with pytest.raises(RuntimeError):
-        FeatureExtractor("pool")(model, probe)
+        FeatureExtractor(layer="pool")(model, probe)
     assert not model.pool._forward_hooks
     assert model.training
 
@@ -82,7 +82,7 @@ def test_sequence_pooling_respects_the_attention_mask(pooling, expected):
             {"input_ids": torch.tensor([1, 9, 9]), "attention_mask": torch.tensor([1, 0, 0])},
         ]
     )
-    features = FeatureExtractor("embed", pooling=pooling)(model, probe)
+    features = FeatureExtractor(layer="embed", pooling=pooling)(model, probe)
     np.testing.assert_allclose(features[:, :1], expected)
 
 
@@ -136,6 +136,7 @@ def test_bad_probes(source, kwargs, match):
         ({"layer": ""}, "`layer` must be a module name"),
         ({"layer": "head", "pooling": "max"}, "`pooling` must be one of"),
         ({"layer": "head", "batch_size": 0}, "`batch_size` must be an integer >= 1, got 0"),
+        ({}, "`layer` is required"),
     ],
 )
 def test_bad_extractor_arguments(kwargs, match):
@@ -149,4 +150,4 @@ def test_a_layer_that_is_never_called():
             return self.backbone(x)
 
     with pytest.raises(InputError, match="`layer` 'head' was never called"):
-        FeatureExtractor("head")(Unused(), Probe(torch.randn(3, 1, 5, 5)))
+        FeatureExtractor(layer="head")(Unused(), Probe(torch.randn(3, 1, 5, 5)))

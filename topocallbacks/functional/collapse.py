@@ -6,7 +6,6 @@ Reference: "Monitoring Neural Training with Topology: A Footprint-Predictable Co
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import warnings
 from collections.abc import Mapping
@@ -18,15 +17,17 @@ from scipy.sparse.csgraph import minimum_spanning_tree
 
 from .._validation import as_points, check_int, check_number, check_positive_float, check_seed
 from ..exceptions import InputError
+from ..settings import COMPONENTS, PAPER_WEIGHTS, IndexSettings, resolve_weights
 from ._distances import pairwise_distances
-from .geometry import anisotropy
-from .topology import _subsample, betti_numbers, persistence_diagrams, persistence_entropy
+from .geometry import _anisotropy
+from .topology import _betti_numbers, _persistence_diagrams, _persistence_entropy, _subsample
 
 __all__ = [
     "COMPONENTS",
     "PAPER_WEIGHTS",
     "CollapseReport",
     "betti_term",
+    "calibrate_epsilon",
     "collapse_index",
     "entropy_term",
     "epsilon_heuristic",
@@ -34,15 +35,16 @@ __all__ = [
     "resolve_weights",
 ]
 
-#: Names of the Collapse Index components, in the order they are reported.
-COMPONENTS = ("betti", "entropy", "anisotropy")
-
-#: The paper's weights: ``CI = 0.4 * betti + 0.3 * entropy + 0.3 * anisotropy``.
-PAPER_WEIGHTS: Mapping[str, float] = {"betti": 0.4, "entropy": 0.3, "anisotropy": 0.3}
+#: Points of the seeded subsample whose pairwise distances the ε heuristic takes its quantile of.
+EPSILON_SAMPLE = 2048
 
 
 def epsilon_heuristic(
-    points: Any, quantile: float = 0.5, factor: float = 0.5, max_points: int = 2048, seed: int = 0
+    points: Any,
+    quantile: float = IndexSettings.epsilon_quantile,
+    factor: float = IndexSettings.epsilon_factor,
+    max_points: int = EPSILON_SAMPLE,
+    seed: int = 0,
 ) -> float:
     """The default scale: ``factor`` times the ``quantile`` of pairwise distances (0.5 × median by default).
 
@@ -72,9 +74,24 @@ def epsilon_heuristic(
     cloud = as_points(points)
     q = check_number(quantile, "quantile", low=0.0, high=1.0, high_open=False)
     scale = check_positive_float(factor, "factor")
-    sample = _subsample(cloud, check_int(max_points, "max_points", minimum=2), check_seed(seed))
+    return _epsilon_heuristic(cloud, q, scale, check_int(max_points, "max_points", minimum=2), check_seed(seed))
+
+
+def calibrate_epsilon(cloud: NDArray[np.float64], settings: IndexSettings, seed: int = 0) -> float:
+    """The scale a monitor keeps: ``settings.epsilon``, or the quantile heuristic of a validated ``cloud``.
+
+    The heuristic is :func:`epsilon_heuristic` with ``settings.epsilon_quantile`` and ``settings.epsilon_factor``.
+    """
+    if settings.epsilon is not None:
+        return settings.epsilon
+    return _epsilon_heuristic(cloud, settings.epsilon_quantile, settings.epsilon_factor, EPSILON_SAMPLE, seed)
+
+
+def _epsilon_heuristic(cloud: NDArray[np.float64], quantile: float, factor: float, max_points: int, seed: int) -> float:
+    """:func:`epsilon_heuristic` on a validated cloud."""
+    sample = _subsample(cloud, max_points, seed)
     distances = pairwise_distances(sample)[np.triu_indices(sample.shape[0], 1)]
-    value = float(np.quantile(distances, q))
+    value = float(np.quantile(distances, quantile))
     if value == 0.0:
         positive = distances[distances > 0]
         if positive.size == 0:
@@ -85,7 +102,7 @@ def epsilon_heuristic(
             )
             return 1.0
         value = float(positive.min())
-    return value * scale
+    return value * factor
 
 
 def longest_mst_edge(points: Any) -> float | None:
@@ -95,7 +112,11 @@ def longest_mst_edge(points: Any) -> float | None:
     so H0 is complete, while the costly long edges that only fill H1 in late are never built. The value is
     raised by one part in 10^9 so that rounding never leaves the last merge out.
     """
-    cloud = as_points(points)
+    return _longest_mst_edge(as_points(points))
+
+
+def _longest_mst_edge(cloud: NDArray[np.float64]) -> float | None:
+    """:func:`longest_mst_edge` on a validated cloud."""
     distances = pairwise_distances(cloud)
     # csgraph reads zeros as missing edges; coincident points still join the tree through their twins' edges,
     # so the longest edge found is never below the true one.
@@ -134,44 +155,6 @@ def entropy_term(normalized_entropy: float) -> float:
     if not 0.0 <= normalized_entropy <= 1.0:
         raise InputError(f"`normalized_entropy` must be in [0, 1], got {normalized_entropy!r}")
     return 1.0 - normalized_entropy
-
-
-def resolve_weights(weights: str | Mapping[str, float] | None) -> dict[str, float]:
-    """Validate Collapse Index weights and normalise them to sum to 1.
-
-    Args:
-        weights: ``"paper"`` or None (the paper's 0.4/0.3/0.3), or a mapping from component name
-            (``"betti"``, ``"entropy"``, ``"anisotropy"``) to a non-negative weight; missing components get 0.
-
-    Returns:
-        A dict over all components whose values sum to 1.
-
-    Raises:
-        InputError: unknown name, unknown component, negative or non-finite weight, or all weights zero.
-
-    Example:
-        >>> resolve_weights({"entropy": 1.0})
-        {'betti': 0.0, 'entropy': 1.0, 'anisotropy': 0.0}
-    """
-    if weights is None or weights == "paper":
-        return dict(PAPER_WEIGHTS)
-    if isinstance(weights, str):
-        raise InputError(f'`weights` must be "paper", None or a mapping of component weights, got {weights!r}')
-    if not isinstance(weights, Mapping):
-        raise InputError(f"`weights` must be a mapping of component weights, got {type(weights).__name__}")
-    unknown = sorted(set(weights) - set(COMPONENTS))
-    if unknown:
-        raise InputError(f"`weights` has unknown component(s) {unknown}; valid components: {sorted(COMPONENTS)}")
-    resolved = {}
-    for name in COMPONENTS:
-        value = weights.get(name, 0.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise InputError(f"`weights[{name!r}]` must be a finite number >= 0, got {value!r}")
-        resolved[name] = float(value)
-    total = sum(resolved.values())
-    if total == 0:
-        raise InputError(f"`weights` must have at least one weight > 0, got {dict(weights)!r}")
-    return {name: value / total for name, value in resolved.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,13 +203,18 @@ class CollapseReport:
         result["timings_ms"] = dict(self.timings_ms)
         return result
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CollapseReport:
+        """The inverse of :meth:`as_dict`."""
+        return cls(**data)
+
 
 def collapse_index(
     features: Any,
     epsilon: float | None = None,
     weights: str | Mapping[str, float] | None = None,
     *,
-    max_points: int = 256,
+    max_points: int = IndexSettings.max_points,
     seed: int = 0,
     betti: tuple[int, int] | None = None,
 ) -> CollapseReport:
@@ -270,47 +258,47 @@ def collapse_index(
         >>> 0.0 <= report.ci <= 1.0, report.betti0 >= 1, sorted(report.components)
         (True, True, ['anisotropy', 'betti', 'entropy'])
     """
-    report, _ = _collapse_index(features, epsilon, weights, max_points=max_points, seed=seed, betti=betti)
-    return report
-
-
-def _collapse_index(
-    features: Any,
-    epsilon: float | None,
-    weights: str | Mapping[str, float] | None,
-    *,
-    max_points: int,
-    seed: int,
-    betti: tuple[int, int] | None,
-) -> tuple[CollapseReport, list[NDArray[np.float64]]]:
-    """:func:`collapse_index` and the H0, H1 diagrams it computed (the monitor reuses them for diagram drift)."""
-    start = time.perf_counter()
     cloud = as_points(features, "features")
     resolved = resolve_weights(weights)
     cap = check_int(max_points, "max_points", minimum=2)
     rng_seed = check_seed(seed)
     if betti is not None and epsilon is None:
         raise InputError("`betti` was given without the `epsilon` it was computed at")
-    eps = epsilon_heuristic(cloud, seed=rng_seed) if epsilon is None else check_positive_float(epsilon, "epsilon")
+    if epsilon is None:
+        eps = calibrate_epsilon(cloud, IndexSettings(), rng_seed)
+    else:
+        eps = check_positive_float(epsilon, "epsilon")
+    report, _ = _collapse_index(cloud, eps, resolved, max_points=cap, seed=rng_seed, betti=betti)
+    return report
 
+
+def _collapse_index(
+    cloud: NDArray[np.float64],
+    epsilon: float,
+    weights: Mapping[str, float],
+    *,
+    max_points: int,
+    seed: int,
+    betti: tuple[int, int] | None,
+) -> tuple[CollapseReport, list[NDArray[np.float64]]]:
+    """:func:`collapse_index` on a validated cloud with resolved weights, and the H0, H1 diagrams it computed."""
+    start = time.perf_counter()
     tick = time.perf_counter()
-    b0, b1 = betti_numbers(cloud, eps) if betti is None else (int(betti[0]), int(betti[1]))
+    b0, b1 = _betti_numbers(cloud, epsilon) if betti is None else (int(betti[0]), int(betti[1]))
     betti_ms = (time.perf_counter() - tick) * 1e3
 
     tick = time.perf_counter()
-    sample = _subsample(cloud, cap, rng_seed)
-    h0, h1 = persistence_diagrams(
-        sample, max_dimension=1, max_points=sample.shape[0], threshold=longest_mst_edge(sample)
-    )
-    entropy = persistence_entropy(np.vstack([h0, h1]))
+    sample = _subsample(cloud, max_points, seed)
+    h0, h1 = _persistence_diagrams(sample, max_dimension=1, threshold=_longest_mst_edge(sample))
+    entropy = _persistence_entropy(np.vstack([h0, h1]))
     persistence_ms = (time.perf_counter() - tick) * 1e3
 
     tick = time.perf_counter()
-    aniso = anisotropy(cloud)
+    aniso = _anisotropy(cloud)
     anisotropy_ms = (time.perf_counter() - tick) * 1e3
 
     terms = {"betti": betti_term(b0, b1), "entropy": entropy_term(entropy), "anisotropy": aniso}
-    ci = float(min(max(sum(resolved[name] * terms[name] for name in COMPONENTS), 0.0), 1.0))
+    ci = float(min(max(sum(weights[name] * terms[name] for name in COMPONENTS), 0.0), 1.0))
     report = CollapseReport(
         ci=ci,
         betti_term=terms["betti"],
@@ -319,11 +307,11 @@ def _collapse_index(
         betti0=b0,
         betti1=b1,
         persistence_entropy=entropy,
-        epsilon=eps,
+        epsilon=epsilon,
         n_samples=cloud.shape[0],
         n_features=cloud.shape[1],
-        n_diagram_points=min(cap, cloud.shape[0]),
-        weights=resolved,
+        n_diagram_points=min(max_points, cloud.shape[0]),
+        weights=dict(weights),
         timings_ms={
             "betti": betti_ms,
             "persistence": persistence_ms,

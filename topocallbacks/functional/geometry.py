@@ -74,7 +74,11 @@ def anisotropy(features: Any) -> float:
         >>> round(anisotropy(np.vstack([np.eye(3), -np.eye(3)])), 12)  # variance spread evenly
         0.0
     """
-    cloud = as_points(features, "features")
+    return _anisotropy(as_points(features, "features"))
+
+
+def _anisotropy(cloud: NDArray[np.float64]) -> float:
+    """:func:`anisotropy` of a validated cloud."""
     n, dim = cloud.shape
     rank_cap = min(n - 1, dim)
     values = _singular_values(cloud, center=True)
@@ -115,7 +119,11 @@ def effective_rank(features: Any, center: bool = False) -> float:
         >>> effective_rank(np.ones((10, 4)))  # full collapse
         1.0
     """
-    cloud = as_points(features, "features")
+    return _effective_rank(as_points(features, "features"), center=center)
+
+
+def _effective_rank(cloud: NDArray[np.float64], center: bool = False) -> float:
+    """:func:`effective_rank` of a validated cloud."""
     values = _singular_values(cloud, center=center)
     if values.size == 0:
         return 0.0

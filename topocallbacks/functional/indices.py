@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 from .._validation import as_points, check_int, check_number, check_seed
 from ..exceptions import InputError
 from ._distances import pairwise_distances
-from .topology import _as_diagram, _subsample, betti_numbers
+from .topology import _as_diagram, _betti_numbers, _subsample
 
 __all__ = ["DEFAULT_QUANTILES", "BettiCurve", "betti_curve", "diagram_distance", "total_persistence"]
 
@@ -108,7 +108,7 @@ def betti_curve(
         return BettiCurve(qs, np.zeros(len(qs)), ones, np.zeros(len(qs), dtype=np.int64), cloud.shape[0])
     epsilons = np.quantile(distances, qs)
     epsilons = np.where(epsilons > 0, epsilons, positive.min())
-    numbers = [betti_numbers(cloud, float(eps)) for eps in epsilons]
+    numbers = [_betti_numbers(cloud, float(eps)) for eps in epsilons]
     return BettiCurve(
         qs,
         epsilons,
@@ -183,10 +183,14 @@ def diagram_distance(first: Any, second: Any, order: float = 1.0) -> float:
         >>> diagram_distance([[0.0, 4.0]], [[0.0, 1.0]])  # both to the diagonal (2 + 0.5) beats one move (3)
         2.5
     """
+    p = check_number(order, "order", low=1.0, low_open=False)
+    return _diagram_distance(_as_diagram(first), _as_diagram(second), p)
+
+
+def _diagram_distance(a: NDArray[np.float64], b: NDArray[np.float64], p: float = 1.0) -> float:
+    """:func:`diagram_distance` of two validated diagrams."""
     from scipy.optimize import linear_sum_assignment
 
-    p = check_number(order, "order", low=1.0, low_open=False)
-    a, b = (_as_diagram(d) for d in (first, second))
     a, b = (d[np.isfinite(d[:, 1])] for d in (a, b))
     n, m = a.shape[0], b.shape[0]
     if n == 0 and m == 0:

@@ -91,9 +91,12 @@ def betti_numbers(points: Any, epsilon: float) -> BettiNumbers:
         >>> betti_numbers(circle, epsilon=2.5)  # every pair joined: a filled simplex
         BettiNumbers(b0=1, b1=0)
     """
-    cloud = as_points(points)
-    eps = check_positive_float(epsilon, "epsilon")
-    rows, cols = epsilon_edges(cloud, eps)
+    return _betti_numbers(as_points(points), check_positive_float(epsilon, "epsilon"))
+
+
+def _betti_numbers(cloud: NDArray[np.float64], epsilon: float) -> BettiNumbers:
+    """:func:`betti_numbers` on a validated cloud and ε."""
+    rows, cols = epsilon_edges(cloud, epsilon)
     return betti_numbers_of_graph(cloud.shape[0], rows, cols)
 
 
@@ -151,8 +154,14 @@ def persistence_diagrams(
     dims = check_int(max_dimension, "max_dimension", minimum=0)
     cap = check_int(max_points, "max_points", minimum=2)
     limit = None if threshold is None else check_positive_float(threshold, "threshold")
-    rng_seed = check_seed(seed)
-    sample = _subsample(cloud, cap, rng_seed)
+    return _persistence_diagrams(_subsample(cloud, cap, check_seed(seed)), dims, limit)
+
+
+def _persistence_diagrams(
+    sample: NDArray[np.float64], max_dimension: int, threshold: float | None
+) -> list[NDArray[np.float64]]:
+    """:func:`persistence_diagrams` of every point of a validated cloud."""
+    dims, limit = max_dimension, threshold
     scale = power_of_two_scale(sample, *(() if limit is None else (limit,)))
     rips = gudhi.RipsComplex(points=sample * scale, max_edge_length=np.inf if limit is None else limit * scale)
     tree = rips.create_simplex_tree(max_dimension=1)
@@ -221,10 +230,15 @@ def persistence_entropy(diagram: Any, normalize: bool = True, max_death: float |
         0.0
     """
     bars = _as_diagram(diagram)
+    cap = None if max_death is None else check_positive_float(max_death, "max_death")
+    return _persistence_entropy(bars, normalize=normalize, max_death=cap)
+
+
+def _persistence_entropy(bars: NDArray[np.float64], normalize: bool = True, max_death: float | None = None) -> float:
+    """:func:`persistence_entropy` of a validated diagram."""
     deaths = bars[:, 1]
     if max_death is not None:
-        cap = check_positive_float(max_death, "max_death")
-        deaths = np.where(np.isinf(deaths), cap, deaths)
+        deaths = np.where(np.isinf(deaths), max_death, deaths)
     lengths = deaths - bars[:, 0]
     lengths = lengths[np.isfinite(lengths) & (lengths > 0)]
     if lengths.size < 2:

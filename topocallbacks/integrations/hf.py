@@ -1,14 +1,13 @@
 """The Hugging Face ``transformers.Trainer`` callback, a thin adapter around :class:`~topocallbacks.TopoMonitor`.
 
-It runs the monitor's checks during ``Trainer.train`` and steers the loop only through ``TrainerControl`` flags
-and the optimizer and scheduler the Trainer hands to its callbacks; its state goes to ``trainer_state.json``
-through ``ExportableState``.
+It runs the monitor's checks during ``Trainer.train`` and gives the monitor an
+:class:`~topocallbacks.interventions.Actuator` that steers the loop only through ``TrainerControl`` flags and the
+optimizer and scheduler the Trainer hands to its callbacks; its state goes to ``trainer_state.json`` through
+``ExportableState``. It holds no decision logic.
 """
 
 from __future__ import annotations
 
-import inspect
-import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -17,13 +16,13 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from ..distributed import rank_and_world
+from ..check import CheckRecord
 from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
-from ..policy import Action, Decision, Policy
-from ..presets import monitor_settings, reject_unknown
-from ..probe import Probe, resolve_module
+from ..presets import resolve_settings
+from ..probe import Probe, StreamCapture, resolve_module
+from ..settings import MonitorSettings
 from ..sinks import scalars_of
 
 __all__ = ["TopoCollapseTrainerCallback"]
@@ -35,70 +34,91 @@ _PROBES: weakref.WeakValueDictionary[str, Probe] = weakref.WeakValueDictionary()
 _LABEL_KEYS = ("labels", "label", "label_ids")
 
 
+class _TrainerActuator:
+    """Decisions carried out through ``TrainerControl`` and the optimizer and scheduler the Trainer hands over."""
+
+    def __init__(self, state: TrainerState, control: TrainerControl, kwargs: Mapping[str, Any]) -> None:
+        self.state, self.control, self.kwargs = state, control, kwargs
+
+    def scale_learning_rate(self, factor: float) -> str:
+        optimizer = self.kwargs.get("optimizer")
+        scheduler = self.kwargs.get("lr_scheduler")
+        if optimizer is None:
+            raise InputError(f"`lower_lr` at step {self.state.global_step}: the Trainer passed no optimizer")
+        # accelerate wraps both; the wrappers expose the torch objects as .optimizer and .scheduler.
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        schedulers = [] if scheduler is None else [getattr(scheduler, "scheduler", scheduler)]
+        scale_learning_rate([optimizer], schedulers, factor)
+        rates = ", ".join(f"{lr:.3g}" for lr in current_learning_rates([optimizer]))
+        return f"learning rate x {factor} in the optimizer and its scheduler, now {rates}"
+
+    def request_stop(self) -> str:
+        self.control.should_training_stop = True
+        return "control.should_training_stop set"
+
+    def checkpoint_location(self, tag: str) -> str:
+        return f"control.should_save set (the Trainer saves checkpoint-{self.state.global_step})"
+
+    def save_checkpoint(self, tag: str) -> None:
+        self.control.should_save = True  # the Trainer saves after this step's callbacks, the history included
+
+
 class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     """Watch representational collapse with topology during ``transformers.Trainer.train``, and act on it.
 
     Every ``check_every`` optimizer steps (and once when training starts) the probe runs through the model (no
     grad, eval mode, modes restored), the index and its components are computed, added to ``state.log_history``
-    (``topo/index``, ``topo/ci``, ...) and to the monitor's own sinks (``history_path``, ``tensorboard_dir``, e.g.
-    ``args.logging_dir``), and the policy's decision is applied:
+    (``topo/index``, ``topo/ci``, ...) and to the monitor's own sinks (``history_path``, ``tensorboard_dir``), and
+    the policy's decision is carried out (:func:`topocallbacks.interventions.apply`):
 
     * ``warn``: a warning (rank 0);
     * ``lower_lr``: the optimizer's param groups *and* the scheduler's base rates are scaled, so the cut survives
       the Trainer's ``LambdaLR`` schedules (linear, cosine, with warm-up);
-    * ``stop``: ``control.should_training_stop``, with ``control.should_save`` first (``checkpoint_on_stop``), so
-      the Trainer saves a checkpoint of that step before it stops;
+    * ``stop``: ``control.should_training_stop``, with ``control.should_save`` (``checkpoint_on_stop``), so the
+      Trainer saves a checkpoint of that step, the intervention in its history, before it stops;
     * ``control.should_save`` too when the policy asks for a rescue checkpoint.
+
+    In streaming mode (``mode="stream"``) a forward hook keeps the watched layer's pooled output during training
+    forwards, and the window is pushed once per optimizer step (all micro-batches of gradient accumulation).
 
     Args:
         probe: the probe inputs (a tensor, a ``torch`` Dataset, a list of tensors or of mappings such as
             tokenizer output, or a ``datasets.Dataset`` in torch format, label columns dropped), or
-            ``"train"``/``"eval"`` for the Trainer's dataset (label columns dropped).
-            Required in probe mode.
-        layer: the watched module's name (or patterns, e.g. ``"*.ln_f"``) in the model.
+            ``"train"``/``"eval"`` for the Trainer's dataset (label columns dropped). Required in probe mode.
         preset: a preset name (``topocallbacks.presets.available()``) or YAML path whose values are the defaults.
-        check_every: optimizer steps between checks.
-        policy: a :class:`~topocallbacks.policy.Policy`, or a mapping of its arguments merged into the preset's
-            policy (default: the preset's, else :func:`~topocallbacks.monitor.default_policy`).
-        checkpoint_on_stop: let the Trainer save a checkpoint before stopping.
+        settings: a :class:`~topocallbacks.settings.MonitorSettings` (instead of a preset), or a mapping of options
+            merged into the preset's.
         probe_hash: set by a restore from ``trainer_state.json`` (the saved probe's content hash); not for users.
-        **monitor_kwargs: any other :class:`~topocallbacks.monitor.TopoMonitor` argument (``index``, ``mode``,
-            ``max_probe_samples``, ``history_path``, ...); None takes the preset's value.
+        **overrides: any monitor option by name, merged last: ``layer``, ``check_every``, ``index``, ``mode``,
+            ``policy={...}``, ``max_probe_samples``, ``history_path``, ``checkpoint_on_stop``... (see
+            :class:`~topocallbacks.settings.MonitorSettings`).
 
     Raises:
-        InputError: an argument is out of range; an unknown layer is reported at ``on_train_begin`` with the closest
-            module names.
-        ConfigError: an unknown preset or argument name.
+        InputError: a value is out of range, or no layer is named; an unknown layer is reported at
+            ``on_train_begin`` with the closest module names.
+        ConfigError: an unknown preset or option (with the closest one).
 
     Example:
         >>> import torch
         >>> from topocallbacks.hf import TopoCollapseTrainerCallback
         >>> callback = TopoCollapseTrainerCallback(probe=torch.randn(64, 8), layer="encoder", check_every=50)
-        >>> callback.monitor.check_every, callback.monitor.index
+        >>> callback.monitor.settings.schedule.check_every, callback.monitor.settings.index.name
         (50, 'diagram_drift')
     """
 
     def __init__(
         self,
         probe: Any = None,
-        layer: str | list[str] | None = None,
         *,
         preset: str | None = None,
-        check_every: int | None = None,
-        policy: Mapping[str, Any] | Policy | None = None,
-        checkpoint_on_stop: bool = True,
+        settings: Mapping[str, Any] | MonitorSettings | None = None,
         probe_hash: str | None = None,
-        **monitor_kwargs: Any,
+        **overrides: Any,
     ) -> None:
-        if "mode" in monitor_kwargs and monitor_kwargs["mode"] not in (None, "probe"):
-            raise InputError(
-                f"`mode` must be 'probe' for the Hugging Face callback (streaming needs a training-forward hook "
-                f"it does not install yet), got {monitor_kwargs['mode']!r}"
-            )
-        settings = monitor_settings(preset, layer=layer, check_every=check_every, policy=policy, **monitor_kwargs)
-        if "layer" not in settings:
+        resolved = resolve_settings(preset, settings, overrides)
+        if resolved.probe.layer is None:
             raise InputError("`layer` is required: the name of the module whose output to watch (or a `preset`)")
-        settings["mode"] = "probe"
+        self.streaming = resolved.schedule.mode == "stream"
         self._probe_source = probe if isinstance(probe, str) else None
         if self._probe_source is not None and self._probe_source not in ("train", "eval"):
             raise InputError(f"`probe` given as text must be 'train' or 'eval' (a dataloader's dataset), got {probe!r}")
@@ -112,27 +132,15 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
                     f"cannot restore the callback: no callback in this process holds the probe it was saved with "
                     f"(hash {probe_hash[:12]}); pass the same probe to the callback of the resumed run"
                 )
-        elif probe is None:
-            raise InputError("`probe` is required: a tensor, Dataset, list of inputs, 'train' or 'eval'")
-        self.monitor = TopoMonitor(probe=None if self._probe_source or known else probe, **settings)
+        elif probe is None and not self.streaming:
+            raise InputError("`probe` is required in probe mode: a tensor, Dataset, list of inputs, 'train' or 'eval'")
+        self.monitor = TopoMonitor(resolved, probe=None if self._probe_source or known else probe)
         if known is not None:
             self.monitor.probe = known
         if self.monitor.probe is not None:
             _PROBES[self.monitor.probe.spec.content_hash] = self.monitor.probe
         self.preset = preset
-        self.layer = settings["layer"]
-        self.checkpoint_on_stop = bool(checkpoint_on_stop)
-        # The JSON arguments state() saves: what the user passed, minus the probe's tensors.
-        self._arguments: dict[str, Any] = {
-            "probe": self._probe_source,
-            "layer": layer,
-            "preset": preset,
-            "check_every": check_every,
-            "policy": policy.arguments() if isinstance(policy, Policy) else None if policy is None else dict(policy),
-            "checkpoint_on_stop": self.checkpoint_on_stop,
-            **{key: value for key, value in monitor_kwargs.items() if _is_json(value)},
-        }
-        self._last_checked_step: int | None = None
+        self.capture = StreamCapture(resolved.probe.pooling)
         self._restored: Mapping[str, Any] | None = None
 
     @classmethod
@@ -144,28 +152,30 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         Raises:
             ConfigError: an unknown preset, an invalid preset file or an unknown override key.
         """
-        reject_unknown(
-            overrides,
-            (set(inspect.signature(cls).parameters) | set(inspect.signature(TopoMonitor).parameters))
-            - {"probe", "preset", "probe_hash", "monitor_kwargs"},
-        )
         return cls(probe=probe, preset=preset, **overrides)
 
     @property
-    def history(self) -> list[dict[str, Any]]:
+    def layer(self) -> tuple[str, ...]:
+        """The watched layer's name or patterns."""
+        return self.monitor.settings.probe.layer or ()
+
+    @property
+    def history(self) -> list[Any]:
         """The check records and interventions so far (see :class:`~topocallbacks.monitor.TopoMonitor`)."""
         return self.monitor.history
 
     # --- ExportableState ------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """What ``Trainer`` saves in ``trainer_state.json``: the JSON arguments and the monitor's state."""
+        """What ``Trainer`` saves in ``trainer_state.json``: the settings, the probe's hash and the monitor's state."""
         probe = self.monitor.probe
         return {
-            "args": {**self._arguments, "probe_hash": None if probe is None else probe.spec.content_hash},
-            "attributes": {
-                "_restored": {"monitor": self.monitor.state_dict(), "last_checked_step": self._last_checked_step}
+            "args": {
+                "probe": self._probe_source,
+                "settings": self.monitor.settings.as_dict(),
+                "probe_hash": None if probe is None else probe.spec.content_hash,
             },
+            "attributes": {"_restored": {"monitor": self.monitor.state_dict()}},
         }
 
     # --- Trainer hooks --------------------------------------------------------------------------------------
@@ -181,7 +191,6 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         restored = self._restored or self._saved_state(state)
         if restored is not None:
             self.monitor.load_state_dict(restored["monitor"])
-            self._last_checked_step = restored["last_checked_step"]
             self._restored = None
         if self._probe_source is not None and self.monitor.probe is None:
             loader = kwargs.get(f"{self._probe_source}_dataloader")
@@ -189,8 +198,11 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
             if dataset is None:
                 raise InputError(f"`probe`={self._probe_source!r} needs the Trainer's {self._probe_source} dataset")
             self.monitor.set_probe(_InputsOnly(dataset))
-        # A first check before any update calibrates ε and starts the warm-up on the initial features.
-        self._check(args, state, control, model, kwargs)
+        if self.streaming:
+            self.capture.attach(model, self.layer)
+        elif self.monitor.due(state.global_step):
+            # A first check before any update calibrates ε and starts the warm-up on the initial features.
+            self._act(state, control, self.monitor.check(model, state.global_step), kwargs)
         return control
 
     def _saved_state(self, state: TrainerState) -> Mapping[str, Any] | None:
@@ -200,7 +212,8 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         stored: Any = state.stateful_callbacks  # a dict by class name once TrainerState is built (typed as a list)
         saved = stored.get(type(self).__name__) if isinstance(stored, Mapping) else None
         for entry in saved if isinstance(saved, list) else [] if saved is None else [saved]:
-            if entry.get("args", {}).get("layer") == self._arguments["layer"]:
+            layer = entry.get("args", {}).get("settings", {}).get("probe", {}).get("layer")
+            if layer is not None and tuple(layer) == self.layer:
                 restored: Mapping[str, Any] = entry["attributes"]["_restored"]
                 return restored
         return None
@@ -208,65 +221,27 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        if self.monitor.should_check(state.global_step):
-            self._check(args, state, control, kwargs["model"], kwargs)
+        step = state.global_step
+        if self.streaming:
+            record = self.monitor.observe(self.capture.take(), step)
+        else:
+            record = self.monitor.check(kwargs["model"], step) if self.monitor.due(step) else None
+        if record is not None:
+            self._act(state, control, record, kwargs)
         return control
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
+        self.capture.detach()
         self.monitor.close()
         return control
 
-    # --- checks ---------------------------------------------------------------------------------------------
-
-    def _check(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: torch.nn.Module,
-        kwargs: Mapping[str, Any],
+    def _act(
+        self, state: TrainerState, control: TrainerControl, record: CheckRecord, kwargs: Mapping[str, Any]
     ) -> None:
-        step = state.global_step
-        if step == self._last_checked_step:
-            return  # the step a resumed run was saved at
-        self._last_checked_step = step
-        record = self.monitor.check_everywhere(model, step)
-        state.log_history.append({**scalars_of(record), "step": step})
-        decision = Decision.from_dict(record["decision"])
-        if decision.fired:
-            self._apply(state, control, decision, kwargs)
-
-    def _apply(
-        self, state: TrainerState, control: TrainerControl, decision: Decision, kwargs: Mapping[str, Any]
-    ) -> None:
-        rank, _ = rank_and_world()
-        step = state.global_step
-        done: list[str] = []
-        if decision.checkpoint or (decision.action is Action.STOP and self.checkpoint_on_stop):
-            control.should_save = True
-            done.append(f"control.should_save set (the Trainer saves checkpoint-{step})")
-        if decision.action is Action.WARN:
-            if rank == 0:
-                warnings.warn(f"topocallbacks at step {step}: {decision.reason}", RuntimeWarning, stacklevel=2)
-            done.append("warned")
-        elif decision.action is Action.LOWER_LR:
-            assert decision.lr_factor is not None
-            optimizer = kwargs.get("optimizer")
-            scheduler = kwargs.get("lr_scheduler")
-            if optimizer is None:
-                raise InputError(f"`lower_lr` at step {step}: the Trainer passed no optimizer to the callback")
-            # accelerate wraps both; the wrappers expose the torch objects as .optimizer and .scheduler.
-            optimizer = getattr(optimizer, "optimizer", optimizer)
-            schedulers = [] if scheduler is None else [getattr(scheduler, "scheduler", scheduler)]
-            scale_learning_rate([optimizer], schedulers, decision.lr_factor)
-            rates = ", ".join(f"{lr:.3g}" for lr in current_learning_rates([optimizer]))
-            done.append(f"learning rate x {decision.lr_factor} in the optimizer and its scheduler, now {rates}")
-        elif decision.action is Action.STOP:
-            control.should_training_stop = True
-            done.append("control.should_training_stop set")
-        self.monitor.record_intervention(step, decision, "; ".join(done))
+        state.log_history.append({**scalars_of(record), "step": record.step})
+        self.monitor.act(record, _TrainerActuator(state, control, kwargs))
 
 
 class _InputsOnly(torch.utils.data.Dataset[Any]):
@@ -292,7 +267,3 @@ def _is_foreign_dataset(value: Any) -> bool:
     if value is None or isinstance(value, (str, torch.Tensor, list, tuple, torch.utils.data.Dataset)):
         return False
     return hasattr(value, "__getitem__") and hasattr(value, "__len__")
-
-
-def _is_json(value: Any) -> bool:
-    return value is None or isinstance(value, (str, int, float, bool, list, dict))

@@ -1,68 +1,93 @@
 """The Lightning callback, a thin adapter around :class:`~topocallbacks.monitor.TopoMonitor`.
 
-It runs the monitor's checks during ``Trainer.fit`` and applies their decisions (warn, cut the learning rate,
-save a rescue checkpoint, stop).
+It translates Lightning's hooks into monitor calls, logs the records with ``pl_module.log``, and gives the monitor
+an :class:`~topocallbacks.interventions.Actuator` made of Lightning's own means (``trainer.save_checkpoint``, the
+trainer's optimizers and schedulers, ``trainer.should_stop``). It holds no decision logic.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
-import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 
-from ..distributed import rank_and_world
+from ..check import CheckRecord
 from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
-from ..policy import Action, Decision, Policy
-from ..presets import monitor_settings, reject_unknown
-from ..probe import _first_tensor, _pool, resolve_module
+from ..presets import resolve_settings
+from ..probe import StreamCapture, resolve_module
+from ..settings import MonitorSettings
 from ..sinks import scalars_of
 
 __all__ = ["TopoCollapseCallback"]
+
+
+class _LightningActuator:
+    """Decisions carried out with the trainer's own means."""
+
+    def __init__(self, trainer: pl.Trainer, rescue_dir: str | None) -> None:
+        self.trainer = trainer
+        self.rescue_dir = rescue_dir or trainer.default_root_dir
+
+    def scale_learning_rate(self, factor: float) -> str:
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        scale_learning_rate(self.trainer.optimizers, schedulers, factor)
+        rates = ", ".join(f"{lr:.3g}" for lr in current_learning_rates(self.trainer.optimizers))
+        return (
+            f"learning rate x {factor} in {len(self.trainer.optimizers)} optimizer(s) and {len(schedulers)} "
+            f"scheduler(s), now {rates}"
+        )
+
+    def request_stop(self) -> str:
+        self.trainer.should_stop = True  # OR-ed with the other callbacks' requests, never cleared
+        return "trainer.should_stop set"
+
+    def checkpoint_location(self, tag: str) -> str:
+        return f"saved to {os.path.join(self.rescue_dir, tag + '.ckpt')}"
+
+    def save_checkpoint(self, tag: str) -> None:
+        self.trainer.save_checkpoint(os.path.join(self.rescue_dir, tag + ".ckpt"))  # every rank calls it; rank 0 writes
 
 
 class TopoCollapseCallback(Callback):
     """Watch representational collapse with topology during ``Trainer.fit``, and act on it.
 
     Every ``check_every`` optimizer steps (and once when training starts) the probe runs through the module
-    (no grad, eval mode, modes restored), the Collapse Index and its components are computed and logged with
-    ``pl_module.log`` (``topo/ci``, ``topo/betti0``, ...; the same value on every rank, so
-    ``EarlyStopping(monitor="topo/ci")`` works), and the policy's decision is applied:
+    (no grad, eval mode, modes restored), the watched index, the Collapse Index and its components are computed and
+    logged with ``pl_module.log`` (``topo/index``, ``topo/ci``, ``topo/betti0``, ...; the same value on every rank,
+    so ``EarlyStopping(monitor="topo/index")`` works), and the policy's decision is carried out
+    (:func:`topocallbacks.interventions.apply`):
 
     * ``warn``: a warning (rank 0);
     * ``lower_lr``: every optimizer's param groups *and* every scheduler's base rates are scaled, so the cut
       survives ``LambdaLR``-family, cosine, OneCycle and plateau schedulers;
-    * ``stop``: ``trainer.should_stop`` is set (OR-ed, never cleared), after a checkpoint is saved
+    * ``stop``: ``trainer.should_stop`` is set (OR-ed, never cleared), then a checkpoint is saved
       (``checkpoint_on_stop``);
-    * a rescue checkpoint first when the policy asks for one.
+    * a rescue checkpoint when the policy asks for one, saved after the intervention is in the history.
 
     Every decision that acts, and what was done, goes to the history (``callback.history``, and the JSONL file).
 
     Args:
-        probe: probe inputs (tensor, Dataset or list); required in probe mode.
-        layer: the watched module's name in the LightningModule (``pl_module.named_modules()``).
-        check_every: optimizer steps between checks (>= 1).
+        probe: probe inputs (tensor, Dataset or list), or ``"train"``/``"val"`` for that dataloader's dataset;
+            required in probe mode.
+        preset: a preset name (``topocallbacks.presets.available()``) or YAML path whose values are the defaults.
+        settings: a :class:`~topocallbacks.settings.MonitorSettings` (instead of a preset), or a mapping of options
+            merged into the preset's: the form to use from LightningCLI's YAML
+            (``settings: {check_every: 200, policy: {action: lower_lr}}``).
         check_on_validation_end: also check after every validation run (probe mode; sanity checks skipped),
             e.g. with a large ``check_every`` to check once per validation only.
-        policy: a :class:`~topocallbacks.policy.Policy`, or a mapping of its arguments merged into the preset's
-            policy (default: the preset's, else :func:`~topocallbacks.monitor.default_policy`, which warns only).
-        checkpoint_on_stop: save a checkpoint before stopping, so a stop never loses the last state.
-        rescue_dir: directory of rescue checkpoints (default: ``trainer.default_root_dir``).
-        preset: a preset name (``topocallbacks.presets.available()``) or YAML path whose values are the defaults.
-        mode, pooling, window, points_per_batch, projection, projection_dim, normalize, epsilon, epsilon_quantile,
-            epsilon_factor, weights, index, max_points, max_probe_samples, batch_size, history_path, tensorboard_dir,
-            diagram_every, seed: :class:`~topocallbacks.monitor.TopoMonitor` arguments; None takes the preset's
-            value, else the monitor's default. Explicit (not ``**kwargs``) so that LightningCLI can set them.
+        **overrides: any monitor option by name, merged last: ``layer``, ``check_every``, ``index``, ``mode``,
+            ``policy={...}``, ``history_path``, ``checkpoint_on_stop``, ``rescue_dir``... (see
+            :class:`~topocallbacks.settings.MonitorSettings`).
 
     Raises:
-        InputError: an argument is out of range (checked here); an unknown layer name is reported in ``setup``
+        InputError: a value is out of range, or no layer is named; an unknown layer name is reported in ``setup``
             with the closest module names.
+        ConfigError: an unknown preset or option (with the closest one).
 
     Example:
         >>> import torch
@@ -75,80 +100,27 @@ class TopoCollapseCallback(Callback):
     def __init__(
         self,
         probe: Any = None,
-        layer: str | list[str] | None = None,
         *,
         preset: str | None = None,
-        check_every: int | None = None,
-        check_on_validation_end: bool = False,
-        # dict first: LightningCLI tries union members in order and would turn a mapping into a whole new Policy
+        # dict first: LightningCLI tries union members in order and would turn a mapping into whole new settings
         # instead of merging it into the preset's.
-        policy: dict[str, Any] | Policy | None = None,
-        checkpoint_on_stop: bool = True,
-        rescue_dir: str | None = None,
-        mode: str | None = None,
-        pooling: str | None = None,
-        window: int | None = None,
-        points_per_batch: int | None = None,
-        projection: str | None = None,
-        projection_dim: int | None = None,
-        normalize: bool | None = None,
-        epsilon: float | None = None,
-        epsilon_quantile: float | None = None,
-        epsilon_factor: float | None = None,
-        weights: str | dict[str, float] | None = None,
-        index: str | None = None,
-        max_points: int | None = None,
-        max_probe_samples: int | None = None,
-        batch_size: int | None = None,
-        history_path: str | None = None,
-        tensorboard_dir: str | None = None,
-        diagram_every: int | None = None,
-        seed: int | None = None,
+        settings: dict[str, Any] | MonitorSettings | None = None,
+        check_on_validation_end: bool = False,
+        **overrides: Any,
     ) -> None:
-        settings = monitor_settings(
-            preset,
-            layer=layer,
-            check_every=check_every,
-            policy=policy,
-            mode=mode,
-            pooling=pooling,
-            window=window,
-            points_per_batch=points_per_batch,
-            projection=projection,
-            projection_dim=projection_dim,
-            normalize=normalize,
-            epsilon=epsilon,
-            epsilon_quantile=epsilon_quantile,
-            epsilon_factor=epsilon_factor,
-            weights=weights,
-            index=index,
-            max_points=max_points,
-            max_probe_samples=max_probe_samples,
-            batch_size=batch_size,
-            history_path=history_path,
-            tensorboard_dir=tensorboard_dir,
-            diagram_every=diagram_every,
-            seed=seed,
-        )
-        if "layer" not in settings:
+        resolved = resolve_settings(preset, settings, overrides)
+        if resolved.probe.layer is None:
             raise InputError("`layer` is required: the name of the module whose output to watch (or a `preset`)")
         self.preset = preset
-        self.layer = settings["layer"]
-        self.mode = settings.get("mode", "probe")
         self._probe_source = probe if isinstance(probe, str) else None
         if self._probe_source is not None and self._probe_source not in ("train", "val"):
             raise InputError(f"`probe` given as text must be 'train' or 'val' (a dataloader's dataset), got {probe!r}")
-        if self.mode == "probe" and probe is None:
+        self.streaming = resolved.schedule.mode == "stream"
+        if not self.streaming and probe is None:
             raise InputError("`probe` is required in probe mode: a tensor, Dataset, list of inputs, 'train' or 'val'")
-        self.monitor = TopoMonitor(probe=None if self._probe_source else probe, **settings)
-        self.checkpoint_on_stop = bool(checkpoint_on_stop)
+        self.monitor = TopoMonitor(resolved, probe=None if self._probe_source else probe)
         self.check_on_validation_end = bool(check_on_validation_end)
-        self.rescue_dir = rescue_dir
-        self._last_checked_step: int | None = None
-        self._captured: list[torch.Tensor] = []
-        self._handle: Any = None
-
-    # --- Lightning hooks ------------------------------------------------------------------------------------
+        self.capture = StreamCapture(resolved.probe.pooling)
 
     @classmethod
     def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseCallback:
@@ -160,149 +132,90 @@ class TopoCollapseCallback(Callback):
         Raises:
             ConfigError: an unknown preset, an invalid preset file or an unknown override key.
         """
-        reject_unknown(overrides, set(inspect.signature(cls).parameters) - {"probe", "preset"})
         return cls(probe=probe, preset=preset, **overrides)
 
     @property
-    def state_key(self) -> str:
-        layer = self.layer if isinstance(self.layer, str) else ",".join(self.layer)
-        return self._generate_state_key(layer=layer, mode=self.mode)
+    def layer(self) -> tuple[str, ...]:
+        """The watched layer's name or patterns."""
+        return self.monitor.settings.probe.layer or ()
 
     @property
-    def history(self) -> list[dict[str, Any]]:
+    def state_key(self) -> str:
+        return self._generate_state_key(layer=",".join(self.layer), mode=self.monitor.settings.schedule.mode)
+
+    @property
+    def history(self) -> list[Any]:
         """The check records and interventions so far (see :class:`~topocallbacks.monitor.TopoMonitor`)."""
         return self.monitor.history
 
+    # --- Lightning hooks ------------------------------------------------------------------------------------
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        module = resolve_module(pl_module, self.layer)  # unknown names fail here, with close matches
-        if self.mode == "stream" and self._handle is None:
-            self._handle = module.register_forward_hook(self._capture)
+        resolve_module(pl_module, self.layer)  # unknown names fail here, with close matches
+        if self.streaming:
+            self.capture.attach(pl_module, self.layer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self.capture.detach()
         self.monitor.close()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._probe_source is not None and self.monitor.probe is None:
             self.monitor.set_probe(_dataloader_dataset(trainer, self._probe_source))
         # A first check before any update calibrates ε and starts the warm-up on the initial features.
-        if self.mode == "probe":
-            self._check(trainer, pl_module, log=False)
+        if not self.streaming and self.monitor.due(trainer.global_step):
+            self._act(trainer, pl_module, self.monitor.check(pl_module, trainer.global_step), log=False)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if self.mode == "stream":
-            self._observe(trainer, pl_module)
-        elif self.monitor.should_check(step):
-            self._check(trainer, pl_module, log=True)
+        if self.streaming:
+            record = self.monitor.observe(self.capture.take(), step)
+        else:
+            record = self.monitor.check(pl_module, step) if self.monitor.due(step) else None
+        if record is not None:
+            self._act(trainer, pl_module, record, log=True)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.check_on_validation_end and self.mode == "probe" and not trainer.sanity_checking:
+        step = trainer.global_step
+        wanted = self.check_on_validation_end and not self.streaming and not trainer.sanity_checking
+        if wanted and step != self.monitor.last_checked_step_:
             # Logging is not allowed in on_validation_end: the record goes to the history and the sinks.
-            self._check(trainer, pl_module, log=False)
+            self._act(trainer, pl_module, self.monitor.check(pl_module, step), log=False)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"monitor": self.monitor.state_dict(), "last_checked_step": self._last_checked_step}
+        return {"monitor": self.monitor.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state_dict["monitor"])
-        self._last_checked_step = state_dict["last_checked_step"]
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_handle"] = None  # hooks are registered again in setup (ddp_spawn pickles callbacks)
-        state["_captured"] = []
-        return state
 
     # --- checks ---------------------------------------------------------------------------------------------
 
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool) -> None:
-        step = trainer.global_step
-        if step == self._last_checked_step:
-            return  # gradient accumulation, or the step a resumed run was saved at
-        self._last_checked_step = step
-        self._act(trainer, pl_module, self.monitor.check_everywhere(pl_module, step), log=log)
-
-    def _capture(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        """Streaming mode: keep the pooled output of the watched layer during training forwards."""
-        if module.training:
-            pooling = self.monitor.extractor.pooling if self.monitor.extractor is not None else "auto"
-            pooled = _pool(_first_tensor(output).detach(), pooling, None)
-            self._captured.append(pooled.reshape(pooled.shape[0], -1).to("cpu", torch.float32))
-
-    def _observe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = trainer.global_step
-        rank, _ = rank_and_world()
-        captured, self._captured = self._captured, []
-        record = None
-        if rank == 0 and captured:
-            record = self.monitor.observe(torch.cat(captured).numpy(), step)
-        if not self.monitor.should_check(step) or step == self._last_checked_step:
-            return
-        self._last_checked_step = step
-        # Every rank reaches this broadcast on the same steps: rank 0 watches its own batches and decides.
-        shared = self.monitor.share() if rank == 0 and record is not None else None
-        adopted = self.monitor.adopt(shared)
-        if adopted is not None:
-            self._act(trainer, pl_module, adopted, log=True)
-
-    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: dict[str, Any], *, log: bool) -> None:
-        """Log rank 0's record (the same on every rank) and apply its decision on every rank."""
+    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: CheckRecord, *, log: bool) -> None:
+        """Log rank 0's record (the same on every rank) and carry out its decision on every rank."""
         if log:
             for name, value in scalars_of(record).items():
-                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "topo/ci", batch_size=1)
-        decision = Decision.from_dict(record["decision"])
-        if decision.fired:
-            self._apply(trainer, decision)
-
-    def _apply(self, trainer: pl.Trainer, decision: Decision) -> None:
-        rank, _ = rank_and_world()
-        step = trainer.global_step
-        done: list[str] = []
-        if decision.checkpoint or (decision.action is Action.STOP and self.checkpoint_on_stop):
-            directory = self.rescue_dir or trainer.default_root_dir
-            path = os.path.join(directory, f"topo-{decision.action.value}-step{step}.ckpt")
-            trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
-            done.append(f"checkpoint saved to {path}")
-        if decision.action is Action.WARN:
-            if rank == 0:
-                warnings.warn(f"topocallbacks at step {step}: {decision.reason}", RuntimeWarning, stacklevel=2)
-            done.append("warned")
-        elif decision.action is Action.LOWER_LR:
-            assert decision.lr_factor is not None
-            schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-            scale_learning_rate(trainer.optimizers, schedulers, decision.lr_factor)
-            rates = ", ".join(f"{lr:.3g}" for lr in current_learning_rates(trainer.optimizers))
-            done.append(
-                f"learning rate x {decision.lr_factor} in {len(trainer.optimizers)} optimizer(s) and "
-                f"{len(schedulers)} scheduler(s), now {rates}"
-            )
-        elif decision.action is Action.STOP:
-            trainer.should_stop = True
-            done.append("trainer.should_stop set")
-        self.monitor.record_intervention(step, decision, "; ".join(done))
+                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "topo/index", batch_size=1)
+        self.monitor.act(record, _LightningActuator(trainer, self.monitor.settings.interventions.rescue_dir))
 
 
 def _dataloader_dataset(trainer: pl.Trainer, which: str) -> Any:
     """The dataset behind the trainer's training or (first) validation dataloader.
 
     Lightning loads validation dataloaders lazily (at the sanity check or the first validation), so when they are
-    not loaded yet the datamodule, then the source given to ``fit``, is asked for them.
+    not loaded yet the fit loop's validation loop is asked to load them now (it does not when validation is off).
     """
-    loaders = trainer.train_dataloader if which == "train" else trainer.val_dataloaders
-    if loaders is None and which == "val":
-        datamodule = getattr(trainer, "datamodule", None)
-        if datamodule is not None:
-            loaders = datamodule.val_dataloader()
-        else:
-            # The validation loop's source of what was passed to fit() (Lightning 2.x; absent elsewhere).
-            val_loop = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "val_loop", None)
-            source = getattr(val_loop, "_data_source", None)
-            loaders = source.dataloader() if source is not None and source.is_defined() else None
+    if which == "val" and trainer.val_dataloaders is None:
+        trainer.fit_loop.epoch_loop.val_loop.setup_data()
+    loaders: Any = trainer.train_dataloader if which == "train" else trainer.val_dataloaders
+    if loaders is None and which == "val" and trainer.limit_val_batches == 0:
+        raise InputError(
+            "`probe`='val' needs the validation dataloader, which Lightning does not load with limit_val_batches=0; "
+            "pass the probe inputs (e.g. the validation dataset) instead"
+        )
+    if isinstance(loaders, Mapping):
+        loaders = next(iter(loaders.values()), None)
     if isinstance(loaders, (list, tuple)):
         loaders = loaders[0] if loaders else None
     dataset = getattr(loaders, "dataset", None)

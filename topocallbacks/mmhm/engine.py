@@ -117,6 +117,11 @@ class UpdateStats:
         """A JSON-ready copy."""
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> UpdateStats:
+        """The inverse of :meth:`as_dict`."""
+        return cls(**data)
+
 
 class MMHM:
     """Modular Morse Homology Maintenance: exact (β0, β1) of the Rips complex at a fixed ε under edits.
@@ -234,7 +239,10 @@ class MMHM:
             InputError: the shape changed, or this engine is streaming.
             NonFiniteError: NaN or Inf.
         """
-        cloud = as_points(points)
+        return self._update(as_points(points))
+
+    def _update(self, cloud: NDArray[np.float64]) -> BettiNumbers:
+        """:meth:`update` of a validated cloud."""
         if self._mode == "stream":
             raise InputError("this engine is in streaming mode (push was called): use push(batch), or a new MMHM")
         start = time.perf_counter()
@@ -267,7 +275,10 @@ class MMHM:
             InputError: no window was set, ``d`` changed, or this engine is in probe mode.
             NonFiniteError: NaN or Inf.
         """
-        cloud = as_points(batch, "batch", min_samples=1)
+        return self._push_batch(as_points(batch, "batch", min_samples=1))
+
+    def _push_batch(self, cloud: NDArray[np.float64]) -> BettiNumbers:
+        """:meth:`push` of a validated batch."""
         if self.window is None:
             raise InputError("push needs a window: create the engine with MMHM(epsilon=..., window=W)")
         if self._mode == "probe":
@@ -439,8 +450,14 @@ class MMHM:
     def _slot_order(self) -> NDArray[np.intp]:
         if self._mode != "stream":
             return np.flatnonzero(self._alive)
-        assert self.window is not None
-        return (self._n_pushed - self._n_alive + np.arange(self._n_alive)) % self.window
+        return (self._n_pushed - self._n_alive + np.arange(self._n_alive)) % self._window_size
+
+    @property
+    def _window_size(self) -> int:
+        """The streaming window (push checks that there is one before anything is stored)."""
+        if self.window is None:
+            raise InputError("push needs a window: create the engine with MMHM(epsilon=..., window=W)")
+        return self.window
 
     def _new_label(self) -> int:
         self._next_label += 1
@@ -596,8 +613,7 @@ class MMHM:
             self._rebuild(start, reason, graph, n_flips)
 
     def _push(self, cloud: NDArray[np.float64], start: float) -> None:
-        assert self.window is not None
-        window = self.window
+        window = self._window_size
         if len(cloud) >= window:
             # Only the last `window` points of the batch survive; they fill the window.
             slots = (self._n_pushed + len(cloud) - window + np.arange(window)) % window

@@ -1,0 +1,204 @@
+"""One check: a transformed cloud becomes the Collapse Index, the watched index, and a typed record.
+
+:func:`measure` is the one function that computes what a check measures; :class:`~topocallbacks.TopoMonitor` and
+the collapse-evidence suite (``benchmarks/collapse/signals.py``) both call it, so the suite measures what ships.
+Records are typed (:class:`CheckRecord`, :class:`InterventionRecord`); ``as_dict`` turns them into the JSON the
+history file, the loggers and the distributed broadcast carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .functional.collapse import CollapseReport, _collapse_index
+from .functional.geometry import _effective_rank
+from .functional.indices import _diagram_distance
+from .mmhm import UpdateStats
+from .policy import Decision
+from .settings import INDEX_NAMES, IndexSettings, resolve_weights
+
+__all__ = [
+    "ORIENTATION",
+    "CheckRecord",
+    "InterventionRecord",
+    "Measurement",
+    "measure",
+    "record_from_dict",
+]
+
+Diagrams = list[NDArray[np.float64]]
+
+#: Each index's orientation: +1 when collapse raises it, -1 when it lowers it (the policy sees ``orientation x
+#: value``, so that higher always means more collapsed).
+ORIENTATION: Mapping[str, int] = {"diagram_drift": 1, "paper": 1, "rankme": -1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What :func:`measure` found in one cloud.
+
+    Attributes:
+        report: the Collapse Index and its components.
+        index_value: the watched index (None for diagram drift at the first check: nothing to drift from).
+        diagrams: the finite H0 and H1 bars of the diagram subsample, for the next check's drift.
+        values: every index computed (the watched one and those asked for with ``also``), by name.
+        drift: the Wasserstein-1 distance to the previous diagrams, per dimension (None at the first check, or
+            when the drift was not computed).
+    """
+
+    report: CollapseReport
+    index_value: float | None
+    diagrams: Diagrams
+    values: Mapping[str, float | None]
+    drift: tuple[float, ...] | None = None
+
+
+def _drift(previous: Diagrams | None, diagrams: Diagrams) -> tuple[float, ...] | None:
+    if previous is None:
+        return None
+    return tuple(_diagram_distance(a, b) for a, b in zip(previous, diagrams, strict=True))
+
+
+_VALUES: dict[str, Callable[[NDArray[np.float64], CollapseReport, tuple[float, ...] | None], float | None]] = {
+    "diagram_drift": lambda cloud, report, drift: None if drift is None else float(sum(drift)),
+    "paper": lambda cloud, report, drift: report.ci,
+    "rankme": lambda cloud, report, drift: _effective_rank(cloud),
+}
+if set(_VALUES) != set(INDEX_NAMES) or set(ORIENTATION) != set(INDEX_NAMES):  # pragma: no cover
+    raise RuntimeError("every index named in topocallbacks.settings.INDEX_NAMES needs a value and an orientation")
+
+
+def measure(
+    cloud: NDArray[np.float64],
+    epsilon: float,
+    settings: IndexSettings,
+    *,
+    previous: Diagrams | None = None,
+    betti: tuple[int, int] | None = None,
+    seed: int = 0,
+    also: tuple[str, ...] = (),
+) -> Measurement:
+    """The Collapse Index of a transformed, validated cloud at ``epsilon``, and the index ``settings.name``.
+
+    Args:
+        cloud: ``(n, d)`` float64 points, finite (the monitor validates and transforms them first).
+        epsilon: the calibrated scale.
+        settings: the index settings (weights, diagram subsample size, which index).
+        previous: the previous check's :attr:`Measurement.diagrams` (for diagram drift), or None.
+        betti: ``(b0, b1)`` at ``epsilon`` if already known (the MMHM engine's), else computed from scratch.
+        seed: seed of the diagram subsample.
+        also: other indices to compute beside the watched one (by name, see
+            :data:`~topocallbacks.settings.INDEX_NAMES`).
+    """
+    weights = resolve_weights(settings.weights)
+    report, diagrams = _collapse_index(cloud, epsilon, weights, max_points=settings.max_points, seed=seed, betti=betti)
+    finite = [d[np.isfinite(d[:, 1])] for d in diagrams]  # drift ignores the essential bars
+    names = dict.fromkeys((settings.name, *also))
+    drift = _drift(previous, finite) if "diagram_drift" in names else None
+    values = {name: _VALUES[name](cloud, report, drift) for name in names}
+    return Measurement(report, values[settings.name], finite, values, drift)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckRecord:
+    """Everything one check found and decided.
+
+    Attributes:
+        step: the training step whose features were checked.
+        status: ``"ok"``, or ``"diverged"`` (NaN or Inf features: no index, the policy's ``on_diverged``).
+        index: the watched index's name.
+        index_value: its value (None: diverged, or no value yet).
+        decision: the policy's decision.
+        check_ms: wall time of the check, features given.
+        report: the Collapse Index and its components (None when diverged).
+        engine: what the MMHM engine did (None when diverged).
+        n_points: points in the checked cloud (the probe, or the streaming window).
+    """
+
+    kind: ClassVar[str] = "check"
+
+    step: int
+    status: str
+    index: str
+    index_value: float | None
+    decision: Decision
+    check_ms: float
+    report: CollapseReport | None = None
+    engine: UpdateStats | None = None
+    n_points: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """Whether the features were finite and the index was computed."""
+        return self.status == "ok"
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy (what the history file holds)."""
+        return {
+            "kind": self.kind,
+            "step": self.step,
+            "status": self.status,
+            "index": self.index,
+            "index_value": self.index_value,
+            "check_ms": self.check_ms,
+            "n_points": self.n_points,
+            "decision": self.decision.as_dict(),
+            "report": None if self.report is None else self.report.as_dict(),
+            "engine": None if self.engine is None else self.engine.as_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CheckRecord:
+        """The inverse of :meth:`as_dict`."""
+        fields = {k: v for k, v in data.items() if k != "kind"}
+        fields["decision"] = Decision.from_dict(data["decision"])
+        fields["report"] = None if data["report"] is None else CollapseReport.from_dict(data["report"])
+        fields["engine"] = None if data["engine"] is None else UpdateStats.from_dict(data["engine"])
+        return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class InterventionRecord:
+    """What was done about a decision, and why.
+
+    Attributes:
+        step: the training step at which it was done.
+        action: the action taken (``"warn"``, ``"lower_lr"``, ``"stop"``).
+        reason: the decision's reason.
+        detail: what the adapter did (rates after a cut, where a checkpoint went).
+        lr_factor: the cumulative learning-rate factor after this intervention.
+    """
+
+    kind: ClassVar[str] = "intervention"
+
+    step: int
+    action: str
+    reason: str
+    detail: str
+    lr_factor: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> InterventionRecord:
+        """The inverse of :meth:`as_dict`."""
+        return cls(**{k: v for k, v in data.items() if k != "kind"})
+
+
+Record = CheckRecord | InterventionRecord
+
+
+def record_from_dict(data: Mapping[str, Any]) -> Record:
+    """A typed record from its JSON form (a line of the history file)."""
+    kinds: dict[str, type[CheckRecord] | type[InterventionRecord]] = {
+        "check": CheckRecord,
+        "intervention": InterventionRecord,
+    }
+    return kinds[data["kind"]].from_dict(data)

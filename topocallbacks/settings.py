@@ -1,0 +1,604 @@
+"""Every option of the monitor, its default and its valid values, written once: :class:`MonitorSettings`.
+
+The settings are one frozen value made of sections (``probe``, ``schedule``, ``transform``, ``index``, ``policy``,
+``interventions``, ``output``) that mirror the sections of a preset file. Each field declares its default and its
+check; nothing else in the package repeats them. Presets produce a value (:func:`topocallbacks.presets.load`),
+:class:`~topocallbacks.TopoMonitor` and both training callbacks take one, and keyword overrides are merged into it
+by :meth:`MonitorSettings.merged`, which validates them with the same checks::
+
+    settings = MonitorSettings().merged({"check_every": 20, "policy": {"action": "lower_lr"}})
+
+Overrides name an option by its own name (``check_every``, ``layer``; two have a longer name outside their
+section: ``max_probe_samples`` for ``probe.size`` and ``index`` for ``index.name``) or give a whole section as a
+mapping merged into it (``policy={"patience": 5}``) or as a section value that replaces it. Errors name the key as
+it was given (``check_every``, or ``policy.patience`` and the file of a preset), the valid keys and the closest one.
+
+This module sits at the bottom of the package: it imports nothing of it but the argument checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import math
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from ._validation import check_int, check_number, check_positive_float
+from .exceptions import ConfigError, InputError
+
+__all__ = [
+    "COMPONENTS",
+    "DEFAULT_RULES",
+    "INDEX_NAMES",
+    "MODES",
+    "PAPER_WEIGHTS",
+    "POOLINGS",
+    "PROJECTIONS",
+    "SCORES",
+    "Action",
+    "IndexSettings",
+    "InterventionSettings",
+    "MonitorSettings",
+    "OutputSettings",
+    "PolicySettings",
+    "ProbeSettings",
+    "ScheduleSettings",
+    "TransformSettings",
+    "resolve_weights",
+]
+
+#: How a layer's output becomes one vector per sample (see :class:`~topocallbacks.probe.FeatureExtractor`).
+POOLINGS = ("auto", "mean", "last", "cls", "flatten", "none")
+#: ``"probe"``: run a fixed probe every ``check_every`` steps; ``"stream"``: watch the training batches' features.
+MODES = ("probe", "stream")
+#: The fixed maps to fewer dimensions a monitor can apply before the topology.
+PROJECTIONS = (None, "pca", "random")
+#: What the policy can watch (see :mod:`topocallbacks.check`).
+INDEX_NAMES = ("diagram_drift", "paper", "rankme")
+#: How the policy turns the watched index into the score it compares with its threshold.
+SCORES = ("value", "baseline", "zscore")
+#: Names of the Collapse Index components, in the order they are reported.
+COMPONENTS = ("betti", "entropy", "anisotropy")
+#: The paper's weights: ``CI = 0.4 * betti + 0.3 * entropy + 0.3 * anisotropy``.
+PAPER_WEIGHTS: Mapping[str, float] = types.MappingProxyType({"betti": 0.4, "entropy": 0.3, "anisotropy": 0.3})
+
+
+class Action(str, enum.Enum):
+    """What a decision asks the training adapter to do, weakest first (:attr:`level` orders them)."""
+
+    NONE = "none"
+    WARN = "warn"
+    LOWER_LR = "lower_lr"
+    STOP = "stop"
+
+    @property
+    def level(self) -> int:
+        """0 for ``none``, then 1, 2, ... in the order above: a cooldown never holds back a stronger action."""
+        return list(Action).index(self)
+
+
+def resolve_weights(weights: str | Mapping[str, float] | None, name: str = "weights") -> dict[str, float]:
+    """Validate Collapse Index weights and normalise them to sum to 1.
+
+    Args:
+        weights: ``"paper"`` or None (the paper's 0.4/0.3/0.3), or a mapping from component name
+            (``"betti"``, ``"entropy"``, ``"anisotropy"``) to a non-negative weight; missing components get 0.
+        name: the argument's name in error messages.
+
+    Returns:
+        A dict over all components whose values sum to 1.
+
+    Raises:
+        InputError: unknown name, unknown component, negative or non-finite weight, or all weights zero.
+
+    Example:
+        >>> resolve_weights({"entropy": 1.0})
+        {'betti': 0.0, 'entropy': 1.0, 'anisotropy': 0.0}
+    """
+    if weights is None or weights == "paper":
+        return dict(PAPER_WEIGHTS)
+    if isinstance(weights, str):
+        raise InputError(f'`{name}` must be "paper", None or a mapping of component weights, got {weights!r}')
+    if not isinstance(weights, Mapping):
+        raise InputError(f"`{name}` must be a mapping of component weights, got {type(weights).__name__}")
+    unknown = sorted(set(weights) - set(COMPONENTS))
+    if unknown:
+        raise InputError(f"`{name}` has unknown component(s) {unknown}; valid components: {sorted(COMPONENTS)}")
+    resolved = {}
+    for component in COMPONENTS:
+        value = weights.get(component, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise InputError(f"`{name}[{component!r}]` must be a finite number >= 0, got {value!r}")
+        resolved[component] = float(value)
+    total = sum(resolved.values())
+    if total == 0:
+        raise InputError(f"`{name}` must have at least one weight > 0, got {dict(weights)!r}")
+    return {component: value / total for component, value in resolved.items()}
+
+
+# --- checks: each takes the value and the name it was given under, and returns the value to store -------------
+
+Check = Callable[[Any, str], Any]
+
+
+def _integer(minimum: int) -> Check:
+    return lambda value, name: check_int(value, name, minimum=minimum)
+
+
+def _optional(check: Check) -> Check:
+    return lambda value, name: None if value is None else check(value, name)
+
+
+def _number(low: float = -math.inf, high: float = math.inf, *, high_open: bool = True) -> Check:
+    return lambda value, name: check_number(value, name, low=low, high=high, high_open=high_open)
+
+
+def _positive(value: Any, name: str) -> float:
+    return check_positive_float(value, name)
+
+
+def _choice(choices: tuple[Any, ...]) -> Check:
+    def check(value: Any, name: str) -> Any:
+        if isinstance(value, enum.Enum):
+            value = value.value
+        if value not in choices:
+            listed = [c for c in choices if c is not None]
+            shown = f"{listed} or None" if None in choices else str(listed)
+            raise InputError(f"`{name}` must be one of {shown}, got {value!r}")
+        return value
+
+    return check
+
+
+def _boolean(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"`{name}` must be true or false, got {value!r} of type {type(value).__name__}")
+    return value
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InputError(f"`{name}` must be a non-empty string, got {value!r}")
+    return value
+
+
+def _layers(value: Any, name: str) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if not items or not all(isinstance(item, str) and item for item in items):
+        raise InputError(f"`{name}` must be a module name or a non-empty list of name patterns, got {value!r}")
+    return tuple(items)
+
+
+def _weights(value: Any, name: str) -> str | dict[str, float]:
+    resolve_weights(value, name)
+    return "paper" if value is None or value == "paper" else {str(k): float(v) for k, v in value.items()}
+
+
+def _option(default: Any, check: Check, *, alias: str | None = None) -> Any:
+    """A settings field: its default, its check and (rarely) the longer name it has outside its section."""
+    return dataclasses.field(default=default, metadata={"check": check, "alias": alias})
+
+
+class _Section:
+    """Validation shared by every section: each field's own check, then the checks across fields."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            object.__setattr__(self, field.name, field.metadata["check"](getattr(self, field.name), field.name))
+        self._check_together(dataclasses.asdict(self), "")  # type: ignore[call-overload]
+
+    @classmethod
+    def _check_together(cls, values: Mapping[str, Any], prefix: str) -> None:
+        """Checks that involve several fields (``prefix`` is the section's key path in messages)."""
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes`` (validated).
+
+        Raises:
+            ConfigError: an unknown field (with the closest one and the valid ones).
+        """
+        valid = sorted(f.name for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        unknown = sorted(set(changes) - set(valid))
+        if unknown:
+            key = unknown[0]
+            raise ConfigError(f"unknown argument `{key}`{_did_you_mean(key, valid)} Valid arguments: {valid}")
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSettings(_Section):
+    """Which layer is watched, and how the probe runs.
+
+    Attributes:
+        layer: the watched module's name in ``model.named_modules()``, or name patterns tried in order
+            (``"*.ln_f"``; see :func:`topocallbacks.probe.resolve_layer`). Required to run a probe.
+        pooling: how the layer's output becomes one vector per sample: ``"auto"`` (2-D as is, 4-D global
+            average, 3-D mask-aware mean), ``"mean"`` (mask-aware over tokens), ``"last"`` (last non-padding
+            token), ``"cls"`` (first token), ``"flatten"`` or ``"none"``.
+        size: keep at most this many probe samples, a seeded subset (None: all); ``max_probe_samples`` as an
+            override.
+        batch_size: probe samples per forward pass.
+    """
+
+    layer: tuple[str, ...] | None = _option(None, _optional(_layers))
+    pooling: str = _option("auto", _choice(POOLINGS))
+    size: int | None = _option(None, _optional(_integer(2)), alias="max_probe_samples")
+    batch_size: int = _option(256, _integer(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSettings(_Section):
+    """When checks happen.
+
+    Attributes:
+        mode: ``"probe"`` (run the probe every ``check_every`` steps) or ``"stream"`` (watch the training
+            batches' own features, a window of the last ``window`` points).
+        check_every: optimizer steps between checks, from step 0. 100 is a cost choice: a check of a 512-sample
+            probe takes about 0.4 s of one CPU thread.
+        window: streaming window size.
+        points_per_batch: streaming mode: push a seeded random subset of at most this many of each batch's points
+            (None: all). 32 refreshes a 1,024-point window every 32 steps at a small fraction of the cost of
+            pushing whole batches.
+    """
+
+    mode: str = _option("probe", _choice(MODES))
+    check_every: int = _option(100, _integer(1))
+    window: int = _option(1024, _integer(2))
+    points_per_batch: int | None = _option(32, _optional(_integer(1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformSettings(_Section):
+    """The fixed map applied to the features before the topology (:class:`~topocallbacks.transform.FeatureTransform`).
+
+    Attributes:
+        normalize: centre each check's cloud and scale it to unit RMS radius, so that a fixed ε keeps its meaning
+            while the network's feature scale drifts (in streaming mode the centre and scale are fitted once, on
+            the first batch, to keep the window's coordinates fixed).
+        projection: None, ``"pca"`` (fitted at the first check and kept) or ``"random"`` (a seeded Gaussian
+            projection): a fixed map to ``projection_dim`` dimensions, so points stay comparable across checks.
+        projection_dim: target dimension of the projection.
+    """
+
+    normalize: bool = _option(True, _boolean)
+    projection: str | None = _option(None, _choice(PROJECTIONS))
+    projection_dim: int = _option(64, _integer(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSettings(_Section):
+    """How a cloud becomes the index the policy watches.
+
+    Attributes:
+        name: ``"diagram_drift"`` (the default: the Wasserstein-1 distance between this check's H0/H1 diagrams
+            and the previous check's; the collapse-evidence suite's best feature index at <= 2 % false positives),
+            ``"paper"`` (the paper's composite Collapse Index) or ``"rankme"`` (effective rank; handed to the
+            policy negated, as collapse lowers it). The composite and its components are computed and logged
+            either way. ``index`` as an override.
+        epsilon: a fixed ε, or None to calibrate at the first check.
+        epsilon_quantile: the calibration's quantile of pairwise distances, in ``(0, 1]`` (0.5: the median, the
+            paper's heuristic)...
+        epsilon_factor: ...times this factor.
+        weights: the composite's weights, ``"paper"`` (0.4/0.3/0.3) or a mapping of component weights.
+        max_points: size of the seeded subsample the persistence diagrams are computed on (full H1 persistence
+            is cubic; 256 points take tens of milliseconds).
+    """
+
+    name: str = _option("diagram_drift", _choice(INDEX_NAMES), alias="index")
+    epsilon: float | None = _option(None, _optional(_positive))
+    epsilon_quantile: float = _option(0.5, _number(0.0, 1.0, high_open=False))
+    epsilon_factor: float = _option(0.5, _positive)
+    weights: str | dict[str, float] = _option("paper", _weights)
+    max_points: int = _option(256, _integer(2))
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySettings(_Section):
+    """When to act on the watched index (see :class:`~topocallbacks.policy.Policy`).
+
+    The defaults are the rule the collapse-evidence suite (``benchmarks/collapse/``) tuned for diagram drift on
+    its 18 healthy runs (<= 2 % flagged checks): a jump of 4.5 robust standard deviations above the last 10
+    checks, after a warm-up of 10 checks.
+
+    Attributes:
+        action: ``"warn"``, ``"lower_lr"``, ``"stop"`` or ``"none"`` (log only).
+        score: ``"value"`` (the index itself), ``"baseline"`` (its excess over the warm-up mean) or ``"zscore"``
+            (:func:`~topocallbacks.policy.trailing_zscore` against the last ``zscore_window`` scored checks that did
+            not reach the threshold).
+        threshold: the score a check must reach.
+        patience: consecutive checks at or above the threshold.
+        warmup: checks that only build the reference.
+        zscore_window: checks in the z-score's level (its noise uses twice as many).
+        cooldown: checks after an action during which the *same* action is held back, unless the score exceeds
+            the one that started the cooldown; a stronger action always goes through.
+        trend_window: checks in the rising-trend fit, or None for no trend rule.
+        trend_slope: the slope per check that fires the trend rule; required with ``trend_window``.
+        lr_factor: learning-rate multiplier of ``lower_lr``, in ``(0, 1)``.
+        max_lr_cuts: cuts before ``lower_lr`` escalates to ``after_max_lr_cuts``.
+        after_max_lr_cuts: ``"warn"``, ``"stop"`` or ``"none"``.
+        checkpoint: ask for a rescue checkpoint with ``lower_lr`` and ``stop``.
+        on_diverged: the action for a diverged check (NaN or Inf features), at once, warm-up or not.
+    """
+
+    action: str = _option("warn", _choice(tuple(a.value for a in Action)))
+    score: str = _option("zscore", _choice(SCORES))
+    threshold: float = _option(4.5, _number())
+    patience: int = _option(1, _integer(1))
+    warmup: int = _option(10, _integer(0))
+    zscore_window: int = _option(10, _integer(2))
+    cooldown: int = _option(5, _integer(0))
+    trend_window: int | None = _option(None, _optional(_integer(2)))
+    trend_slope: float | None = _option(None, _optional(_positive))
+    lr_factor: float = _option(0.5, _number(0.0, 1.0))
+    max_lr_cuts: int = _option(3, _integer(0))
+    after_max_lr_cuts: str = _option("stop", _choice(("warn", "stop", "none")))
+    checkpoint: bool = _option(False, _boolean)
+    on_diverged: str = _option("stop", _choice(tuple(a.value for a in Action)))
+
+    @classmethod
+    def _check_together(cls, values: Mapping[str, Any], prefix: str) -> None:
+        window, slope = values.get("trend_window"), values.get("trend_slope")
+        if (window is None) != (slope is None):
+            raise InputError(
+                f"`{prefix}trend_window` and `{prefix}trend_slope` go together, got trend_window={window!r}, "
+                f"trend_slope={slope!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class InterventionSettings(_Section):
+    """How decisions are carried out by the training adapters.
+
+    Attributes:
+        checkpoint_on_stop: save a checkpoint before stopping, so a stop never loses the last state.
+        rescue_dir: where the Lightning callback writes rescue checkpoints (None: ``trainer.default_root_dir``;
+            the Hugging Face Trainer saves into its ``output_dir``).
+    """
+
+    checkpoint_on_stop: bool = _option(True, _boolean)
+    rescue_dir: str | None = _option(None, _optional(_text))
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSettings(_Section):
+    """Where records go besides the in-memory history.
+
+    Attributes:
+        history_path: a JSONL file that receives one line per check and per intervention.
+        tensorboard_dir: a TensorBoard log directory for ``topo/*`` scalars.
+        diagram_every: checks between persistence-diagram figures in TensorBoard (0: never).
+    """
+
+    history_path: str | None = _option(None, _optional(_text))
+    tensorboard_dir: str | None = _option(None, _optional(_text))
+    diagram_every: int = _option(0, _integer(0))
+
+
+#: The default rule of each index, when no policy is given: the suite's tuned z-score rule (the
+#: :class:`PolicySettings` defaults), and for the paper's composite, which lives in ``[0, 1]``, a fixed threshold.
+DEFAULT_RULES: Mapping[str, PolicySettings] = types.MappingProxyType(
+    {
+        "diagram_drift": PolicySettings(),
+        "rankme": PolicySettings(),
+        "paper": PolicySettings(score="value", threshold=0.7, patience=3, warmup=3),
+    }
+)
+
+_SECTIONS: dict[str, type[_Section]] = {
+    "probe": ProbeSettings,
+    "schedule": ScheduleSettings,
+    "transform": TransformSettings,
+    "index": IndexSettings,
+    "policy": PolicySettings,
+    "interventions": InterventionSettings,
+    "output": OutputSettings,
+}
+
+
+def _did_you_mean(key: str, valid: list[str], prefix: str = "") -> str:
+    guess = difflib.get_close_matches(key, valid, n=1)
+    return f"; did you mean `{prefix}{guess[0]}`?" if guess else ""
+
+
+def _where(origin: str | None) -> str:
+    return f" in {origin}" if origin else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorSettings:
+    """Every option of a :class:`~topocallbacks.TopoMonitor` and of the training callbacks.
+
+    Build one with keyword overrides (``MonitorSettings().merged({"check_every": 20})``), from a preset
+    (``topocallbacks.presets.load("gpt").settings``) or section by section. ``policy`` None means the default
+    rule of the watched index (:data:`DEFAULT_RULES`); :attr:`rule` is the policy in effect.
+
+    Attributes:
+        probe: see :class:`ProbeSettings`.
+        schedule: see :class:`ScheduleSettings`.
+        transform: see :class:`TransformSettings`.
+        index: see :class:`IndexSettings`.
+        policy: see :class:`PolicySettings`, or None.
+        interventions: see :class:`InterventionSettings`.
+        output: see :class:`OutputSettings`.
+        seed: seed of every random choice (probe subset, random projection, diagram subsample), >= 0.
+
+    Example:
+        >>> settings = MonitorSettings().merged({"check_every": 20, "policy": {"action": "lower_lr"}})
+        >>> settings.schedule.check_every, settings.rule.action, settings.rule.threshold
+        (20, 'lower_lr', 4.5)
+        >>> MonitorSettings().merged({"index": "paper"}).rule.threshold  # the composite's own default rule
+        0.7
+    """
+
+    probe: ProbeSettings = dataclasses.field(default_factory=ProbeSettings)
+    schedule: ScheduleSettings = dataclasses.field(default_factory=ScheduleSettings)
+    transform: TransformSettings = dataclasses.field(default_factory=TransformSettings)
+    index: IndexSettings = dataclasses.field(default_factory=IndexSettings)
+    policy: PolicySettings | None = None
+    interventions: InterventionSettings = dataclasses.field(default_factory=InterventionSettings)
+    output: OutputSettings = dataclasses.field(default_factory=OutputSettings)
+    seed: int = 0
+
+    #: Options by the name an override gives them: ``{"check_every": ("schedule", "check_every"), ...}``.
+    OPTIONS: ClassVar[Mapping[str, tuple[str, str]]]
+
+    def __post_init__(self) -> None:
+        for name, kind in _SECTIONS.items():
+            value = getattr(self, name)
+            if not (value is None and name == "policy") and not isinstance(value, kind):
+                raise InputError(f"`{name}` must be a {kind.__name__}, got {type(value).__name__}")
+        object.__setattr__(self, "seed", check_int(self.seed, "seed", minimum=0))
+
+    @property
+    def rule(self) -> PolicySettings:
+        """The policy in effect: ``policy``, or the default rule of the watched index."""
+        return self.policy if self.policy is not None else DEFAULT_RULES[self.index.name]
+
+    def merged(self, overrides: Mapping[str, Any], *, origin: str | None = None) -> MonitorSettings:
+        """A copy with ``overrides`` applied and validated.
+
+        Args:
+            overrides: options by name (``check_every``, ``max_probe_samples``, ``seed``...); section names with a
+                mapping merged into that section (``{"policy": {"patience": 5}}``; a policy mapping is merged into
+                the policy in effect, :attr:`rule`) or a section value that replaces it (for ``policy``, also a
+                :class:`~topocallbacks.policy.Policy`, which counts by its settings).
+            origin: where the overrides come from (a file), named in error messages; with an origin, keys are
+                reported with their section (``policy.patience``) and out-of-range values raise ConfigError.
+
+        Raises:
+            ConfigError: an unknown key (with the valid keys and the closest one), or a bad value from ``origin``.
+            InputError: a bad value given directly (the message names it as it was given).
+        """
+        values = {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS if name != "policy"}
+        whole: dict[str, _Section | None] = {}
+        policy_values: dict[str, Any] | None = None
+        seed = self.seed
+        for key, value in overrides.items():
+            if key == "policy" and isinstance(getattr(value, "settings", None), PolicySettings):
+                value = value.settings  # a Policy object: its settings (its counters start afresh)
+            section_value = isinstance(value, (Mapping, _Section)) or (key == "policy" and value is None)
+            if key in _SECTIONS and (section_value or key not in self.OPTIONS):
+                if value is None and key == "policy":
+                    whole["policy"], policy_values = None, None
+                elif isinstance(value, _SECTIONS[key]):
+                    whole[key] = value
+                    if key == "policy":
+                        policy_values = None
+                elif isinstance(value, Mapping):
+                    self._reject_unknown(value, key, origin)
+                    if key == "policy":
+                        policy_values = {**(policy_values or {}), **value}
+                    else:
+                        values[key].update(value)
+                        whole.pop(key, None)
+                else:
+                    raise InputError(
+                        f"`{key}` must be a mapping of its options or a {_SECTIONS[key].__name__}, got "
+                        f"{type(value).__name__}{_where(origin)}"
+                    )
+            elif key == "seed":
+                seed = value
+            elif key in self.OPTIONS:
+                section, field = self.OPTIONS[key]
+                values[section][field] = value
+                whole.pop(section, None)
+            else:
+                self._unknown(key, origin)
+        sections: dict[str, Any] = {}
+        for name, kind in _SECTIONS.items():
+            if name == "policy":
+                continue
+            if name in whole:
+                sections[name] = whole[name]
+            else:
+                sections[name] = _build(kind, values[name], _path(name, overrides, origin), origin)
+        policy: Any = whole.get("policy", self.policy)
+        if policy_values is not None:
+            base = policy if policy is not None else DEFAULT_RULES[sections["index"].name]
+            merged = {**dataclasses.asdict(base), **policy_values}
+            policy = _build(PolicySettings, merged, "policy.", origin)
+        try:
+            return MonitorSettings(**sections, policy=policy, seed=seed)
+        except InputError as exc:
+            raise _located(exc, origin) from exc
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready nested copy (``MonitorSettings().merged(settings.as_dict()) == settings``)."""
+        result = dataclasses.asdict(self)
+        layer = result["probe"]["layer"]
+        result["probe"]["layer"] = None if layer is None else list(layer)
+        return result
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, origin: str | None = None) -> MonitorSettings:
+        """The inverse of :meth:`as_dict`; also reads a preset's sections (sparse: the rest keeps its default).
+
+        Raises:
+            ConfigError: unknown keys or sections, or bad values (named with their key path and ``origin``).
+        """
+        return cls().merged(data, origin=origin or "<dict>")
+
+    @staticmethod
+    def _reject_unknown(values: Mapping[str, Any], section: str, origin: str | None) -> None:
+        valid = sorted(f.name for f in dataclasses.fields(_SECTIONS[section]))  # type: ignore[arg-type]
+        unknown = sorted(str(k) for k in set(values) - set(valid))
+        if unknown:
+            key = unknown[0]
+            raise ConfigError(
+                f"unknown key `{section}.{key}`{_where(origin)}{_did_you_mean(key, valid, section + '.')} "
+                f"Valid keys of {section}: {valid}"
+            )
+
+    @classmethod
+    def _unknown(cls, key: str, origin: str | None) -> None:
+        if origin:
+            valid = sorted([*_SECTIONS, "seed"])
+            raise ConfigError(f"unknown key `{key}`{_where(origin)}{_did_you_mean(key, valid)} Valid keys: {valid}")
+        valid = sorted({*cls.OPTIONS, *_SECTIONS, "seed"})
+        if key in {f.name for f in dataclasses.fields(PolicySettings)}:
+            raise ConfigError(f"unknown argument `{key}`: it is a policy option, pass policy={{{key!r}: ...}}")
+        raise ConfigError(f"unknown argument `{key}`{_did_you_mean(key, valid)} Valid arguments: {valid}")
+
+
+def _path(section: str, overrides: Mapping[str, Any], origin: str | None) -> str:
+    """The prefix error messages give a section's keys: the section when it came from a file or a mapping."""
+    return f"{section}." if origin or isinstance(overrides.get(section), Mapping) else ""
+
+
+def _located(exc: InputError, origin: str | None) -> InputError:
+    if origin is None:
+        return exc
+    return ConfigError(f"{exc}{_where(origin)}")
+
+
+def _build(kind: type[_Section], values: Mapping[str, Any], prefix: str, origin: str | None) -> Any:
+    """A section from its values, each checked under the name it was given by (``prefix`` + key, or its alias)."""
+    aliases = {f.name: f.metadata["alias"] for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
+    checked = {}
+    try:
+        for field in dataclasses.fields(kind):  # type: ignore[arg-type]
+            name = field.name if prefix or aliases[field.name] is None else aliases[field.name]
+            checked[field.name] = field.metadata["check"](values[field.name], f"{prefix}{name}")
+        kind._check_together(checked, prefix)
+    except InputError as exc:
+        raise _located(exc, origin) from exc
+    return kind(**checked)
+
+
+def _options() -> dict[str, tuple[str, str]]:
+    options: dict[str, tuple[str, str]] = {}
+    for section, kind in _SECTIONS.items():
+        if section == "policy":
+            continue  # policy options are given as policy={...}: names such as `action` would be ambiguous
+        for field in dataclasses.fields(kind):  # type: ignore[arg-type]
+            name = field.metadata["alias"] or field.name
+            if name in options or (name in _SECTIONS and field.metadata["alias"] is None):
+                raise RuntimeError(f"settings option `{name}` is defined twice")  # pragma: no cover
+            options[name] = (section, field.name)
+    return options
+
+
+MonitorSettings.OPTIONS = types.MappingProxyType(_options())
