@@ -4,12 +4,16 @@ The policy only decides; applying a decision (warning, cutting the learning rate
 checkpoint) is :func:`topocallbacks.interventions.apply`'s job, so the same policy drives Lightning, Hugging Face
 and plain loops. A decision is made in three steps, each its own function:
 
-1. *score*: the index becomes the score the threshold is compared with (:func:`score_value`);
+1. *score*: the index becomes the score the threshold is compared with (:func:`score_value`); the z-score's
+   reference (:class:`Reference`) holds the recent checks that stayed below the threshold, so one jump does not
+   hide the next;
 2. *rule*: the threshold held for ``patience`` checks after the warm-up (:func:`rule_holds` for a whole series),
    or a rising trend;
-3. *gate*: the action the rule asks for is held back by a cooldown or escalated after the learning-rate cuts.
+3. *gate*: the cooldown holds back a *repeat* of the same action unless the score beats the one that started it,
+   never a stronger action; ``lower_lr`` escalates once the learning-rate cuts are spent.
 
-The collapse-evidence suite (``benchmarks/collapse/``) evaluates steps 1 and 2 with the same functions.
+The collapse-evidence suite (``benchmarks/collapse/``) evaluates steps 1 and 2 with the same functions
+(:func:`rule_scores`, :func:`rule_holds`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,16 @@ from ._validation import check_int
 from .exceptions import InputError
 from .settings import Action, PolicySettings
 
-__all__ = ["Action", "Decision", "Policy", "rule_holds", "rule_scores", "score_value", "trailing_zscore"]
+__all__ = [
+    "Action",
+    "Decision",
+    "Policy",
+    "Reference",
+    "rule_holds",
+    "rule_scores",
+    "score_value",
+    "trailing_zscore",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +57,7 @@ class Decision:
         rule: the rule that held (``"threshold"``, ``"trend"``, ``"diverged"``), or None.
         lr_factor: the factor to multiply the learning rate by, for ``lower_lr``.
         checkpoint: save a rescue checkpoint with the action.
+        held_back: the action the rule asked for when a cooldown held it back (the reason says why), else None.
     """
 
     action: Action
@@ -54,6 +68,7 @@ class Decision:
     rule: str | None = None
     lr_factor: float | None = None
     checkpoint: bool = False
+    held_back: Action | None = None
 
     @property
     def fired(self) -> bool:
@@ -64,12 +79,14 @@ class Decision:
         """A JSON-ready copy."""
         result = dataclasses.asdict(self)
         result["action"] = self.action.value
+        result["held_back"] = None if self.held_back is None else self.held_back.value
         return result
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Decision:
         """The inverse of :meth:`as_dict`."""
-        return cls(**{**data, "action": Action(data["action"])})
+        held = data.get("held_back")
+        return cls(**{**data, "action": Action(data["action"]), "held_back": None if held is None else Action(held)})
 
 
 def trailing_zscore(
@@ -125,6 +142,44 @@ def _zscore(values: NDArray[np.float64], value: float, direction: int, window: i
     return abs(deviation) if direction == 0 else direction * deviation
 
 
+class Reference:
+    """The values a new z-score is measured against: the recent checks that stayed below the threshold.
+
+    A check whose score reached the threshold is held out, so a first jump does not raise the level and the noise
+    the next check is compared with (which would make the rule blind for ``window`` checks after every alarm). A
+    level that persists is not an outlier for ever: once ``rebase_after`` consecutive checks were held out, they
+    enter the reference together (the index has moved to a new level; the alarm was given while it moved).
+
+    Args:
+        size: values kept (the z-score's ``2 * zscore_window``).
+        rebase_after: consecutive held-out checks after which they are admitted.
+
+    Example:
+        >>> reference = Reference(size=4, rebase_after=2)
+        >>> for value, flagged in [(1.0, False), (9.0, True), (1.1, False), (8.0, True), (8.2, True)]:
+        ...     reference.add(value, flagged)
+        >>> reference.values  # the lone 9.0 never entered; 8.0 and 8.2 did once two in a row were held out
+        [1.0, 1.1, 8.0, 8.2]
+    """
+
+    def __init__(self, size: int, rebase_after: int) -> None:
+        self.size = size
+        self.rebase_after = rebase_after
+        self.values: list[float] = []
+        self.held: list[float] = []
+
+    def add(self, value: float, flagged: bool) -> None:
+        """Admit ``value`` (or hold it out when its check reached the threshold)."""
+        if flagged:
+            self.held.append(value)
+            if len(self.held) < self.rebase_after:
+                return
+            admitted, self.held = self.held, []
+        else:
+            admitted, self.held = [value], []
+        self.values = [*self.values, *admitted][-self.size :]
+
+
 def score_value(
     settings: PolicySettings,
     past: Sequence[float | None] | NDArray[np.float64],
@@ -132,7 +187,7 @@ def score_value(
     baseline: float | None = None,
     direction: int = 1,
 ) -> float | None:
-    """The score of ``value`` under ``settings.score`` given the ``past`` values (oldest first).
+    """The score of ``value`` under ``settings.score`` given the ``past`` reference values (oldest first).
 
     ``"value"``: the value; ``"baseline"``: its excess over ``baseline`` (None before there is one);
     ``"zscore"``: :func:`trailing_zscore` against the last ``zscore_window`` values, in ``direction`` (+1 rises,
@@ -145,10 +200,15 @@ def score_value(
     return value
 
 
+def _flagged(score: float | None, threshold: float) -> bool:
+    return score is not None and score >= threshold
+
+
 def rule_scores(values: Sequence[float], settings: PolicySettings, *, direction: int = 1) -> NDArray[np.float64]:
     """The score of every check of a series, as :class:`Policy` computes it (NaN during the warm-up and where none).
 
-    Non-finite values (diverged checks, or an index with no value yet) are gaps in the history.
+    Non-finite values (diverged checks, or an index with no value yet) get no score and stay out of the
+    reference; so do the checks whose score reached ``settings.threshold`` (see :class:`Reference`).
 
     Example:
         >>> rule_scores([1.0, 1.0, 5.0], PolicySettings(score="value", warmup=1)).tolist()
@@ -160,12 +220,17 @@ def rule_scores(values: Sequence[float], settings: PolicySettings, *, direction:
             raise InputError(f"`direction` must be -1 or 1 for score={settings.score!r}, got {direction!r}")
         series = direction * series  # oriented: higher means more collapsed
     scores = np.full(series.size, math.nan)
-    keep = 2 * settings.zscore_window
+    reference = Reference(2 * settings.zscore_window, settings.zscore_window)
     warm = [float(v) for v in series[: settings.warmup] if math.isfinite(v)]
     baseline = float(np.mean(warm)) if warm else None
-    for i in range(settings.warmup, series.size):
-        score = score_value(settings, series[max(0, i - keep) : i], float(series[i]), baseline, direction)
-        scores[i] = math.nan if score is None else score
+    for i, value in enumerate(series.tolist()):
+        if not math.isfinite(value):
+            continue
+        score = None
+        if i >= settings.warmup:
+            score = score_value(settings, reference.values, value, baseline, direction)
+            scores[i] = math.nan if score is None else score
+        reference.add(value, _flagged(score, settings.threshold))
     return scores
 
 
@@ -199,14 +264,16 @@ class Policy(Stateful):
     A check's *rule holds* when, after the warm-up, either
 
     * threshold: the score (see :class:`~topocallbacks.settings.PolicySettings`: the index, its excess over the
-      warm-up mean, or its z-score against the recent checks) is ``>= threshold`` for ``patience`` consecutive
-      checks; or
+      warm-up mean, or its z-score against the recent checks that stayed below the threshold) is
+      ``>= threshold`` for ``patience`` consecutive checks; or
     * trend (when ``trend_window`` is set): the least-squares slope of the last ``trend_window`` values, per
       check, is ``>= trend_slope``.
 
-    It then returns ``action`` unless the last action was fewer than ``cooldown`` checks ago. Once
-    ``max_lr_cuts`` cuts were made, ``lower_lr`` escalates to ``after_max_lr_cuts``. A diverged check (NaN or Inf
-    features) returns ``on_diverged`` at once, warm-up or not. After an action the patience count starts again.
+    It then returns ``action``, escalated to ``after_max_lr_cuts`` once ``max_lr_cuts`` cuts were made. Within
+    ``cooldown`` checks of an action, the *same* action is held back (the decision says so) unless the score is
+    above the one that started the cooldown; a stronger action (``warn`` < ``lower_lr`` < ``stop``) always goes
+    through, so a warning never silences a stop. A diverged check (NaN or Inf features) returns ``on_diverged``
+    at once, warm-up or cooldown or not. After an action the patience count starts again.
 
     Args:
         settings: a :class:`~topocallbacks.settings.PolicySettings` (default: the tuned default rule).
@@ -223,14 +290,17 @@ class Policy(Stateful):
     """
 
     _state = StateFields(
-        version=3,
+        version=4,
         fields={
             "checks": "checks_",
             "warmup_values": "warmup_values_",
             "recent": "recent_",
-            "values": "values_",
+            "reference": "_reference_values",
+            "held_out": "_reference_held",
             "over_threshold": "over_threshold_",
             "last_action_check": "last_action_check_",
+            "last_action": "last_action_",
+            "last_action_score": "last_action_score_",
             "lr_cuts": "lr_cuts_",
         },
     )
@@ -244,13 +314,32 @@ class Policy(Stateful):
 
     def reset(self) -> None:
         """Forget the history, the baseline and the counters."""
+        s = self.settings
         self.checks_ = 0
         self.warmup_values_: list[float] = []
         self.recent_: list[float] = []  # the last trend_window values, for the trend rule
-        self.values_: list[float | None] = []  # the last 2 * zscore_window values (None: a gap), for the z-score
+        self.reference_ = Reference(2 * s.zscore_window, s.zscore_window)
         self.over_threshold_ = 0
         self.last_action_check_: int | None = None
+        self.last_action_: str | None = None
+        self.last_action_score_: float | None = None
         self.lr_cuts_ = 0
+
+    @property
+    def _reference_values(self) -> list[float]:
+        return self.reference_.values
+
+    @_reference_values.setter
+    def _reference_values(self, values: list[float]) -> None:
+        self.reference_.values = [float(v) for v in values]
+
+    @property
+    def _reference_held(self) -> list[float]:
+        return self.reference_.held
+
+    @_reference_held.setter
+    def _reference_held(self, values: list[float]) -> None:
+        self.reference_.held = [float(v) for v in values]
 
     @property
     def baseline_(self) -> float | None:
@@ -271,25 +360,25 @@ class Policy(Stateful):
         s = self.settings
         self.checks_ += 1
         if diverged or (value is not None and not math.isfinite(value)):
-            self.values_ = [*self.values_, None][-2 * s.zscore_window :]
             return self._act(Action(s.on_diverged), step, None, None, "diverged", "the features diverged (NaN or Inf)")
-        past = self.values_
-        self.values_ = [*past, value][-2 * s.zscore_window :]
         if self.checks_ <= s.warmup:
             if value is not None:
                 self.warmup_values_.append(value)
+                self.reference_.add(value, flagged=False)
             return Decision(Action.NONE, f"warm-up check {self.checks_} of {s.warmup}", step, value)
         if value is None:
             self.over_threshold_ = 0
             return Decision(Action.NONE, "no index value at this check", step)
-        score = score_value(s, past, value, self.baseline_)
+        score = score_value(s, self.reference_.values, value, self.baseline_)
+        self.reference_.add(value, _flagged(score, s.threshold))
         rule, reason = self._rule(value, score)
         if rule is None:
             return Decision(Action.NONE, reason, step, value, score)
-        if self.last_action_check_ is not None and self.checks_ - self.last_action_check_ <= s.cooldown:
-            held = f"{reason}; in cooldown after the action at check {self.last_action_check_}"
-            return Decision(Action.NONE, held, step, value, score, rule)
-        return self._act(Action(s.action), step, value, score, rule, reason)
+        action, reason = self._escalate(Action(s.action), reason)
+        held = self._held_back(action, score)
+        if held is not None:
+            return Decision(Action.NONE, f"{reason}; {held}", step, value, score, rule, held_back=action)
+        return self._act(action, step, value, score, rule, reason)
 
     def _describe(self, value: float, score: float | None) -> str:
         s = self.settings
@@ -306,8 +395,7 @@ class Policy(Stateful):
         """Which rule holds at this check (None: neither), and why, in words."""
         s = self.settings
         what = self._describe(value, score)
-        above = score is not None and score >= s.threshold
-        self.over_threshold_ = self.over_threshold_ + 1 if above else 0
+        self.over_threshold_ = self.over_threshold_ + 1 if _flagged(score, s.threshold) else 0
         if s.trend_window is not None:
             self.recent_ = [*self.recent_, value][-s.trend_window :]
         if self.over_threshold_ >= s.patience:
@@ -325,16 +413,42 @@ class Policy(Stateful):
             )
         return None, f"{what} below threshold {s.threshold}"
 
+    def _escalate(self, action: Action, reason: str) -> tuple[Action, str]:
+        """``lower_lr`` becomes ``after_max_lr_cuts`` once the cuts are spent."""
+        if action is Action.LOWER_LR and self.lr_cuts_ >= self.settings.max_lr_cuts:
+            escalated = Action(self.settings.after_max_lr_cuts)
+            return escalated, f"{reason}; {self.lr_cuts_} learning-rate cuts made already, so {escalated.value}"
+        return action, reason
+
+    def _held_back(self, action: Action, score: float | None) -> str | None:
+        """Why a cooldown holds ``action`` back at this check, or None when it goes through."""
+        s = self.settings
+        if action is Action.NONE or self.last_action_check_ is None or self.last_action_ is None:
+            return None
+        since = self.checks_ - self.last_action_check_
+        if since > s.cooldown:
+            return None
+        last = Action(self.last_action_)
+        if action.level > last.level:
+            return None  # a stronger action is never held back
+        started = self.last_action_score_
+        if action.level == last.level and score is not None and (started is None or score > started):
+            return None  # a bigger alarm than the one that started the cooldown
+        shown = "none" if started is None else f"{started:.4g}"
+        return (
+            f"held back: {action.value} again {since} check(s) after the {last.value} at check "
+            f"{self.last_action_check_} (cooldown {s.cooldown}), and the score is not above that action's {shown}"
+        )
+
     def _act(
         self, action: Action, step: int, value: float | None, score: float | None, rule: str, reason: str
     ) -> Decision:
         s = self.settings
-        if action is Action.LOWER_LR and self.lr_cuts_ >= s.max_lr_cuts:
-            action = Action(s.after_max_lr_cuts)
-            reason = f"{reason}; {self.lr_cuts_} learning-rate cuts made already, so {action.value}"
         if action is Action.NONE:
             return Decision(Action.NONE, f"{reason} (action: none)", step, value, score, rule)
         self.last_action_check_ = self.checks_
+        self.last_action_ = action.value
+        self.last_action_score_ = score
         self.over_threshold_ = 0
         factor = None
         if action is Action.LOWER_LR:

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from record import KINDS, RECORDINGS  # noqa: E402
 from signals import SIGNALS, VERSION, feature_signals, training_signals  # noqa: E402
 
-from topocallbacks.policy import rule_holds, rule_scores  # noqa: E402
+from topocallbacks.policy import Policy, rule_holds, rule_scores  # noqa: E402
 from topocallbacks.settings import PolicySettings  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -83,8 +83,9 @@ class Run:
     diverged: np.ndarray  # bool per check
     signals: dict[str, np.ndarray]
     margin: float = MARGINS[2]  # the standard metric's margin, set by calibrate_standard()
-    # Each signal's rule scores, computed once: tuning evaluates every (threshold, patience) on the same scores.
-    zscores: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Each signal's rule scores per threshold (the z-score's reference leaves out the checks that reached it),
+    # computed once: tuning evaluates every patience on the same scores.
+    zscores: dict[tuple[str, float], np.ndarray] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 # --- signals ----------------------------------------------------------------------------------------------------
@@ -156,13 +157,34 @@ def load_runs(directory: Path = RECORDINGS, jobs: int = 1) -> list[Run]:
 # --- rules ------------------------------------------------------------------------------------------------------
 
 
-def run_scores(run: Run, name: str) -> np.ndarray:
-    """The rule's score of a signal at every check (max over the parts of a fused one; NaN where none)."""
+def run_scores(run: Run, name: str, k: float) -> np.ndarray:
+    """The rule's score of a signal at every check with threshold ``k`` (max over the parts of a fused one; NaN
+    where none). The threshold matters: checks whose score reached it stay out of the z-score's reference."""
     parts = SIGNALS[name].parts or (name,)
+    rule = dataclasses.replace(RULE, threshold=k)
     for part in parts:
-        if part not in run.zscores:
-            run.zscores[part] = rule_scores(run.signals[part], RULE, direction=SIGNALS[part].direction)
-    return np.fmax.reduce([run.zscores[part] for part in parts], axis=0)
+        if (part, k) not in run.zscores:
+            run.zscores[(part, k)] = rule_scores(run.signals[part], rule, direction=SIGNALS[part].direction)
+    return np.fmax.reduce([run.zscores[(part, k)] for part in parts], axis=0)
+
+
+def fired_warning(run: Run, name: str, k: float, patience: int) -> int | None:
+    """The first step after the fault at which the shipped :class:`Policy` (cooldown included) warns.
+
+    The suite's warning step is the rule's first flag after the fault; a cooldown started by an alarm before the
+    fault can hold that flag back when it is not larger. This replays the policy itself to count such runs
+    (one-sided signals only: the policy sees the value oriented so that higher means more collapsed).
+    """
+    direction = SIGNALS[name].direction
+    if SIGNALS[name].parts or direction == 0:
+        return None
+    policy = Policy(RULE, threshold=k, patience=patience)
+    for step, value, diverged in zip(run.steps.tolist(), run.signals[name].tolist(), run.diverged, strict=True):
+        finite = math.isfinite(value)
+        decision = policy.decide(step, direction * value if finite else None, diverged=bool(diverged))
+        if decision.fired and step > run.fault_step:
+            return int(step)
+    return None
 
 
 def flagged(run: Run, z: np.ndarray, k: float, patience: int) -> np.ndarray:
@@ -248,7 +270,7 @@ def evaluate(runs: list[Run], name: str, k: float, patience: int) -> dict[str, A
     """Per-run outcomes of one signal with one rule setting, plus pooled summaries."""
     per_run = []
     for run in runs:
-        result = outcome(run, flagged(run, run_scores(run, name), k, patience))
+        result = outcome(run, flagged(run, run_scores(run, name, k), k, patience))
         per_run.append((run, result))
     healthy = [(r, o) for r, o in per_run if r.kind == "healthy"]
     collapse = [(r, o) for r, o in per_run if r.kind == "collapse"]
@@ -293,7 +315,7 @@ def held_out(runs: list[Run], name: str) -> tuple[dict[tuple[str, str, int], Out
             if run.scenario in fold:
                 settings[run.scenario] = (k, patience)
                 outcomes[(run.scenario, run.kind, run.seed)] = outcome(
-                    run, flagged(run, run_scores(run, name), k, patience)
+                    run, flagged(run, run_scores(run, name, k), k, patience)
                 )
     return outcomes, settings
 
@@ -372,6 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     winner = args.default
     text = table(summaries, winner, standard_fp, margins)
     print(text)
+    held = [
+        (r.scenario, r.seed)
+        for r in runs
+        if r.kind == "collapse"
+        and fired_warning(r, winner, *settings_by_signal[winner][r.scenario])
+        != outcomes_by_signal[winner][(r.scenario, r.kind, r.seed)].warning_step
+    ]
+    print(f"{winner}: collapse runs whose first flag after the fault the policy's cooldown held back: {held or 'none'}")
     print(f"best held-out signal within the {FP_BUDGET:.0%} budget: {best}; the package default: {winner}")
 
     records = []
@@ -387,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
                 "standard_flagged_checks": standard[key].flagged_checks,
                 "ci_index": winner,
                 "ci_warning_step": outcomes_by_signal[winner][key].warning_step,
+                "ci_fired_step": (
+                    fired_warning(run, winner, *settings_by_signal[winner][run.scenario])
+                    if run.kind == "collapse"
+                    else None
+                ),
                 "checks": outcomes_by_signal[winner][key].checks,
                 "flagged_checks": outcomes_by_signal[winner][key].flagged_checks,
                 "alarms_before_fault": outcomes_by_signal[winner][key].before_fault,

@@ -6,7 +6,6 @@ import os
 import pickle
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -135,7 +134,11 @@ def test_a_stop_saves_a_checkpoint_then_stops_in_this_exact_hook_sequence(tmp_pa
 
 def test_the_learning_rate_cut_is_still_in_effect_steps_later_under_the_linear_schedule(tmp_path):
     callback = TopoCollapseTrainerCallback(
-        probe=PROBE, layer="encoder", check_every=2, policy=always("lower_lr", lr_factor=0.5, max_lr_cuts=1)
+        probe=PROBE,
+        layer="encoder",
+        check_every=2,
+        # The rule holds at every check; after the one cut, "none" (a stop would go through the cooldown).
+        policy=always("lower_lr", lr_factor=0.5, max_lr_cuts=1, after_max_lr_cuts="none"),
     )
     recorder = Recorder()
     args = arguments(tmp_path, lr_scheduler_type="linear", warmup_steps=0)
@@ -163,27 +166,33 @@ def test_a_warning_names_the_step_and_the_reason(tmp_path):
 
 @pytest.mark.parametrize("rebuild", [False, True], ids=["read-by-the-callback", "rebuilt-by-the-trainer"])
 def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp_path, rebuild):
-    policy = {"action": "warn", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1, "cooldown": 100}
+    # The rule holds at every check: one LR cut at step 2, then nothing (the cut count is in the saved state).
+    policy = {
+        "action": "lower_lr",
+        "score": "value",
+        "threshold": -1.0,
+        "patience": 1,
+        "warmup": 1,
+        "max_lr_cuts": 1,
+        "after_max_lr_cuts": "none",
+    }
     first = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy)
     args = arguments(
         tmp_path, max_steps=8, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=rebuild
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[first]).train()
+    Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[first]).train()
     assert [r.step for r in interventions(first)] == [2]
     saved = transformers.TrainerState.load_from_json(str(tmp_path / "checkpoint-4" / "trainer_state.json"))
     assert saved.stateful_callbacks["TopoCollapseTrainerCallback"]["args"]["probe_hash"] is not None
 
     fresh = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy)
     trainer = Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[fresh])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a re-fired warning would fail here
-        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     restored = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TopoCollapseTrainerCallback))
     assert (restored is not fresh) is rebuild  # with the flag on, the Trainer rebuilt it from trainer_state.json
     assert [r.step for r in checks(restored)] == [0, 2, 4, 6, 8]
-    assert [r.step for r in interventions(restored)] == [2]
+    assert [r.step for r in interventions(restored)] == [2]  # a fresh policy would cut again at step 6
+    assert restored.monitor.lr_factor_ == 0.5
     assert [r.index_value for r in checks(restored)][:3] == [r.index_value for r in checks(first)][:3]
 
 

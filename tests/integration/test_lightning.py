@@ -109,6 +109,7 @@ def test_the_learning_rate_stays_cut_after_the_scheduler_steps(tmp_path, schedul
         cooldown=100,
         lr_factor=0.5,
         max_lr_cuts=1,
+        after_max_lr_cuts="none",  # the rule holds at every check: one cut, then nothing (a stop would go through)
     )
     reference, cut = LearningRates(), LearningRates()
     trainer(tmp_path / "ref", [reference], max_steps=25).fit(
@@ -132,7 +133,8 @@ def test_resume_restores_history_and_never_refires(tmp_path):
         "patience": 1,
         "warmup": 1,
         "cooldown": 100,
-        "max_lr_cuts": 3,
+        "max_lr_cuts": 1,
+        "after_max_lr_cuts": "none",  # the rule holds at every check: one cut, then nothing
     }
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=20, save_top_k=-1)
     first = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=Policy(**policy))
@@ -146,7 +148,7 @@ def test_resume_restores_history_and_never_refires(tmp_path):
     trainer(tmp_path, [second, rates], max_steps=40).fit(
         TinyCNN(scheduler="cosine"), digits_loader(), ckpt_path=str(path)
     )
-    # The cut at step 10 came back with the checkpoint and was not made again; cooldown (100 checks) holds.
+    # The cut at step 10 came back with the checkpoint and was not made again (its count is in the state).
     assert [r.step for r in interventions(second)] == [10]
     assert second.monitor.lr_factor_ == 0.5
     assert [r.step for r in checks(second)] == [0, 10, 20, 30, 40]  # step 20 not checked twice

@@ -102,7 +102,7 @@ def test_rule_flags_a_drop_after_the_warm_up_with_patience(suite):
     metric = np.full(30, 0.8)
     metric[24:] = 0.5  # accuracy falls at step 240
     run = make_run(evaluate, values, metric)
-    z = evaluate.run_scores(run, "rankme")
+    z = evaluate.run_scores(run, "rankme", 5.0)
     assert np.isnan(z[: evaluate.WARMUP]).all()  # no score during the warm-up
     assert z[20] > 10
     assert np.abs(z[evaluate.WARMUP : 20]).max() < 5
@@ -117,7 +117,7 @@ def test_rule_flags_a_drop_after_the_warm_up_with_patience(suite):
     assert evaluate.lead_fraction(run, None) == -1.0
     # A diverged check is flagged even during the warm-up, whatever the patience.
     run.diverged[3] = True
-    assert evaluate.flagged(run, evaluate.run_scores(run, "rankme"), 5.0, 2)[3]
+    assert evaluate.flagged(run, evaluate.run_scores(run, "rankme", 5.0), 5.0, 2)[3]
 
 
 def test_the_suite_scores_with_the_package_rule(suite):
@@ -129,7 +129,7 @@ def test_the_suite_scores_with_the_package_rule(suite):
     policy = Policy(evaluate.RULE, threshold=5.0)
     decisions = [policy.decide(i, -v) for i, v in enumerate(values)]  # RankMe falls at collapse: oriented
     run = make_run(evaluate, values, np.full(values.size, 0.8))
-    z = evaluate.run_scores(run, "rankme")
+    z = evaluate.run_scores(run, "rankme", 5.0)
     assert [d.score for d in decisions[evaluate.WARMUP :]] == pytest.approx(z[evaluate.WARMUP :].tolist())
     assert [d.fired for d in decisions] == evaluate.flagged(run, z, 5.0, 1).tolist()
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from topocallbacks import ConfigError, InputError
-from topocallbacks.policy import Action, Decision, Policy, rule_holds, rule_scores
+from topocallbacks.policy import Action, Decision, Policy, rule_holds, rule_scores, trailing_zscore
 from topocallbacks.settings import PolicySettings
 
 
@@ -34,7 +34,8 @@ def test_cooldown_blocks_and_patience_restarts_after_an_action():
     # Fires at check 2; checks 3-5 are in cooldown; patience counts again from check 3, so check 6 fires.
     assert actions(decisions) == ["none", "warn", "none", "none", "none", "warn", "none", "none", "none"]
     assert decisions[2].reason == "index 0.9000 >= threshold 0.5 for 1 of 2 required consecutive checks"
-    assert "in cooldown after the action at check 2" in decisions[3].reason
+    assert decisions[3].held_back is Action.WARN  # the rule held, the same score again: held back, and said so
+    assert "held back: warn again 2 check(s) after the warn at check 2 (cooldown 3)" in decisions[3].reason
 
 
 def test_rising_trend_fires_below_the_threshold():
@@ -147,8 +148,8 @@ def test_bad_arguments(kwargs, match):
 
 def test_load_state_errors():
     with pytest.raises(InputError, match=r"missing key\(s\)"):
-        Policy().load_state_dict({"version": 3})
-    with pytest.raises(InputError, match=r"`state\['version'\]` must be 3, got 1"):
+        Policy().load_state_dict({"version": 4})
+    with pytest.raises(InputError, match=r"`state\['version'\]` must be 4, got 1"):
         Policy().load_state_dict({**Policy().state_dict(), "version": 1})
 
 
@@ -249,3 +250,92 @@ def test_series_functions_give_the_scores_and_holds_the_policy_computes():
     holds = rule_holds(scores, 4.5, 2, 10, diverged=np.isnan(values))
     assert holds.tolist() == [d.rule is not None for d in decisions]
     assert np.flatnonzero(holds).tolist() == [26, 28]  # the jump held for 2 checks; the diverged check at once
+
+
+# --- the rule never sleeps through a collapse (cooldown of the same action only; a reference of healthy checks) --
+
+
+def drift_history(seed=7, checks=19):
+    """A healthy diagram-drift history like the fine-tuning case of the issue: about 0.35, checked every 8 steps."""
+    rng = np.random.default_rng(seed)
+    return [None, *(0.35 + 0.06 * rng.normal(size=checks - 1)).tolist(), 0.352]
+
+
+def replay(policy, values, first_step=-8):
+    return {first_step + 8 * i: policy.decide(first_step + 8 * i, v) for i, v in enumerate(values)}
+
+
+@pytest.mark.parametrize("action", ["warn", "lower_lr", "stop"])
+def test_a_false_alarm_does_not_silence_the_collapse_that_follows(action):
+    # The issue's case: step 152 a false alarm (healthy), 160 the fault starts, 168 the collapse (drift x60).
+    decisions = replay(Policy(action=action), [*drift_history(), 0.840, 0.658, 31.38])
+    assert decisions[144].action is Action.NONE
+    assert decisions[152].action.value == action  # the false alarm (its z is above 4.5)
+    assert decisions[168].action.value == action  # was "none (in cooldown)": now fires through
+    assert decisions[168].score > 50 * decisions[152].score
+    if action == "lower_lr":
+        assert "cut 2 of 3" in decisions[168].reason
+    # Step 160 is measured against the healthy checks only (152's jump is held out of the reference): it reaches
+    # the threshold too, but a smaller repeat of the same action within the cooldown is held back, and said so.
+    assert decisions[160].score >= 4.5
+    assert decisions[160].held_back.value == action
+    assert decisions[160].action is Action.NONE
+    assert "held back" in decisions[160].reason
+
+
+def test_a_jump_stays_out_of_the_reference_so_it_does_not_hide_itself():
+    history = drift_history()
+    values = [*history, *([0.95] * 8)]
+    scores = rule_scores(values, PolicySettings())[len(history) :]
+    assert np.all(scores >= 4.5)  # every check of the sustained jump is measured against the healthy checks
+    # A trailing window of the last checks instead takes the jump in: blind from its 7th check on.
+    positional = [np.nan if v is None else v for v in values]
+    trailing = [trailing_zscore(positional[i - 20 : i], positional[i]) for i in range(len(history), len(values))]
+    assert trailing[6] == trailing[7] == 0.0
+
+
+def test_a_sustained_collapse_after_a_false_alarm_is_flagged_at_every_check_until_it_becomes_the_level():
+    policy = Policy(action="warn", cooldown=5)
+    history = drift_history()
+    decisions = replay(policy, [*history, 0.9, 0.35, 0.33, *([4.0] * 14)])
+    steps = sorted(decisions)
+    onset = steps[len(history) + 3]
+    assert decisions[steps[len(history)]].action is Action.WARN  # the false alarm
+    assert decisions[onset].action is Action.WARN  # 2 checks into the cooldown: a bigger alarm goes through
+    collapsed = [decisions[s] for s in steps if s > onset]
+    # The collapse stays out of the reference for zscore_window (10) checks: the rule keeps holding (the repeats
+    # are held back by the cooldown, or fire after it), then the new level enters the reference.
+    assert all(d.rule == "threshold" for d in collapsed[:9])
+    assert [d.action.value for d in collapsed[:9]].count("warn") == 1  # once more, after the cooldown
+    assert all(d.held_back is Action.WARN for d in collapsed[:9] if d.action is Action.NONE)
+    assert collapsed[-1].rule is None
+
+
+def test_a_stronger_action_is_never_held_back_by_a_cooldown():
+    policy = Policy(action="lower_lr", max_lr_cuts=1, after_max_lr_cuts="stop", cooldown=10)
+    decisions = replay(policy, [*drift_history(), 2.0, 1.9])
+    last, previous = decisions[max(decisions)], decisions[max(decisions) - 8]
+    assert previous.action is Action.LOWER_LR
+    assert last.score < previous.score  # a smaller alarm...
+    assert last.action is Action.STOP  # ...but the cuts are spent: the escalation to stop goes through
+    assert "1 learning-rate cuts made already, so stop" in last.reason
+
+
+def test_a_warning_does_not_start_a_cooldown_for_a_stronger_action():
+    policy = Policy(action="warn")
+    replay(policy, [*drift_history(), 0.9])
+    policy.settings = policy.settings.replace(action="stop")  # e.g. a rule over several channels escalating
+    decision = policy.decide(200, 0.8)
+    assert decision.action is Action.STOP
+
+
+def test_held_back_decisions_and_the_new_state_round_trip():
+    first = Policy(action="warn")
+    values = [*drift_history(), 0.84, 0.66]
+    decisions = replay(first, values)
+    held = decisions[max(decisions)]
+    assert Decision.from_dict(json.loads(json.dumps(held.as_dict()))) == held
+    restored = Policy(action="warn")
+    restored.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert restored == first
+    assert restored.decide(500, 31.38).action is Action.WARN
