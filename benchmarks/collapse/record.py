@@ -4,7 +4,7 @@ Each (scenario, seed) trains once up to the fault step, then branches into the c
 from the same weights, optimiser state and data order. One compressed ``.npz`` per (scenario, seed) goes to
 ``benchmarks/collapse/recordings/`` (not committed; this command regenerates them)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/collapse/record.py            # every scenario, seeds 0 1 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/collapse/record.py            # every scenario, seeds 0-5
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/collapse/record.py --jobs 2   # two processes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/collapse/record.py --scenario gpt_high_lr --seeds 0
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", nargs="*", choices=sorted(SCENARIOS), default=list(SCENARIOS))
-    parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3, 4, 5])
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one thread each)")
     parser.add_argument("--out", type=Path, default=RECORDINGS)
     parser.add_argument("--force", action="store_true", help="re-record runs that already have a recording")
