@@ -118,6 +118,12 @@ class CheckRecord:
         report: the Collapse Index and its components (None when diverged).
         engine: what the MMHM engine did (None when diverged).
         n_points: points in the checked cloud (the probe, or the streaming window).
+        applied_step: the step at which the decision was applied (``step`` in the training loop, ``step + lag`` in
+            the background; None when training ended first).
+        wait_ms: how long the training loop waited for this check's evaluation at ``applied_step`` (the whole
+            evaluation in the training loop; only a late worker's remainder in the background).
+        probe_ms: the training loop's time to take the features (the probe pass, or the streaming copy).
+        window: streaming mode: the window's capacity (None in probe mode).
     """
 
     kind: ClassVar[str] = "check"
@@ -131,6 +137,10 @@ class CheckRecord:
     report: CollapseReport | None = None
     engine: UpdateStats | None = None
     n_points: int = 0
+    applied_step: int | None = None
+    wait_ms: float = 0.0
+    probe_ms: float = 0.0
+    window: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -147,6 +157,10 @@ class CheckRecord:
             "index_value": self.index_value,
             "check_ms": self.check_ms,
             "n_points": self.n_points,
+            "applied_step": self.applied_step,
+            "wait_ms": self.wait_ms,
+            "probe_ms": self.probe_ms,
+            "window": self.window,
             "decision": self.decision.as_dict(),
             "report": None if self.report is None else self.report.as_dict(),
             "engine": None if self.engine is None else self.engine.as_dict(),

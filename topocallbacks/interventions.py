@@ -48,6 +48,8 @@ def apply(
     actuator: Actuator,
     settings: InterventionSettings,
     record: Callable[[str], None],
+    *,
+    step: int | None = None,
 ) -> str:
     """Carry out ``decision`` through ``actuator`` and return what was done, in words.
 
@@ -61,12 +63,15 @@ def apply(
         actuator: the framework's means.
         settings: the intervention settings (``checkpoint_on_stop``).
         record: called once with the detail, before the checkpoint is saved.
+        step: the step at which it is carried out (default: the decision's, that of the check's features).
     """
-    step = decision.step
+    step = decision.step if step is None else step
     done: list[str] = []
     if decision.action is Action.WARN:
         if rank_and_world()[0] == 0:
-            warnings.warn(f"topocallbacks at step {step}: {decision.reason}", RuntimeWarning, stacklevel=3)
+            checked = "" if step == decision.step else f" (a check of step {decision.step}'s features)"
+            message = f"topocallbacks at step {step}{checked}: {decision.reason}"
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
         done.append("warned")
     elif decision.action is Action.LOWER_LR and decision.lr_factor is not None:
         done.append(actuator.scale_learning_rate(decision.lr_factor))

@@ -1,53 +1,85 @@
-"""TopoMonitor: probe -> features -> fixed transform -> MMHM + index -> policy -> sinks, in a plain loop or a callback.
+"""TopoMonitor: the schedule of checks, the probe pass, the evaluation beside training, and what follows a decision.
 
 Framework-free orchestration, usable from a plain PyTorch loop::
 
     monitor = TopoMonitor(probe=probe_inputs, layer="encoder.pool", check_every=100)
     for step, batch in enumerate(loader):
         ...  # forward, backward, optimizer step
-        if monitor.due(step):
-            record = monitor.check(model, step)  # record.decision says what to do
+        for record in monitor.on_step(step, model=model):  # checks when due; decisions when their step comes
+            ...  # record.decision says what to do (or monitor.act(record, actuator) does it)
 
-The Lightning and Hugging Face callbacks are thin adapters around it: they call :meth:`TopoMonitor.check` (or
-:meth:`TopoMonitor.observe` in streaming mode), log the record, and hand the decision to :meth:`TopoMonitor.act`
-with their framework's :class:`~topocallbacks.interventions.Actuator`.
+A check is evaluated by a :class:`~topocallbacks.pipeline.CheckPipeline`, in the training loop or, in the
+background (``schedule.background``), in a worker process (:mod:`topocallbacks._worker`) while training goes on:
+its decision is then applied ``lag`` steps after the check, a step every rank knows in advance, and the loop waits
+there only if the worker is late (the record says how long). The Lightning and Hugging Face callbacks are thin
+adapters around this class: they call :meth:`TopoMonitor.on_step`, log the records, and hand each decision to
+:meth:`TopoMonitor.act` with their framework's :class:`~topocallbacks.interventions.Actuator`.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from numpy.typing import NDArray
 
 from ._state import StateFields, Stateful
-from ._validation import as_points
-from .check import ORIENTATION, CheckRecord, InterventionRecord, measure, record_from_dict
+from ._worker import WorkerProcess
+from .check import CheckRecord, InterventionRecord, record_from_dict
 from .distributed import broadcast_object, gather_probe_features, rank_and_world
-from .exceptions import InputError, NonFiniteError
-from .functional.collapse import calibrate_epsilon
-from .functional.topology import _persistence_diagrams, _subsample
+from .exceptions import InputError
 from .interventions import Actuator, apply
-from .mmhm import MMHM
+from .pipeline import CheckPipeline, Evaluation
 from .policy import Policy
-from .probe import FeatureExtractor, Probe, ProbeSpec
+from .probe import AutocastFactory, FeatureExtractor, Probe, ProbeSpec
 from .settings import Action, MonitorSettings
 from .sinks import JsonlSink, TensorBoardSink
-from .transform import FeatureTransform
 
 __all__ = ["TopoMonitor"]
 
 Record = CheckRecord | InterventionRecord
 
 
-def _diagrams_to_lists(diagrams: list[NDArray[np.float64]] | None) -> Any:
-    return None if diagrams is None else [d.tolist() for d in diagrams]
+@dataclasses.dataclass
+class _Pending:
+    """A check whose decision is applied at ``apply_at`` (evaluated at once, or by the worker meanwhile)."""
+
+    step: int
+    apply_at: int
+    probe_ms: float = 0.0
+    evaluation: Evaluation | None = None
+    eval_ms: float = 0.0  # the training loop's own time on an inline evaluation
+
+    def as_dict(self) -> dict[str, Any]:
+        evaluation = self.evaluation
+        return {
+            "step": self.step,
+            "apply_at": self.apply_at,
+            "probe_ms": self.probe_ms,
+            "record": None if evaluation is None or evaluation.record is None else evaluation.record.as_dict(),
+            "done": evaluation is not None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], shared: dict[str, Any]) -> _Pending:
+        record = None if data["record"] is None else CheckRecord.from_dict(data["record"])
+        return cls(int(data["step"]), int(data["apply_at"]), float(data["probe_ms"]), Evaluation(record, shared))
 
 
-def _diagrams_from_lists(saved: Any) -> list[NDArray[np.float64]] | None:
-    return None if saved is None else [np.asarray(d, dtype=np.float64).reshape(-1, 2) for d in saved]
+def _host_batches(batches: list[tuple[int, Any]]) -> list[tuple[int, NDArray[np.float32]]]:
+    """Streaming batches (device tensors or arrays) on the host, with one device synchronisation for all of them."""
+    tensors = [(step, b) for step, b in batches if isinstance(b, torch.Tensor)]
+    if not tensors:
+        return [(step, np.asarray(b)) for step, b in batches]
+    joined = torch.cat([t.reshape(t.shape[0], -1).float() for _, t in tensors]).cpu().numpy()  # one copy
+    sizes = np.cumsum([t.shape[0] for _, t in tensors])[:-1]
+    host = dict(zip((id(t) for _, t in tensors), np.split(joined, sizes), strict=True))
+    return [(step, host[id(b)] if isinstance(b, torch.Tensor) else np.asarray(b)) for step, b in batches]
 
 
 class TopoMonitor(Stateful):
@@ -60,8 +92,8 @@ class TopoMonitor(Stateful):
             probe mode to run :meth:`check` (:meth:`process` takes features directly).
         **overrides: any option by name, merged into ``settings`` and validated
             (:meth:`MonitorSettings.merged <topocallbacks.settings.MonitorSettings.merged>`): ``layer``,
-            ``check_every``, ``index``, ``max_probe_samples``, ``history_path``, ``policy={...}`` (a mapping merged
-            into the policy in effect, a :class:`~topocallbacks.settings.PolicySettings`, or a
+            ``check_every``, ``index``, ``max_probe_samples``, ``history_path``, ``background``, ``policy={...}``
+            (a mapping merged into the policy in effect, a :class:`~topocallbacks.settings.PolicySettings`, or a
             :class:`~topocallbacks.policy.Policy` whose settings are used)...
 
     Raises:
@@ -77,23 +109,18 @@ class TopoMonitor(Stateful):
     """
 
     _state = StateFields(
-        version=3,
+        version=4,
         fields={
             "probe_spec": "_probe_spec_state",
-            "epsilon": "epsilon_",
-            "transform": "transform",
+            "pipeline": "pipeline",
             "history": "history",
-            "policy": "policy",
             "lr_factor": "lr_factor_",
-            "diagrams": "_diagrams",
-            "engine": "_engine_state",
             "last_checked_step": "last_checked_step_",
+            "pending": "_pending_state",
         },
-        encode={"history": lambda h: [r.as_dict() for r in h], "diagrams": _diagrams_to_lists},
-        decode={"history": lambda h: [record_from_dict(r) for r in h], "diagrams": _diagrams_from_lists},
+        encode={"history": lambda h: [r.as_dict() for r in h]},
+        decode={"history": lambda h: [record_from_dict(r) for r in h]},
     )
-    #: What another rank needs to continue from rank 0's latest check (see :meth:`share`).
-    _SHARED = frozenset({"epsilon", "transform", "policy", "lr_factor", "diagrams", "last_checked_step"})
 
     def __init__(self, settings: MonitorSettings | None = None, *, probe: Any = None, **overrides: Any) -> None:
         if settings is not None and not isinstance(settings, MonitorSettings):
@@ -106,18 +133,18 @@ class TopoMonitor(Stateful):
         self.probe = None if probe is None else Probe(probe, max_samples=s.probe.size, seed=s.seed)
         if self.probe is not None and self.extractor is None:
             raise InputError("`layer` is required with a `probe`: name the module whose output to watch")
-        self.policy = Policy(s.rule)
-        self.transform = FeatureTransform(s.transform, streaming=s.schedule.mode == "stream", seed=s.seed)
+        # The pipeline evaluates checks here, or mirrors the background worker's after each result.
+        self.pipeline = CheckPipeline(s)
         self._history_sink = None if s.output.history_path is None else JsonlSink(s.output.history_path)
         self._tensorboard: TensorBoardSink | None = None  # created at the first check (writers do not pickle)
         self.history: list[Record] = []
         self.lr_factor_ = 1.0
-        self.epsilon_: float | None = s.index.epsilon
         self.last_checked_step_: int | None = None
-        self.engine_: MMHM | None = None
-        self._engine_saved: dict[str, Any] | None = None  # a loaded engine state, until the engine exists again
-        self._diagrams: list[NDArray[np.float64]] | None = None  # the last check's, for diagram drift
-        self._stream_diverged = False  # streaming: a batch with NaN or Inf arrived since the last check
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._batches: list[tuple[int, Any]] = []  # streaming: the training batches since the last check
+        self._worker: WorkerProcess | None = None
+        self._background: bool | None = s.schedule.background
+        self.autocast: AutocastFactory | None = None  # set by a training adapter: the trainer's precision
 
     # --- schedule -----------------------------------------------------------------------------------------
 
@@ -132,7 +159,128 @@ class TopoMonitor(Stateful):
         """
         return self.should_check(step) and step != self.last_checked_step_
 
-    # --- checks -------------------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        """The policy (its counters follow the latest evaluated check)."""
+        return self.pipeline.policy
+
+    @property
+    def epsilon_(self) -> float | None:
+        """The calibrated scale ε (None before the first check)."""
+        return self.pipeline.epsilon_
+
+    @property
+    def background(self) -> bool:
+        """Whether checks run in the background worker (decided at the first check when the setting is None)."""
+        return bool(self._background)
+
+    # --- the per-step entry point ---------------------------------------------------------------------------
+
+    def on_step(self, step: int, *, model: Any = None, features: Any = None) -> list[CheckRecord]:
+        """Check when a check is due, and apply what is due: the entry point for a training loop, every step.
+
+        In probe mode a due check runs the probe through ``model``; in streaming mode ``features`` (this step's
+        pooled training features, or None) join the window, which is checked when due. Every rank of a distributed
+        job must call it at every step.
+
+        Returns:
+            The checks whose decisions are applied at this step (the same on every rank): in the training loop, a
+            check at its own step; in the background, ``lag`` steps later.
+        """
+        if self.settings.schedule.mode == "stream":
+            if features is not None and rank_and_world()[0] == 0:
+                self._batches.append((step, features))
+            if self.due(step):
+                self._submit_window(step, features)
+        elif self.due(step):
+            if model is None:
+                raise InputError(f"a check is due at step {step}: on_step needs the `model` in probe mode")
+            self._submit_probe(model, step)
+        return self._collect(step)
+
+    # --- synchronous conveniences -------------------------------------------------------------------------
+
+    def check(self, model: Any, step: int) -> CheckRecord:
+        """Probe mode: run the probe through ``model`` and evaluate it now; the same record on every rank.
+
+        In distributed training every rank must call it at the same step: each runs its shard of the probe, rank 0
+        evaluates and decides, and every rank adopts rank 0's record.
+
+        Raises:
+            InputError: no probe, or the probe pass failed (the message names the model, layer and step).
+        """
+        self._submit_probe(model, step, lag=0)
+        return self._only(self._collect(step), step)
+
+    def process(self, features: Any, step: int) -> CheckRecord:
+        """Evaluate one check of features ``(n, d)`` now and return its record.
+
+        NaN or Inf features give a ``"diverged"`` record and the policy's ``on_diverged`` action; they never reach
+        GUDHI.
+
+        Raises:
+            InputError: features of the wrong shape, or whose dimension changed since the first check.
+        """
+        self._decide_background(features)
+        self.last_checked_step_ = step
+        self._submit(("evaluate", step, features), step, lag=0)
+        return self._only(self._collect(step), step)
+
+    def observe(self, features: Any, step: int) -> CheckRecord | None:
+        """Streaming mode: add a training batch's features to the window, and check the window now when due.
+
+        Returns:
+            The check record when a check was due at ``step`` (the same on every rank), else None.
+        """
+        if self.settings.schedule.mode != "stream":
+            raise InputError("observe() is for streaming mode; create the monitor with mode='stream'")
+        if features is not None and rank_and_world()[0] == 0:
+            self._batches.append((step, features))
+        if not self.due(step):
+            return None
+        self._submit_window(step, features, lag=0)
+        records = self._collect(step)
+        return records[0] if records else None
+
+    def finish(self) -> list[CheckRecord]:
+        """End of training: the checks still pending get their records. Every rank must call it.
+
+        Their records go to the history with ``applied_step`` None: their decisions can no longer act.
+        """
+        records = []
+        while self._pending:
+            records.extend(self._collect(self._pending[-1].apply_at, final=True))
+        return records
+
+    def act(self, record: CheckRecord, actuator: Actuator) -> InterventionRecord | None:
+        """Carry out ``record``'s decision (every rank, at the same step) and write it to the history.
+
+        Returns:
+            The intervention record, or None when the decision asked for nothing.
+        """
+        decision = record.decision
+        if not decision.fired or record.applied_step is None:
+            return None
+        intervention: list[InterventionRecord] = []
+
+        step = record.applied_step
+
+        def write(detail: str) -> None:
+            if decision.action is Action.LOWER_LR and decision.lr_factor is not None:
+                self.lr_factor_ *= decision.lr_factor
+            entry = InterventionRecord(step, decision.action.value, decision.reason, detail, self.lr_factor_)
+            intervention.append(entry)
+            self._emit(entry)
+
+        apply(decision, actuator, self.settings.interventions, write, step=step)
+        return intervention[0]
+
+    @property
+    def last_record(self) -> CheckRecord | None:
+        """The latest check record."""
+        return next((r for r in reversed(self.history) if isinstance(r, CheckRecord)), None)
+
+    # --- probe --------------------------------------------------------------------------------------------
 
     def set_probe(self, source: Any) -> None:
         """Set the probe after construction (e.g. from a dataloader's dataset), checked against a loaded state.
@@ -153,176 +301,134 @@ class TopoMonitor(Stateful):
         """
         if self.probe is None or self.extractor is None:
             raise InputError("this monitor has no probe (and layer): pass features to process() instead")
-        return self.extractor(model, self.probe, indices)
+        return self.extractor(model, self.probe, indices, autocast=self.autocast)
 
-    def check(self, model: Any, step: int) -> CheckRecord:
-        """Probe mode: run the probe through ``model`` and evaluate it; the same record on every rank.
+    # --- internals: submitting ------------------------------------------------------------------------------
 
-        In distributed training every rank must call it at the same step: each runs its shard of the probe, rank 0
-        evaluates and decides, and every rank adopts rank 0's record.
+    def _decide_background(self, sample: Any) -> None:
+        """Settle ``background`` at the first check: on when the model or features live on an accelerator."""
+        if self._background is None:
+            device = None
+            if isinstance(sample, torch.nn.Module):
+                device = next((p.device for p in sample.parameters()), None)
+            elif isinstance(sample, torch.Tensor):
+                device = sample.device
+            self._background = device is not None and device.type != "cpu"
 
-        Raises:
-            InputError: no probe, or the probe pass failed (the message names the model, layer and step).
-        """
+    def _lag(self, lag: int | None) -> int:
+        if lag is not None:
+            return lag
+        return self.settings.schedule.apply_lag if self.background else 0
+
+    def _submit_probe(self, model: Any, step: int, lag: int | None = None) -> None:
         if self.probe is None:
             raise InputError("this monitor has no probe (and layer): pass features to process() instead")
+        self._decide_background(model)
+        start = time.perf_counter()
         try:
             features = gather_probe_features(lambda idx: self.features(model, idx), len(self.probe))
         except InputError as exc:
             layer = None if self.extractor is None else list(self.extractor.layer)
             raise InputError(f"{exc} (model {type(model).__name__}, layer {layer!r}, step {step})") from exc
         self.last_checked_step_ = step
-        record = self.process(features, step) if rank_and_world()[0] == 0 else None
-        adopted = self._adopt(record)
-        if adopted is None:  # pragma: no cover - rank 0 always evaluates a probe check
-            raise RuntimeError(f"rank 0 shared no record for the check at step {step}")
-        return adopted
+        self._submit(("evaluate", step, features), step, lag, probe_ms=(time.perf_counter() - start) * 1e3)
 
-    def process(self, features: Any, step: int) -> CheckRecord:
-        """Evaluate one check of features ``(n, d)`` on this process and return its record.
-
-        NaN or Inf features give a ``"diverged"`` record and the policy's ``on_diverged`` action; they never reach
-        GUDHI.
-
-        Raises:
-            InputError: features of the wrong shape, or whose dimension changed since the first check.
-        """
-        start = time.perf_counter()
+    def _submit_window(self, step: int, features: Any, lag: int | None = None) -> None:
+        self._decide_background(features)
         self.last_checked_step_ = step
-        cloud = self._as_cloud(features)
-        if cloud is None:
-            return self._diverged(step, start)
-        cloud = self.transform(cloud)
-        engine = self._engine(cloud)
-        betti = engine._update(cloud)
-        return self._evaluate(cloud, (betti.b0, betti.b1), step, start, engine)
-
-    def observe(self, features: Any, step: int) -> CheckRecord | None:
-        """Streaming mode: add a training batch's features to the window, and check the window when due.
-
-        In distributed training every rank calls it at every step (rank 0 keeps the window; at a due step the
-        other ranks receive rank 0's record).
-
-        Returns:
-            The check record when a check was due at ``step`` (the same on every rank), else None.
-        """
-        if self.settings.schedule.mode != "stream":
-            raise InputError("observe() is for streaming mode; create the monitor with mode='stream'")
         start = time.perf_counter()
-        if rank_and_world()[0] == 0 and features is not None:
-            self._push(features, step)
-        if not self.due(step):
-            return None
-        self.last_checked_step_ = step
-        record = self._check_window(step, start) if rank_and_world()[0] == 0 else None
-        return self._adopt(record)
+        batches, self._batches = self._batches, []
+        host = _host_batches(batches) if rank_and_world()[0] == 0 else []
+        self._submit(("window", step, host), step, lag, probe_ms=(time.perf_counter() - start) * 1e3)
 
-    def act(self, record: CheckRecord, actuator: Actuator) -> InterventionRecord | None:
-        """Carry out ``record``'s decision (every rank, at the same step) and write it to the history.
+    def _submit(self, request: tuple[Any, ...], step: int, lag: int | None, probe_ms: float = 0.0) -> None:
+        """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker."""
+        pending = _Pending(step, step + self._lag(lag), probe_ms)
+        if rank_and_world()[0] == 0:
+            if self.background:
+                self._start_worker().request(request)
+            else:
+                start = time.perf_counter()
+                kind, _, payload = request
+                if kind == "evaluate":
+                    pending.evaluation = self.pipeline.evaluate(payload, step)
+                else:
+                    self.pipeline.push(payload)
+                    pending.evaluation = self.pipeline.evaluate_window(step)
+                pending.eval_ms = (time.perf_counter() - start) * 1e3
+        self._pending.append(pending)
 
-        Returns:
-            The intervention record, or None when the decision asked for nothing.
-        """
-        decision = record.decision
-        if not decision.fired:
-            return None
-        intervention: list[InterventionRecord] = []
+    def _start_worker(self) -> WorkerProcess:
+        if self._worker is None:
+            self._worker = WorkerProcess(
+                self.settings.as_dict(), self.pipeline.state_dict(), threads=self.settings.schedule.worker_threads
+            )
+        return self._worker
 
-        def write(detail: str) -> None:
-            if decision.action is Action.LOWER_LR and decision.lr_factor is not None:
-                self.lr_factor_ *= decision.lr_factor
-            entry = InterventionRecord(decision.step, decision.action.value, decision.reason, detail, self.lr_factor_)
-            intervention.append(entry)
-            self._emit(entry)
+    # --- internals: applying --------------------------------------------------------------------------------
 
-        apply(decision, actuator, self.settings.interventions, write)
-        return intervention[0]
+    def _receive(self, pending: _Pending) -> float:
+        """Rank 0: wait for the worker's evaluations up to ``pending``'s; the seconds waited for it."""
+        waited = 0.0
+        for item in self._pending:
+            if item.evaluation is not None:
+                continue
+            if self._worker is None:  # pragma: no cover - a background check always has a worker
+                raise RuntimeError("a background check is pending without a worker")
+            record, shared, figures, seconds = self._worker.reply()
+            self.pipeline.receive(shared)  # the mirror follows the worker at once
+            item.evaluation = Evaluation(None if record is None else CheckRecord.from_dict(record), shared, figures)
+            if item is pending:
+                waited = seconds
+                break
+        return waited
 
-    @property
-    def last_record(self) -> CheckRecord | None:
-        """The latest check record."""
-        return next((r for r in reversed(self.history) if isinstance(r, CheckRecord)), None)
+    def _collect(self, step: int, *, final: bool = False) -> list[CheckRecord]:
+        """Apply every pending check whose step has come (all ranks, in order); their records."""
+        records = []
+        rank = rank_and_world()[0]
+        while self._pending and self._pending[0].apply_at <= step:
+            pending = self._pending[0]
+            waited_ms = self._receive(pending) * 1e3 + pending.eval_ms if rank == 0 else 0.0
+            self._pending.popleft()
+            record = None
+            figures = None
+            if rank == 0:
+                evaluation = pending.evaluation
+                if evaluation is not None and evaluation.record is not None:
+                    record = dataclasses.replace(
+                        evaluation.record,
+                        applied_step=None if final else step,
+                        wait_ms=waited_ms,
+                        probe_ms=pending.probe_ms,
+                    )
+                    figures = evaluation.figures
+            record = self._adopt(record)
+            if record is not None:
+                self._emit(record, figures)
+                records.append(record)
+        return records
 
-    # --- internals ----------------------------------------------------------------------------------------
+    def _adopt(self, record: CheckRecord | None) -> CheckRecord | None:
+        """Broadcast rank 0's record and pipeline state (None: nothing) and adopt them on the other ranks."""
+        rank, world = rank_and_world()
+        if world == 1:
+            return record
+        payload = None
+        if rank == 0 and record is not None:
+            payload = {"record": record.as_dict(), "pipeline": self.pipeline.share(), "lr_factor": self.lr_factor_}
+        shared: dict[str, Any] | None = broadcast_object(payload)
+        if shared is None or rank == 0:
+            return record
+        self.pipeline.receive(shared["pipeline"])
+        self.lr_factor_ = float(shared["lr_factor"])
+        return CheckRecord.from_dict(shared["record"])
 
     @staticmethod
-    def _as_cloud(features: Any, min_samples: int = 2) -> NDArray[np.float64] | None:
-        """Validated features, or None when they hold NaN or Inf (a diverged check)."""
-        try:
-            return as_points(features, "features", min_samples=min_samples)
-        except NonFiniteError:
-            return None
-
-    def _engine(self, cloud: NDArray[np.float64]) -> MMHM:
-        """The engine, created at the first check once ε is calibrated on its (transformed) cloud."""
-        if self.engine_ is None:
-            if self.epsilon_ is None:
-                if cloud.shape[0] < 2:
-                    raise InputError("ε calibration needs at least 2 points in the first check or batch")
-                self.epsilon_ = calibrate_epsilon(cloud, self.settings.index, self.settings.seed)
-            stream = self.settings.schedule.mode == "stream"
-            self.engine_ = MMHM(epsilon=self.epsilon_, window=self.settings.schedule.window if stream else None)
-            if self._engine_saved is not None:
-                self.engine_.load_state_dict(self._engine_saved)
-                self._engine_saved = None
-        return self.engine_
-
-    def _push(self, features: Any, step: int) -> None:
-        cloud = self._as_cloud(features, min_samples=1)
-        if cloud is None:
-            self._stream_diverged = True
-            return
-        limit = self.settings.schedule.points_per_batch
-        if limit is not None and cloud.shape[0] > limit:
-            rows = np.random.default_rng((self.settings.seed, step)).choice(cloud.shape[0], limit, replace=False)
-            cloud = cloud[np.sort(rows)]
-        cloud = self.transform(cloud)
-        self._engine(cloud)._push_batch(cloud)
-
-    def _check_window(self, step: int, start: float) -> CheckRecord | None:
-        if self._stream_diverged:
-            self._stream_diverged = False
-            return self._diverged(step, start)
-        engine = self.engine_
-        if engine is None or engine.n_points < 2:
-            return None
-        betti = engine.betti_numbers()
-        return self._evaluate(engine.points, (betti.b0, betti.b1), step, start, engine)
-
-    def _evaluate(
-        self, cloud: NDArray[np.float64], betti: tuple[int, int], step: int, start: float, engine: MMHM
-    ) -> CheckRecord:
-        s = self.settings
-        if self.epsilon_ is None:  # pragma: no cover - the engine exists, so ε was calibrated
-            raise RuntimeError("the monitor evaluated a cloud before calibrating ε")
-        found = measure(cloud, self.epsilon_, s.index, previous=self._diagrams, betti=betti, seed=s.seed)
-        self._diagrams = found.diagrams
-        value = found.index_value
-        decision = self.policy.decide(step, None if value is None else ORIENTATION[s.index.name] * value)
-        record = CheckRecord(
-            step=step,
-            status="ok",
-            index=s.index.name,
-            index_value=value,
-            decision=decision,
-            check_ms=(time.perf_counter() - start) * 1e3,
-            report=found.report,
-            engine=engine.last_stats,
-            n_points=int(cloud.shape[0]),
-        )
-        figures = None  # full (unthresholded) diagrams for the TensorBoard figures
-        if s.output.tensorboard_dir is not None and s.output.diagram_every:
-            figures = _persistence_diagrams(_subsample(cloud, s.index.max_points, s.seed), 1, None)
-        self._emit(record, figures)
-        return record
-
-    def _diverged(self, step: int, start: float) -> CheckRecord:
-        decision = self.policy.decide(step, None, diverged=True)
-        record = CheckRecord(
-            step, "diverged", self.settings.index.name, None, decision, (time.perf_counter() - start) * 1e3
-        )
-        self._emit(record)
-        return record
+    def _only(records: list[CheckRecord], step: int) -> CheckRecord:
+        if not records:  # pragma: no cover - a check submitted with lag 0 is applied at once
+            raise RuntimeError(f"no record came back for the check at step {step}")
+        return records[-1]
 
     def _emit(self, record: Record, diagrams: list[NDArray[np.float64]] | None = None) -> None:
         self.history.append(record)
@@ -333,39 +439,8 @@ class TopoMonitor(Stateful):
         output = self.settings.output
         if output.tensorboard_dir is not None and isinstance(record, CheckRecord):
             if self._tensorboard is None:
-                self._tensorboard = TensorBoardSink(output.tensorboard_dir, diagram_every=output.diagram_every)
+                self._tensorboard = TensorBoardSink(output.tensorboard_dir)
             self._tensorboard.write(record, diagrams)
-
-    # --- distributed --------------------------------------------------------------------------------------
-
-    def share(self) -> dict[str, Any]:
-        """What another rank needs to adopt this rank's latest check.
-
-        The record, and the state the next decisions depend on (ε, transform, policy counters, learning-rate
-        factor, last diagrams, last checked step).
-        """
-        last = self.last_record
-        return {**self._state.save(self, only=set(self._SHARED)), "record": None if last is None else last.as_dict()}
-
-    def receive(self, shared: Mapping[str, Any]) -> CheckRecord:
-        """Adopt another rank's :meth:`share` (no file or TensorBoard output is written here)."""
-        self._state.load(self, shared, only=set(self._SHARED))
-        record = CheckRecord.from_dict(shared["record"])
-        self.history.append(record)
-        return record
-
-    def _adopt(self, record: CheckRecord | None) -> CheckRecord | None:
-        """Broadcast rank 0's check (or None: nothing was checked) and adopt it on the other ranks.
-
-        Every rank must call it at the same step.
-        """
-        rank, world = rank_and_world()
-        if world == 1:
-            return record
-        shared = broadcast_object(self.share() if rank == 0 and record is not None else None)
-        if shared is None:
-            return None
-        return record if rank == 0 else self.receive(shared)
 
     # --- state --------------------------------------------------------------------------------------------
 
@@ -382,37 +457,47 @@ class TopoMonitor(Stateful):
         self._loaded_probe_spec = spec
 
     @property
-    def _engine_state(self) -> dict[str, Any] | None:
-        # The complex is rebuilt exactly from the next check's points: a marker and the cost model, not the points.
-        return self._engine_saved if self.engine_ is None else self.engine_.state_dict(include_points=False)
+    def _pending_state(self) -> list[dict[str, Any]]:
+        if rank_and_world()[0] == 0 and self._pending:
+            self._receive(self._pending[-1])  # a checkpoint holds every pending check's finished evaluation
+        return [pending.as_dict() for pending in self._pending]
 
-    @_engine_state.setter
-    def _engine_state(self, value: Mapping[str, Any] | None) -> None:
-        self.engine_ = None
-        self._engine_saved = None if value is None else dict(value)
+    @_pending_state.setter
+    def _pending_state(self, value: list[Mapping[str, Any]]) -> None:
+        shared = self.pipeline.share()
+        self._pending = collections.deque(_Pending.from_dict(item, shared) for item in value)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready state.
 
-        The probe spec, ε, transform, history, policy counters, learning-rate factor, last diagrams, an engine marker
-        (the engine is rebuilt exactly from the next check's points) and the last checked step.
+        The probe spec, the pipeline's state (ε, transform, policy counters, last diagrams, an engine marker: the
+        engine is rebuilt exactly from the next check's points), the history, the learning-rate factor, the last
+        checked step, and the checks whose decisions are still to be applied (their evaluations finished first).
         """
         return super().state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`.
+        """Restore :meth:`state_dict` (a running background worker is stopped; the next check starts a new one).
 
         Raises:
             InputError: missing keys, another version, or a probe with other contents than the saved one's.
         """
+        self._stop_worker()
         super().load_state_dict(state)
 
     def close(self) -> None:
-        """Close the TensorBoard writer (the JSONL sink keeps no handle open)."""
+        """Stop the background worker and close the TensorBoard writer (the JSONL sink keeps no handle open)."""
+        self._stop_worker()
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
 
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
     def __getstate__(self) -> dict[str, Any]:
-        # An open TensorBoard writer cannot be pickled (ddp_spawn pickles callbacks); it is reopened on use.
-        return {**self.__dict__, "_tensorboard": None}
+        # An open writer, a worker process and device tensors do not pickle (ddp_spawn pickles callbacks); the
+        # writer and the worker are started again on use.
+        return {**self.__dict__, "_tensorboard": None, "_worker": None, "_batches": [], "autocast": None}

@@ -7,11 +7,12 @@ saved as JSON and checked on resume; the inputs themselves are never pickled int
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import fnmatch
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,16 @@ from numpy.typing import NDArray
 from .exceptions import InputError
 from .settings import ProbeSettings
 
-__all__ = ["FeatureExtractor", "Probe", "ProbeSpec", "StreamCapture", "resolve_layer", "resolve_module"]
+__all__ = [
+    "DEVICE_CACHE_BYTES",
+    "FeatureExtractor",
+    "Probe",
+    "ProbeSpec",
+    "StreamCapture",
+    "autocast_for",
+    "resolve_layer",
+    "resolve_module",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,33 +218,34 @@ def resolve_module(model: torch.nn.Module, name: str | Sequence[str]) -> torch.n
 
 
 def _pool(output: torch.Tensor, pooling: str, mask: torch.Tensor | None) -> torch.Tensor:
+    """One float32 vector per sample, computed on the output's device (accumulated in float32 under autocast)."""
     if pooling == "none":
-        return output
+        return output.float()
     if pooling == "flatten":
-        return output.reshape(output.shape[0], -1)
+        return output.reshape(output.shape[0], -1).float()
     if pooling == "auto":
         if output.dim() == 2:
-            return output
+            return output.float()
         if output.dim() == 4:  # (batch, channels, height, width): global average pooling
-            return output.mean(dim=(2, 3))
+            return output.mean(dim=(2, 3), dtype=torch.float32)
         if output.dim() == 3:  # (batch, tokens, features)
             pooling = "mean"
         else:
-            return output.reshape(output.shape[0], -1)
+            return output.reshape(output.shape[0], -1).float()
     if output.dim() != 3:
         raise InputError(
             f"`pooling` {pooling!r} needs a (batch, tokens, features) output, got shape {tuple(output.shape)}"
         )
     if pooling == "cls":
-        return output[:, 0]
+        return output[:, 0].float()
     if mask is None:
         mask = torch.ones(output.shape[:2], dtype=torch.bool, device=output.device)
     mask = mask.to(output.device).bool()
     if pooling == "last":
         last = mask.long().cumsum(dim=1).argmax(dim=1)  # position of the last non-padding token
-        return output[torch.arange(output.shape[0], device=output.device), last]
-    weights = mask.unsqueeze(-1).to(output.dtype)
-    return (output * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+        return output[torch.arange(output.shape[0], device=output.device), last].float()
+    weights = mask.unsqueeze(-1).to(torch.float32)
+    return (output * weights).sum(dim=1, dtype=torch.float32) / weights.sum(dim=1).clamp(min=1.0)
 
 
 def _first_tensor(output: Any) -> torch.Tensor:
@@ -249,20 +260,56 @@ def _first_tensor(output: Any) -> torch.Tensor:
 
 
 def _pooled(output: Any, pooling: str, mask: torch.Tensor | None) -> torch.Tensor:
-    """The ``(batch, d)`` features of a layer's output, pooled on the output's device."""
+    """The ``(batch, d)`` float32 features of a layer's output, pooled on the output's device."""
     pooled = _pool(_first_tensor(output).detach(), pooling, mask)
     return pooled.reshape(pooled.shape[0], -1)
+
+
+class _StopForward(Exception):
+    """Raised by the probe's hook once the watched layer has run: nothing after it needs to."""
+
+
+#: Probes up to this many bytes stay on the model's device between checks; larger ones in pinned host memory.
+DEVICE_CACHE_BYTES = 256 * 2**20
+
+AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def autocast_for(precision: str, device: torch.device) -> AutocastFactory:
+    """The context a probe pass runs in for a precision setting.
+
+    ``"bf16"``/``"16"``: autocast on ``device``; ``"32"`` and ``"auto"`` (no adapter to ask): none.
+
+    Example:
+        >>> import torch
+        >>> with autocast_for("bf16", torch.device("cpu"))():
+        ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.bfloat16
+    """
+    dtypes = {"bf16": torch.bfloat16, "16": torch.float16}
+    if precision not in dtypes:
+        return contextlib.nullcontext
+    dtype = dtypes[precision]
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
 class FeatureExtractor:
     """Runs the probe through a model and returns the features at the watched layer.
 
-    The model is put in eval mode and run without gradients; every module's previous mode is restored and the
-    forward hook removed afterwards, whatever happens. Features go to CPU float32 at once.
+    The pass runs at training speed: without gradients, in eval mode, in the trainer's precision (``autocast``),
+    stopped as soon as the watched layer has run (``stop_at_layer``: nothing after it is computed), with the probe's
+    batches kept on the model's device between checks (pinned host memory for probes over
+    :data:`DEVICE_CACHE_BYTES`), pooled on the device, and one copy of the ``(n, d)`` float32 features to the host
+    (one synchronisation per check). Every module's mode is restored and the hook removed afterwards, whatever
+    happens; an exception that is not the pass's own stop signal is re-raised.
 
     Args:
         settings: the probe settings: ``layer`` (a module name or name patterns, see :func:`resolve_layer`),
-            ``pooling`` and ``batch_size``.
+            ``pooling``, ``batch_size``, ``precision`` and ``stop_at_layer``.
         **overrides: any of them by name, e.g. ``FeatureExtractor(layer="backbone", batch_size=64)``.
 
     Raises:
@@ -275,38 +322,59 @@ class FeatureExtractor:
         if self.settings.layer is None:
             raise InputError("`layer` is required with a `probe`: name the module whose output to watch")
         self.layer: tuple[str, ...] = self.settings.layer
+        self._cache: dict[Any, list[Any]] = {}
 
     def __call__(
-        self, model: torch.nn.Module, probe: Probe, indices: Sequence[int] | None = None
+        self,
+        model: torch.nn.Module,
+        probe: Probe,
+        indices: Sequence[int] | None = None,
+        *,
+        autocast: AutocastFactory | None = None,
     ) -> NDArray[np.float32]:
         """Features ``(n, d)`` of the probe samples (all, or ``indices``) at the watched layer.
+
+        Args:
+            model: the model (its mode is restored afterwards).
+            probe: the probe.
+            indices: the samples to run (a distributed shard), or all.
+            autocast: the precision context of the pass (the training adapter's); default from
+                ``settings.precision`` on the model's device.
 
         Raises:
             InputError: the layer is not a module of ``model``, or was never called by its forward pass.
         """
         self.resolved_layer_ = resolve_layer(model, self.layer)
         module = dict(model.named_modules())[self.resolved_layer_]
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        device = _device_of(model)
+        context = autocast or autocast_for(self.settings.precision, device)
         captured: list[torch.Tensor] = []
         current_mask: list[torch.Tensor | None] = [None]
-        pooling = self.settings.pooling
+        pooling, stop = self.settings.pooling, self.settings.stop_at_layer
 
         def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            captured.append(_pooled(output, pooling, current_mask[0]).to("cpu", torch.float32))
+            captured.append(_pooled(output, pooling, current_mask[0]))
+            if stop:
+                raise _StopForward
 
         modes = {m: m.training for m in model.modules()}
         handle = module.register_forward_hook(hook)
         try:
             model.eval()
-            with torch.no_grad():
-                for batch in probe.batches(self.settings.batch_size, indices):
-                    if isinstance(batch, dict):
-                        batch = {k: v.to(device) for k, v in batch.items()}
-                        current_mask[0] = batch.get("attention_mask")
-                        model(**batch)
-                    else:
-                        current_mask[0] = None
-                        model(batch.to(device))
+            with torch.no_grad(), context():
+                for batch in self._batches(probe, indices, device):
+                    before = len(captured)
+                    try:
+                        if isinstance(batch, dict):
+                            current_mask[0] = batch.get("attention_mask")
+                            model(**batch)
+                        else:
+                            current_mask[0] = None
+                            model(batch)
+                    except _StopForward:
+                        pass
+                    if len(captured) > before + 1:  # a layer called twice per forward: its first call counts
+                        del captured[before + 1 :]
         finally:
             handle.remove()
             for submodule, training in modes.items():
@@ -314,24 +382,65 @@ class FeatureExtractor:
         if not captured:
             shown = self.layer[0] if len(self.layer) == 1 else list(self.layer)
             raise InputError(f"`layer` {shown!r} was never called during the forward pass of the probe")
-        features: NDArray[np.float32] = torch.cat(captured).numpy()
+        features: NDArray[np.float32] = torch.cat(captured).cpu().numpy()  # the one synchronisation
         return features
+
+    def _batches(self, probe: Probe, indices: Sequence[int] | None, device: torch.device) -> list[Any]:
+        """The probe's batches on ``device`` (kept there between checks), or pinned on the host, copied each pass."""
+        key = (probe.spec.content_hash, None if indices is None else tuple(indices), str(device))
+        if key not in self._cache:
+            self._cache.clear()  # one probe at a time (a new shard or device replaces the old one)
+            batches = list(probe.batches(self.settings.batch_size, indices))
+            size = sum(_nbytes(batch) for batch in batches)
+            on_device = device.type == "cpu" or size <= DEVICE_CACHE_BYTES
+            self._cache[key] = [_move(batch, device if on_device else None) for batch in batches]
+        cached = self._cache[key]
+        return [_move(batch, device) for batch in cached]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Cached device tensors are rebuilt in the process that uses them (ddp_spawn pickles callbacks).
+        return {**self.__dict__, "_cache": {}}
+
+
+def _nbytes(batch: Any) -> int:
+    tensors = batch.values() if isinstance(batch, dict) else [batch]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _move(batch: Any, device: torch.device | None) -> Any:
+    """``batch`` on ``device`` (no copy when it is there already), or in pinned host memory for ``None``."""
+
+    def one(tensor: torch.Tensor) -> torch.Tensor:
+        if device is None:
+            return tensor.pin_memory() if torch.cuda.is_available() else tensor
+        return tensor.to(device, non_blocking=True)
+
+    if isinstance(batch, dict):
+        return {k: one(v) for k, v in batch.items()}
+    return one(batch)
 
 
 class StreamCapture:
-    """Streaming mode: keeps the pooled output of the watched layer during the model's *training* forwards.
+    """Streaming mode: keeps a pooled subset of the watched layer's output during the model's *training* forwards.
 
     ``attach`` registers a forward hook on the watched module (forwards in eval mode, such as a probe pass or
-    validation, are ignored); :meth:`take` returns what was captured since the last call and clears it.
+    validation, are ignored). Per training forward the hook pools the output on its device, keeps a seeded random
+    subset of at most ``points_per_batch`` rows there and nothing more: no copy to the host, no synchronisation.
+    :meth:`take` returns what was kept since the last call (still on the device) and forgets it.
 
     Args:
         pooling: how the layer's output becomes one vector per sample (see :class:`ProbeSettings`).
+        points_per_batch: rows kept per forward (None: all).
+        seed: seed of the subsets (with a per-forward counter).
     """
 
-    def __init__(self, pooling: str = "auto") -> None:
+    def __init__(self, pooling: str = "auto", points_per_batch: int | None = None, seed: int = 0) -> None:
         self.pooling = pooling
+        self.points_per_batch = points_per_batch
+        self.seed = seed
         self._captured: list[torch.Tensor] = []
         self._handle: Any = None
+        self._forwards = 0
 
     @property
     def attached(self) -> bool:
@@ -354,17 +463,26 @@ class StreamCapture:
             self._handle = None
         self._captured = []
 
-    def take(self) -> NDArray[np.float32] | None:
-        """The ``(n, d)`` float32 features captured since the last call (None if none), then forget them."""
+    def take(self) -> torch.Tensor | None:
+        """The ``(n, d)`` float32 rows kept since the last call, on the model's device (None if none)."""
         captured, self._captured = self._captured, []
         if not captured:
             return None
-        features: NDArray[np.float32] = torch.cat(captured).numpy()
-        return features
+        return captured[0] if len(captured) == 1 else torch.cat(captured)
 
     def _hook(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if module.training:
-            self._captured.append(_pooled(output, self.pooling, None).to("cpu", torch.float32))
+        if not module.training:
+            return
+        with torch.no_grad():
+            pooled = _pooled(output, self.pooling, None)
+            limit = self.points_per_batch
+            if limit is not None and pooled.shape[0] > limit:
+                generator = torch.Generator(device=pooled.device)
+                generator.manual_seed(self.seed * 1_000_003 + self._forwards)
+                rows = torch.randperm(pooled.shape[0], device=pooled.device, generator=generator)[:limit]
+                pooled = pooled[rows.sort().values]
+            self._captured.append(pooled)
+        self._forwards += 1
 
     def __getstate__(self) -> dict[str, Any]:
         # Hooks are registered again by the adapter (ddp_spawn pickles callbacks); captured tensors are transient.

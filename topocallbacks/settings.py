@@ -36,6 +36,7 @@ __all__ = [
     "MODES",
     "PAPER_WEIGHTS",
     "POOLINGS",
+    "PRECISIONS",
     "PROJECTIONS",
     "SCORES",
     "Action",
@@ -52,6 +53,8 @@ __all__ = [
 
 #: How a layer's output becomes one vector per sample (see :class:`~topocallbacks.probe.FeatureExtractor`).
 POOLINGS = ("auto", "mean", "last", "cls", "flatten", "none")
+#: The probe pass's precision (see :class:`ProbeSettings`).
+PRECISIONS = ("auto", "32", "bf16", "16")
 #: ``"probe"``: run a fixed probe every ``check_every`` steps; ``"stream"``: watch the training batches' features.
 MODES = ("probe", "stream")
 #: The fixed maps to fewer dimensions a monitor can apply before the topology.
@@ -221,12 +224,20 @@ class ProbeSettings(_Section):
         size: keep at most this many probe samples, a seeded subset (None: all); ``max_probe_samples`` as an
             override.
         batch_size: probe samples per forward pass.
+        precision: the probe pass's precision: ``"auto"`` (the trainer's: the training callbacks run it in their
+            framework's autocast context; a plain monitor in the model's own dtype), ``"32"``, ``"bf16"`` or
+            ``"16"`` (autocast on the model's device).
+        stop_at_layer: end each probe forward as soon as the watched layer has run (nothing after it is computed,
+            e.g. a language model's vocabulary-wide head); turn off for a model that catches every exception in
+            its forward.
     """
 
     layer: tuple[str, ...] | None = _option(None, _optional(_layers))
     pooling: str = _option("auto", _choice(POOLINGS))
     size: int | None = _option(None, _optional(_integer(2)), alias="max_probe_samples")
     batch_size: int = _option(256, _integer(1))
+    precision: str = _option("auto", _choice(PRECISIONS))
+    stop_at_layer: bool = _option(True, _boolean)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,15 +250,33 @@ class ScheduleSettings(_Section):
         check_every: optimizer steps between checks, from step 0. 100 is a cost choice: a check of a 512-sample
             probe takes about 0.4 s of one CPU thread.
         window: streaming window size.
-        points_per_batch: streaming mode: push a seeded random subset of at most this many of each batch's points
+        points_per_batch: streaming mode: keep a seeded random subset of at most this many of each batch's points
             (None: all). 32 refreshes a 1,024-point window every 32 steps at a small fraction of the cost of
             pushing whole batches.
+        background: evaluate checks in a background worker process while training goes on (True), in the
+            training loop (False), or None: in the background when the model trains on an accelerator. A
+            background check's decision is applied ``lag`` steps after its features were taken, on every rank.
+        lag: steps between a check and the step at which its decision is applied, in the background (None: half
+            the check interval, at most 20 steps, at least 1). If the worker is late the loop waits there, and the
+            record says how long (``wait_ms``).
+        worker_threads: threads the background worker's numerical libraries may use.
+        check_budget_ms: streaming mode: the window is capped so that the engine's predicted time for a check of
+            it (a rebuild, the worst case) stays within this budget; the record gives the window used.
     """
 
     mode: str = _option("probe", _choice(MODES))
     check_every: int = _option(100, _integer(1))
     window: int = _option(1024, _integer(2))
     points_per_batch: int | None = _option(32, _optional(_integer(1)))
+    background: bool | None = _option(None, _optional(_boolean))
+    lag: int | None = _option(None, _optional(_integer(0)))
+    worker_threads: int = _option(2, _integer(1))
+    check_budget_ms: float = _option(250.0, _positive)
+
+    @property
+    def apply_lag(self) -> int:
+        """The ``lag`` in effect in the background (see above)."""
+        return self.lag if self.lag is not None else max(1, min(self.check_every // 2, 20))
 
 
 @dataclasses.dataclass(frozen=True)

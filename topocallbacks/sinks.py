@@ -37,6 +37,8 @@ def scalars_of(record: CheckRecord) -> dict[str, float]:
         "topo/anisotropy": report.anisotropy_term,
         "topo/epsilon": report.epsilon,
         "topo/check_ms": record.check_ms,
+        "topo/wait_ms": record.wait_ms,
+        "topo/probe_ms": record.probe_ms,
         "topo/diverged": 0.0,
     }
     if record.index_value is not None:
@@ -78,33 +80,29 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Writes ``topo/*`` scalars per check, and a persistence-diagram figure every ``diagram_every`` checks.
+    """Writes ``topo/*`` scalars per check, and a persistence-diagram figure when a check brings its diagrams.
 
     Args:
         log_dir: TensorBoard log directory.
-        diagram_every: checks between diagram figures (0: never). Figures need matplotlib.
 
     Raises:
         ImportError: tensorboard is not installed (``pip install topocallbacks[tensorboard]``).
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str], *, diagram_every: int = 0) -> None:
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError("TensorBoardSink needs tensorboard: pip install 'topocallbacks[tensorboard]'") from exc
         self.writer = SummaryWriter(log_dir=str(log_dir))
-        self.diagram_every = int(diagram_every)
-        self._checks = 0
         self._warned = False
 
     def write(self, record: CheckRecord, diagrams: list[np.ndarray] | None = None) -> None:
-        """Log a check record's scalars at its step; add a diagram figure when it is due."""
+        """Log a check record's scalars at its step (that of its features); a figure of ``diagrams`` if given."""
         step = record.step
         for name, value in scalars_of(record).items():
             self.writer.add_scalar(name, value, global_step=step)
-        self._checks += 1
-        if self.diagram_every and diagrams is not None and self._checks % self.diagram_every == 0:
+        if diagrams is not None:
             self._figure(diagrams, step)
         self.writer.flush()
 

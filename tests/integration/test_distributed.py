@@ -58,10 +58,11 @@ def test_outside_distributed_training_everything_runs_locally():
 
 
 @pytest.mark.slow
-def test_two_process_ddp_agrees_on_every_check_and_stops_together(tmp_path):
+@pytest.mark.parametrize("mode", ["inline", "background"])
+def test_two_process_ddp_agrees_on_every_check_and_stops_together(tmp_path, mode):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(
-        [sys.executable, str(HERE / "ddp_fit.py"), str(tmp_path), "stop", "33"],
+        [sys.executable, str(HERE / "ddp_fit.py"), str(tmp_path), "stop", "33", mode],
         capture_output=True,
         text=True,
         timeout=300,
@@ -77,6 +78,11 @@ def test_two_process_ddp_agrees_on_every_check_and_stops_together(tmp_path):
     stop = [r for r in ranks[0]["history"] if r["kind"] == "intervention"][-1]
     assert stop["action"] == "stop"
     assert stop["step"] == ranks[0]["global_step"]
+    # Every decision is applied at the step announced with its check: at once inline, 3 steps later in the
+    # background (rank 0's worker evaluated it while both ranks trained on).
+    lag = 3 if mode == "background" else 0
+    assert all(r["applied_step"] == r["step"] + lag for r in checks)
+    assert stop["step"] == checks[-1]["step"] + lag
     assert Path(tmp_path, f"topo-stop-step{stop['step']}.ckpt").exists()
     # Only rank 0 writes the history file: one line per check and per intervention, none twice.
     assert JsonlSink.read(tmp_path / "history.jsonl") == ranks[0]["history"]

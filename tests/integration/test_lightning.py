@@ -125,6 +125,34 @@ def test_the_learning_rate_stays_cut_after_the_scheduler_steps(tmp_path, schedul
     assert cut.rates[9] == pytest.approx(reference.rates[9])
 
 
+def test_a_background_check_cuts_the_learning_rate_at_the_announced_step(tmp_path):
+    policy = Policy(
+        action="lower_lr",
+        score="value",
+        threshold=-1.0,
+        patience=1,
+        warmup=1,
+        lr_factor=0.5,
+        max_lr_cuts=1,
+        after_max_lr_cuts="none",
+    )
+    reference, cut = LearningRates(), LearningRates()
+    trainer(tmp_path / "ref", [reference], max_steps=25).fit(
+        TinyCNN(scheduler="cosine", total_steps=25), digits_loader()
+    )
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=policy, background=True, lag=3)
+    trainer(tmp_path / "cut", [callback, cut], max_steps=25).fit(
+        TinyCNN(scheduler="cosine", total_steps=25), digits_loader()
+    )
+    records = checks(callback)
+    assert [(r.step, r.applied_step) for r in records] == [(0, 3), (10, 13), (20, 23)]
+    assert [r.step for r in interventions(callback)] == [13]  # decided on step 10's features, applied 3 later
+    assert cut.rates[12] == pytest.approx(reference.rates[12])
+    for step in range(13, 26):
+        assert cut.rates[step] == pytest.approx([0.5 * lr for lr in reference.rates[step]], rel=1e-6), step
+    assert callback.monitor._worker is None  # stopped at teardown
+
+
 def test_resume_restores_history_and_never_refires(tmp_path):
     policy = {
         "action": "lower_lr",

@@ -89,9 +89,9 @@ def test_projection_is_fitted_once_and_kept(projection):
     monitor = TopoMonitor(projection=projection, projection_dim=5, check_every=1)
     first = rng.normal(size=(80, 20))
     monitor.process(first, 0)
-    kept = json.dumps(monitor.state_dict()["transform"])
+    kept = json.dumps(monitor.state_dict()["pipeline"]["transform"])
     monitor.process(rng.normal(size=(80, 20)) * 3, 1)
-    assert json.dumps(monitor.state_dict()["transform"]) == kept
+    assert json.dumps(monitor.state_dict()["pipeline"]["transform"]) == kept
     with pytest.raises(InputError, match="`features` must keep dimension 20 between checks, got 7"):
         monitor.process(rng.normal(size=(80, 7)), 2)
 

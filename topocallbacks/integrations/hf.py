@@ -21,7 +21,7 @@ from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
-from ..probe import Probe, StreamCapture, resolve_module
+from ..probe import Probe, StreamCapture, autocast_for, resolve_module
 from ..settings import MonitorSettings
 from ..sinks import scalars_of
 
@@ -140,7 +140,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         if self.monitor.probe is not None:
             _PROBES[self.monitor.probe.spec.content_hash] = self.monitor.probe
         self.preset = preset
-        self.capture = StreamCapture(resolved.probe.pooling)
+        self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
         self._restored: Mapping[str, Any] | None = None
 
     @classmethod
@@ -198,11 +198,15 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
             if dataset is None:
                 raise InputError(f"`probe`={self._probe_source!r} needs the Trainer's {self._probe_source} dataset")
             self.monitor.set_probe(_InputsOnly(dataset))
+        if self.monitor.settings.probe.precision == "auto":
+            precision = "bf16" if args.bf16 else "16" if args.fp16 else "32"
+            self.monitor.autocast = autocast_for(precision, next(model.parameters()).device)  # the Trainer's
         if self.streaming:
             self.capture.attach(model, self.layer)
-        elif self.monitor.due(state.global_step):
+        else:
             # A first check before any update calibrates ε and starts the warm-up on the initial features.
-            self._act(state, control, self.monitor.check(model, state.global_step), kwargs)
+            for record in self.monitor.on_step(state.global_step, model=model):
+                self._act(state, control, record, kwargs)
         return control
 
     def _saved_state(self, state: TrainerState) -> Mapping[str, Any] | None:
@@ -221,12 +225,8 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        step = state.global_step
-        if self.streaming:
-            record = self.monitor.observe(self.capture.take(), step)
-        else:
-            record = self.monitor.check(kwargs["model"], step) if self.monitor.due(step) else None
-        if record is not None:
+        features = self.capture.take() if self.streaming else None
+        for record in self.monitor.on_step(state.global_step, model=kwargs["model"], features=features):
             self._act(state, control, record, kwargs)
         return control
 
@@ -234,6 +234,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         self.capture.detach()
+        self.monitor.finish()  # checks still pending reach the history; their decisions can no longer act
         self.monitor.close()
         return control
 

@@ -120,7 +120,7 @@ class TopoCollapseCallback(Callback):
             raise InputError("`probe` is required in probe mode: a tensor, Dataset, list of inputs, 'train' or 'val'")
         self.monitor = TopoMonitor(resolved, probe=None if self._probe_source else probe)
         self.check_on_validation_end = bool(check_on_validation_end)
-        self.capture = StreamCapture(resolved.probe.pooling)
+        self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
 
     @classmethod
     def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseCallback:
@@ -162,20 +162,22 @@ class TopoCollapseCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._probe_source is not None and self.monitor.probe is None:
             self.monitor.set_probe(_dataloader_dataset(trainer, self._probe_source))
+        if self.monitor.settings.probe.precision == "auto":
+            self.monitor.autocast = trainer.strategy.precision_plugin.forward_context  # the trainer's precision
         # A first check before any update calibrates ε and starts the warm-up on the initial features.
-        if not self.streaming and self.monitor.due(trainer.global_step):
-            self._act(trainer, pl_module, self.monitor.check(pl_module, trainer.global_step), log=False)
+        if not self.streaming:
+            for record in self.monitor.on_step(trainer.global_step, model=pl_module):
+                self._act(trainer, pl_module, record, log=False)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        if self.streaming:
-            record = self.monitor.observe(self.capture.take(), step)
-        else:
-            record = self.monitor.check(pl_module, step) if self.monitor.due(step) else None
-        if record is not None:
+        features = self.capture.take() if self.streaming else None
+        for record in self.monitor.on_step(trainer.global_step, model=pl_module, features=features):
             self._act(trainer, pl_module, record, log=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.monitor.finish()  # checks still pending reach the history; their decisions can no longer act
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step

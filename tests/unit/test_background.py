@@ -1,0 +1,243 @@
+"""Checks evaluated in the background worker process, beside a (CPU) training loop."""
+
+import json
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from topocallbacks import TopoMonitor
+from topocallbacks.check import CheckRecord
+from topocallbacks.probe import FeatureExtractor, Probe
+
+TIMING_FIELDS = ("check_ms", "wait_ms", "probe_ms", "applied_step")
+
+
+def digits_mlp():
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(data.target)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 10))
+    return model, x, y
+
+
+class Cuts:
+    """An actuator that records at which step each decision was carried out."""
+
+    def __init__(self):
+        self.done = []
+
+    def scale_learning_rate(self, factor):
+        return f"x {factor}"
+
+    def request_stop(self):
+        return "stop"
+
+    def checkpoint_location(self, tag):
+        return tag
+
+    def save_checkpoint(self, tag):
+        pass
+
+
+def train(monitor, steps=22, sleep=0.0, stop_at=None):
+    """A plain loop calling monitor.on_step every step; returns the records and the interventions."""
+    model, x, y = digits_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(0)
+    records, done = [], []
+    for step in range(steps):
+        batch = torch.randint(0, len(x), (64,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        for record in monitor.on_step(step, model=model):
+            records.append(record)
+            intervention = monitor.act(record, Cuts())
+            if intervention is not None:
+                done.append(intervention)
+        if sleep:
+            time.sleep(sleep)
+        if stop_at is not None and step == stop_at:
+            break
+    return records, done
+
+
+def without_timing(record):
+    """A record's values without what depends on timing (durations, the engine's timed choice of path)."""
+    data = record.as_dict()
+    for name in (*TIMING_FIELDS, "engine"):
+        data.pop(name)
+    data["report"].pop("timings_ms")
+    return json.dumps(data)
+
+
+def settings(**extra):
+    policy = {"action": "lower_lr", "score": "value", "threshold": 0.0, "warmup": 2, "patience": 1, "cooldown": 0}
+    return {"layer": "1", "check_every": 4, "index": "paper", "policy": policy, **extra}
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return digits_mlp()[1][:200]
+
+
+def test_background_checks_give_the_training_loops_records_at_the_announced_step(probe):
+    inline = TopoMonitor(probe=probe, background=False, **settings())
+    inline_records, inline_done = train(inline)
+    background = TopoMonitor(probe=probe, background=True, lag=3, **settings())
+    try:
+        records, done = train(background)
+        assert background.background
+        assert background._worker is not None
+        assert background._worker.process.poll() is None  # a worker process, alive
+        (last,) = background.finish()
+    finally:
+        background.close()
+    assert [r.step for r in inline_records] == [0, 4, 8, 12, 16, 20]
+    assert [r.applied_step for r in inline_records] == [0, 4, 8, 12, 16, 20]
+    # The same checks and decisions, each applied 3 steps after its features were taken.
+    assert [r.step for r in records] == [0, 4, 8, 12, 16]  # the check at 20 is still pending at step 21
+    assert [r.applied_step for r in records] == [3, 7, 11, 15, 19]
+    assert [without_timing(r) for r in records] == [without_timing(r) for r in inline_records[:5]]
+    assert [d.step for d in done] == [11, 15, 19]  # lower_lr from the first check after the 2-check warm-up
+    assert [d.step for d in inline_done] == [8, 12, 16, 20]
+    assert all(r.check_ms > 0 and r.probe_ms > 0 for r in records)
+    # The pending check reaches the history at the end of training, with no step to act at.
+    assert last.step == 20
+    assert last.applied_step is None
+    assert background.act(last, Cuts()) is None
+    assert [r.step for r in background.history if isinstance(r, CheckRecord)] == [0, 4, 8, 12, 16, 20]
+
+
+def test_a_late_worker_makes_the_loop_wait_and_the_record_says_so():
+    rng = np.random.default_rng(0)
+    frames = {step: rng.normal(size=(300, 24)) for step in range(0, 12, 2)}
+    monitor = TopoMonitor(
+        check_every=2, background=True, lag=1, mode="stream", window=600, points_per_batch=None, check_budget_ms=1e4
+    )
+    try:
+        waited = []
+        for step in range(12):  # nothing else to do between steps: every check is waited for
+            waited += monitor.on_step(step, features=frames.get(step))
+        rested = []
+        for step in range(12, 18):  # a second of "training" per step: the worker is done in time
+            rested += monitor.on_step(step, features=rng.normal(size=(300, 24)) if step % 2 == 0 else None)
+            time.sleep(1.0)
+    finally:
+        monitor.close()
+    assert [r.applied_step - r.step for r in waited + rested] == [1] * 9
+    assert all(r.wait_ms > 0.5 * r.check_ms for r in waited[1:])  # the loop waited for (most of) the check
+    assert all(r.wait_ms < 0.25 * r.check_ms for r in rested)  # it found the result ready
+    assert all(r.n_points == r.window == 600 for r in waited[1:] + rested)
+
+
+def test_a_pending_check_survives_a_checkpoint_and_is_applied_after_the_resume(probe):
+    uninterrupted = TopoMonitor(probe=probe, background=True, lag=3, **settings())
+    try:
+        full, full_done = train(uninterrupted, steps=14)
+    finally:
+        uninterrupted.close()
+    first = TopoMonitor(probe=probe, background=True, lag=3, **settings())
+    try:
+        head, _ = train(first, stop_at=9)  # the check at step 8 is pending (applied at 11)
+        assert [p.step for p in first._pending] == [8]
+        state = json.loads(json.dumps(first.state_dict()))  # waits for the worker's evaluation
+    finally:
+        first.close()
+    assert state["pending"][0]["done"]
+    assert state["pending"][0]["apply_at"] == 11
+    resumed = TopoMonitor(probe=probe, background=True, lag=3, **settings())
+    try:
+        resumed.load_state_dict(state)
+        model = digits_mlp()[0]
+        tail = []
+        for step in range(10, 14):  # no training needed to apply the pending decision
+            tail += resumed.on_step(step, model=model)
+    finally:
+        resumed.close()
+    assert [r.step for r in head] == [0, 4]
+    assert tail[0].step == 8
+    assert tail[0].applied_step == 11
+    assert without_timing(tail[0]) == without_timing(full[2])
+    assert full_done[0].step == 11
+
+
+def test_a_failure_in_the_worker_comes_back_with_its_traceback():
+    monitor = TopoMonitor(check_every=1, background=True, lag=0)
+    rng = np.random.default_rng(1)
+    try:
+        monitor.process(rng.normal(size=(30, 4)), 0)
+        with pytest.raises(RuntimeError, match=r"failed in the background worker(.|\n)*must keep dimension 4"):
+            monitor.process(rng.normal(size=(30, 5)), 1)
+    finally:
+        monitor.close()
+
+
+def test_a_monitor_with_a_running_worker_pickles_and_closing_ends_the_process():
+    monitor = TopoMonitor(check_every=1, background=True)
+    monitor.process(np.random.default_rng(2).normal(size=(30, 4)), 0)
+    process = monitor._worker.process
+    twin = pickle.loads(pickle.dumps(monitor))
+    assert twin._worker is None
+    assert twin.state_dict() == monitor.state_dict()
+    monitor.close()
+    assert process.poll() is not None
+
+
+class Headed(torch.nn.Module):
+    """A body, the watched layer, then a head that must never run during a probe pass."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(6, 8)
+        self.head = torch.nn.Linear(8, 3)
+        self.head_calls = 0
+
+    def forward(self, x):
+        hidden = self.body(x)
+        self.head_calls += 1
+        return self.head(hidden)
+
+
+def test_the_probe_pass_stops_at_the_watched_layer_and_restores_everything():
+    model = Headed().train()
+    probe = Probe(torch.randn(20, 6))
+    features = FeatureExtractor(layer="body", batch_size=8)(model, probe)
+    assert model.head_calls == 0  # three batches, none reached the head
+    np.testing.assert_allclose(features, model.body(torch.stack(probe.items)).detach().numpy(), rtol=1e-6)
+    assert model.training
+    assert not model.body._forward_hooks
+    FeatureExtractor(layer="body", stop_at_layer=False)(model, probe)
+    assert model.head_calls == 1
+
+
+def test_the_probe_pass_runs_in_the_precision_asked_for():
+    model = Headed()
+    probe = Probe(torch.randn(10, 6))
+    bf16 = FeatureExtractor(layer="body", precision="bf16")(model, probe)
+    assert bf16.dtype == np.float32  # pooled and returned in float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model.body(torch.stack(probe.items)).float().numpy()
+    np.testing.assert_array_equal(bf16, expected)
+    full = FeatureExtractor(layer="body")(model, probe)
+    assert not np.array_equal(bf16, full)
+
+
+def test_probe_batches_are_built_once_and_kept():
+    model = Headed()
+    probe = Probe(torch.randn(10, 6))
+    extractor = FeatureExtractor(layer="body", batch_size=4)
+    first = extractor(model, probe)
+    cached = [id(batch) for batch in next(iter(extractor._cache.values()))]
+    second = extractor(model, probe)
+    assert [id(batch) for batch in next(iter(extractor._cache.values()))] == cached
+    np.testing.assert_array_equal(first, second)
+    assert len(extractor._cache) == 1

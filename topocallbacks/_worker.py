@@ -1,0 +1,173 @@
+"""The background check worker: a separate process that runs a :class:`~topocallbacks.pipeline.CheckPipeline`.
+
+A process, not a thread: the check is CPU work in numpy, scipy, GUDHI and Python that would otherwise compete for
+the training loop's interpreter lock. The training process starts it with ``python -m topocallbacks._worker
+READ_FD WRITE_FD`` (a fresh interpreter that imports no torch and never re-runs the user's script), then sends it
+requests over two pipes and reads one reply per evaluation, in order:
+
+* ``("init", settings_dict, state_or_None)``: create the pipeline (from a saved state when resuming);
+* ``("evaluate", step, features)``: a probe check; ``("window", step, batches)``: push streaming batches, then
+  check the window; each answered with ``("ok", record_dict_or_None, shared_state, figures_or_None)`` or
+  ``("error", traceback_text)``;
+* ``("stop",)``, or the pipes closing: exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import traceback
+import weakref
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["WorkerProcess", "main"]
+
+#: Seconds a stopping worker gets to exit before it is killed.
+_STOP_GRACE = 5.0
+
+
+def _serve(receive: Connection, send: Connection) -> int:
+    from .pipeline import CheckPipeline
+    from .settings import MonitorSettings
+
+    pipeline: CheckPipeline | None = None
+    while True:
+        try:
+            message = receive.recv()
+        except EOFError:
+            return 0
+        kind = message[0]
+        if kind == "stop":
+            return 0
+        try:
+            if kind == "init":
+                pipeline = CheckPipeline(MonitorSettings.from_dict(message[1]))
+                if message[2] is not None:
+                    pipeline.load_state_dict(message[2])
+                continue
+            if pipeline is None:
+                raise RuntimeError(f"the worker got {kind!r} before 'init'")
+            if kind == "evaluate":
+                evaluation = pipeline.evaluate(message[2], message[1])
+            elif kind == "window":
+                pipeline.push(message[2])
+                evaluation = pipeline.evaluate_window(message[1])
+            else:
+                raise RuntimeError(f"unknown request {kind!r}")
+            record = None if evaluation.record is None else evaluation.record.as_dict()
+            reply: tuple[Any, ...] = ("ok", record, evaluation.shared, evaluation.figures)
+        except Exception:  # any failure goes back to the training process, with its traceback
+            reply = ("error", traceback.format_exc())
+        try:
+            send.send(reply)
+        except OSError:  # the training process closed the pipes (it stopped us, or it ended): nothing to answer
+            return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``python -m topocallbacks._worker READ_FD WRITE_FD``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    receive = Connection(int(args[0]), writable=False)
+    send = Connection(int(args[1]), readable=False)
+    try:
+        return _serve(receive, send)
+    finally:
+        receive.close()
+        send.close()
+
+
+def _shutdown(process: subprocess.Popen[bytes], send: Connection, receive: Connection) -> None:
+    with contextlib.suppress(OSError):  # the worker may be gone already
+        send.send(("stop",))
+    send.close()
+    receive.close()
+    try:
+        process.wait(timeout=_STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class WorkerProcess:
+    """The training process's handle on a worker: start it, send requests, read replies, stop it.
+
+    Args:
+        settings: the monitor's settings as a dict (``MonitorSettings.as_dict()``).
+        state: a pipeline state to start from (a resumed run), or None.
+        threads: threads the worker's numerical libraries may use (``OMP_NUM_THREADS`` and friends).
+
+    Raises:
+        RuntimeError: the worker could not be started.
+    """
+
+    def __init__(self, settings: dict[str, Any], state: dict[str, Any] | None, *, threads: int) -> None:
+        to_worker_read, to_worker_write = os.pipe()
+        from_worker_read, from_worker_write = os.pipe()
+        env = dict(os.environ)
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[name] = str(threads)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        command = [sys.executable, "-m", "topocallbacks._worker", str(to_worker_read), str(from_worker_write)]
+        try:
+            self.process = subprocess.Popen(
+                command, pass_fds=(to_worker_read, from_worker_write), env=env, stdin=subprocess.DEVNULL
+            )
+        finally:
+            os.close(to_worker_read)
+            os.close(from_worker_write)
+        self.send = Connection(to_worker_write, readable=False)
+        self.receive = Connection(from_worker_read, writable=False)
+        self._finalizer = weakref.finalize(self, _shutdown, self.process, self.send, self.receive)
+        self.send.send(("init", settings, state))
+
+    def request(self, message: tuple[Any, ...]) -> None:
+        """Send one request (answered later, in order, by :meth:`reply`).
+
+        Raises:
+            RuntimeError: the worker is gone.
+        """
+        try:
+            self.send.send(message)
+        except OSError as exc:
+            raise self._died() from exc
+
+    def reply(self) -> tuple[dict[str, Any] | None, dict[str, Any], Any, float]:
+        """The next reply, waiting for it if needed.
+
+        Returns:
+            The record (as a dict, or None), the pipeline's shared state, the figure diagrams, and the seconds
+            spent waiting.
+
+        Raises:
+            RuntimeError: the evaluation failed in the worker (with its traceback), or the worker died.
+        """
+        start = time.perf_counter()
+        try:
+            answer = self.receive.recv()
+        except (EOFError, OSError) as exc:
+            raise self._died() from exc
+        waited = time.perf_counter() - start
+        if answer[0] == "error":
+            raise RuntimeError(f"a topocallbacks check failed in the background worker:\n{answer[1]}")
+        return answer[1], answer[2], answer[3], waited
+
+    def close(self) -> None:
+        """Stop the worker (it finishes the request in hand, if any; killed after a grace period)."""
+        self._finalizer()
+
+    def _died(self) -> RuntimeError:
+        code = self.process.poll()
+        return RuntimeError(
+            f"the topocallbacks background check worker (pid {self.process.pid}) died (exit code {code}); "
+            "its error, if any, is above on stderr"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The stateful evaluation of checks: features -> transform -> ε -> MMHM -> measure -> policy -> a record.
+
+:class:`CheckPipeline` imports no torch and pickles, so the same object runs in the training process (synchronous
+mode) or in the background worker (:mod:`topocallbacks._worker`); :class:`~topocallbacks.TopoMonitor` keeps a
+mirror of its state from what each result carries (:meth:`CheckPipeline.share`), exactly as a distributed rank
+adopts rank 0's state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ._state import StateFields, Stateful
+from ._validation import as_points
+from .check import ORIENTATION, CheckRecord, measure
+from .exceptions import InputError, NonFiniteError
+from .functional.collapse import calibrate_epsilon
+from .functional.topology import _persistence_diagrams, _subsample
+from .mmhm import MMHM
+from .policy import Policy
+from .settings import MonitorSettings
+from .transform import FeatureTransform
+
+__all__ = ["CheckPipeline", "Evaluation"]
+
+Diagrams = list[NDArray[np.float64]]
+
+
+def _diagrams_to_lists(diagrams: Diagrams | None) -> Any:
+    return None if diagrams is None else [d.tolist() for d in diagrams]
+
+
+def _diagrams_from_lists(saved: Any) -> Diagrams | None:
+    return None if saved is None else [np.asarray(d, dtype=np.float64).reshape(-1, 2) for d in saved]
+
+
+class Evaluation:
+    """What one evaluation produced.
+
+    The record (None: a streaming window too small to check), the pipeline's state after it
+    (:meth:`CheckPipeline.share`), and the diagrams of a TensorBoard figure when one is due.
+    """
+
+    __slots__ = ("figures", "record", "shared")
+
+    def __init__(self, record: CheckRecord | None, shared: dict[str, Any], figures: Diagrams | None = None) -> None:
+        self.record = record
+        self.shared = shared
+        self.figures = figures
+
+
+class CheckPipeline(Stateful):
+    """Everything a check depends on from one check to the next, and the evaluation itself.
+
+    Args:
+        settings: the monitor's settings.
+
+    Example:
+        >>> import numpy as np
+        >>> pipeline = CheckPipeline(MonitorSettings())
+        >>> pipeline.evaluate(np.random.default_rng(0).normal(size=(64, 8)), step=0).record.status
+        'ok'
+    """
+
+    _state = StateFields(
+        version=1,
+        fields={
+            "epsilon": "epsilon_",
+            "transform": "transform",
+            "policy": "policy",
+            "diagrams": "_diagrams",
+            "engine": "_engine_state",
+            "checks": "checks_",
+            "stream_diverged": "stream_diverged_",
+        },
+        encode={"diagrams": _diagrams_to_lists},
+        decode={"diagrams": _diagrams_from_lists},
+    )
+
+    def __init__(self, settings: MonitorSettings) -> None:
+        self.settings = settings
+        self.policy = Policy(settings.rule)
+        self.transform = FeatureTransform(settings.transform, streaming=self.streaming, seed=settings.seed)
+        self.epsilon_: float | None = settings.index.epsilon
+        self.engine_: MMHM | None = None
+        self._engine_saved: dict[str, Any] | None = None  # a loaded engine state, until the engine exists again
+        self._diagrams: Diagrams | None = None  # the last check's, for diagram drift
+        self.checks_ = 0
+        self.stream_diverged_ = False  # streaming: a batch with NaN or Inf arrived since the last check
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the pipeline watches a streaming window."""
+        return self.settings.schedule.mode == "stream"
+
+    # --- evaluation ---------------------------------------------------------------------------------------
+
+    def evaluate(self, features: Any, step: int) -> Evaluation:
+        """Probe mode: evaluate one check of features ``(n, d)``.
+
+        NaN or Inf features give a ``"diverged"`` record and the policy's ``on_diverged`` action.
+
+        Raises:
+            InputError: features of the wrong shape, or whose dimension changed since the first check.
+        """
+        start = time.perf_counter()
+        cloud = self._as_cloud(features)
+        if cloud is None:
+            return self._diverged(step, start)
+        cloud = self.transform(cloud)
+        engine = self._engine(cloud)
+        betti = engine._update(cloud)
+        return self._measure(cloud, (betti.b0, betti.b1), step, start, engine)
+
+    def push(self, batches: Sequence[tuple[int, Any]]) -> None:
+        """Streaming mode: add training batches' features ``[(step, (b, d)), ...]`` to the window, oldest first.
+
+        Each batch keeps a seeded subset of at most ``points_per_batch`` rows (the training adapters' capture keeps
+        it already); a batch with NaN or Inf is left out and makes the next check a diverged one. The batches go
+        into the window in one push: the window ends up with the same points as after one push per batch.
+        """
+        clouds = []
+        limit = self.settings.schedule.points_per_batch
+        for step, features in batches:
+            cloud = self._as_cloud(features, min_samples=1)
+            if cloud is None:
+                self.stream_diverged_ = True
+                continue
+            if limit is not None and cloud.shape[0] > limit:
+                rows = np.random.default_rng((self.settings.seed, step)).choice(cloud.shape[0], limit, replace=False)
+                cloud = cloud[np.sort(rows)]
+            clouds.append(self.transform(cloud))
+        if clouds:
+            joined = np.concatenate(clouds) if len(clouds) > 1 else clouds[0]
+            self._engine(joined)._push_batch(joined)
+
+    def evaluate_window(self, step: int) -> Evaluation:
+        """Streaming mode: evaluate the window (the record is None while it holds fewer than 2 points)."""
+        start = time.perf_counter()
+        if self.stream_diverged_:
+            self.stream_diverged_ = False
+            return self._diverged(step, start)
+        engine = self.engine_
+        if engine is None or engine.n_points < 2:
+            return Evaluation(None, self.share())
+        betti = engine.betti_numbers()
+        return self._measure(engine.points, (betti.b0, betti.b1), step, start, engine)
+
+    # --- internals ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_cloud(features: Any, min_samples: int = 2) -> NDArray[np.float64] | None:
+        """Validated features, or None when they hold NaN or Inf (a diverged check)."""
+        try:
+            return as_points(features, "features", min_samples=min_samples)
+        except NonFiniteError:
+            return None
+
+    def _engine(self, cloud: NDArray[np.float64]) -> MMHM:
+        """The engine, created at the first check once ε is calibrated on its (transformed) cloud."""
+        if self.engine_ is None:
+            if self.epsilon_ is None:
+                if cloud.shape[0] < 2:
+                    raise InputError("ε calibration needs at least 2 points in the first check or batch")
+                self.epsilon_ = calibrate_epsilon(cloud, self.settings.index, self.settings.seed)
+            self.engine_ = MMHM(epsilon=self.epsilon_, window=self._window(cloud.shape[1]))
+            if self._engine_saved is not None:
+                self.engine_.load_state_dict(self._engine_saved)
+                self._engine_saved = None
+        return self.engine_
+
+    def _window(self, dim: int) -> int | None:
+        """Streaming: the window, capped so that a check of it fits ``check_budget_ms`` (None in probe mode)."""
+        if not self.streaming:
+            return None
+        schedule = self.settings.schedule
+        affordable = MMHM(epsilon=1.0).largest_n_within(schedule.check_budget_ms / 1e3, dim)
+        return max(2, min(schedule.window, affordable))
+
+    def _measure(
+        self, cloud: NDArray[np.float64], betti: tuple[int, int], step: int, start: float, engine: MMHM
+    ) -> Evaluation:
+        s = self.settings
+        if self.epsilon_ is None:  # pragma: no cover - the engine exists, so ε was calibrated
+            raise RuntimeError("the pipeline evaluated a cloud before calibrating ε")
+        found = measure(cloud, self.epsilon_, s.index, previous=self._diagrams, betti=betti, seed=s.seed)
+        self._diagrams = found.diagrams
+        value = found.index_value
+        decision = self.policy.decide(step, None if value is None else ORIENTATION[s.index.name] * value)
+        self.checks_ += 1
+        record = CheckRecord(
+            step=step,
+            status="ok",
+            index=s.index.name,
+            index_value=value,
+            decision=decision,
+            check_ms=(time.perf_counter() - start) * 1e3,
+            report=found.report,
+            engine=engine.last_stats,
+            n_points=int(cloud.shape[0]),
+            window=engine.window,
+        )
+        figures = None  # full (unthresholded) diagrams for a TensorBoard figure, when one is due
+        output = s.output
+        if output.tensorboard_dir is not None and output.diagram_every and self.checks_ % output.diagram_every == 0:
+            figures = _persistence_diagrams(_subsample(cloud, s.index.max_points, s.seed), 1, None)
+        return Evaluation(record, self.share(), figures)
+
+    def _diverged(self, step: int, start: float) -> Evaluation:
+        decision = self.policy.decide(step, None, diverged=True)
+        self.checks_ += 1
+        elapsed = (time.perf_counter() - start) * 1e3
+        record = CheckRecord(step, "diverged", self.settings.index.name, None, decision, elapsed)
+        return Evaluation(record, self.share())
+
+    # --- state --------------------------------------------------------------------------------------------
+
+    def share(self) -> dict[str, Any]:
+        """The state another copy needs to continue from this one (all of it but the engine's points)."""
+        return self.state_dict()
+
+    def receive(self, shared: Mapping[str, Any]) -> None:
+        """Adopt :meth:`share` from another copy (the worker's, or rank 0's)."""
+        self.load_state_dict(shared)
+
+    @property
+    def _engine_state(self) -> dict[str, Any] | None:
+        # The complex is rebuilt exactly from the next check's points: a marker and the cost model, not the points.
+        return self._engine_saved if self.engine_ is None else self.engine_.state_dict(include_points=False)
+
+    @_engine_state.setter
+    def _engine_state(self, value: Mapping[str, Any] | None) -> None:
+        self.engine_ = None
+        self._engine_saved = None if value is None else dict(value)
