@@ -124,6 +124,7 @@ class CheckRecord:
             evaluation in the training loop; only a late worker's remainder in the background).
         probe_ms: the training loop's time to take the features (the probe pass, or the streaming copy).
         window: streaming mode: the window's capacity (None in probe mode).
+        layer: the watched layer's name when several layers are watched (None: the one layer).
     """
 
     kind: ClassVar[str] = "check"
@@ -141,6 +142,7 @@ class CheckRecord:
     wait_ms: float = 0.0
     probe_ms: float = 0.0
     window: int | None = None
+    layer: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -161,6 +163,7 @@ class CheckRecord:
             "wait_ms": self.wait_ms,
             "probe_ms": self.probe_ms,
             "window": self.window,
+            "layer": self.layer,
             "decision": self.decision.as_dict(),
             "report": None if self.report is None else self.report.as_dict(),
             "engine": None if self.engine is None else self.engine.as_dict(),
@@ -170,6 +173,7 @@ class CheckRecord:
     def from_dict(cls, data: Mapping[str, Any]) -> CheckRecord:
         """The inverse of :meth:`as_dict`."""
         fields = {k: v for k, v in data.items() if k != "kind"}
+        fields.setdefault("layer", None)
         fields["decision"] = Decision.from_dict(data["decision"])
         fields["report"] = None if data["report"] is None else CollapseReport.from_dict(data["report"])
         fields["engine"] = None if data["engine"] is None else UpdateStats.from_dict(data["engine"])
