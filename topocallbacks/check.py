@@ -125,6 +125,7 @@ class CheckRecord:
         probe_ms: the training loop's time to take the features (the probe pass, or the streaming copy).
         window: streaming mode: the window's capacity (None in probe mode).
         layer: the watched layer's name when several layers are watched (None: the one layer).
+        density: the share of point pairs joined at ε (0: every point isolated; 1: one clique).
     """
 
     kind: ClassVar[str] = "check"
@@ -143,6 +144,7 @@ class CheckRecord:
     probe_ms: float = 0.0
     window: int | None = None
     layer: str | None = None
+    density: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -164,6 +166,7 @@ class CheckRecord:
             "probe_ms": self.probe_ms,
             "window": self.window,
             "layer": self.layer,
+            "density": self.density,
             "decision": self.decision.as_dict(),
             "report": None if self.report is None else self.report.as_dict(),
             "engine": None if self.engine is None else self.engine.as_dict(),
@@ -174,6 +177,7 @@ class CheckRecord:
         """The inverse of :meth:`as_dict`."""
         fields = {k: v for k, v in data.items() if k != "kind"}
         fields.setdefault("layer", None)
+        fields.setdefault("density", None)
         fields["decision"] = Decision.from_dict(data["decision"])
         fields["report"] = None if data["report"] is None else CollapseReport.from_dict(data["report"])
         fields["engine"] = None if data["engine"] is None else UpdateStats.from_dict(data["engine"])

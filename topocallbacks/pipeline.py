@@ -39,6 +39,10 @@ def _diagrams_from_lists(saved: Any) -> Diagrams | None:
     return None if saved is None else [np.asarray(d, dtype=np.float64).reshape(-1, 2) for d in saved]
 
 
+def _density(edges: int, n: int) -> float:
+    return edges / (n * (n - 1) / 2) if n > 1 else 0.0
+
+
 class Evaluation:
     """What one evaluation produced.
 
@@ -85,7 +89,9 @@ class CheckPipeline(Stateful):
     def __init__(self, settings: MonitorSettings) -> None:
         self.settings = settings
         self.policy = Policy(settings.rule)
-        self.transform = FeatureTransform(settings.transform, streaming=self.streaming, seed=settings.seed)
+        self.transform = FeatureTransform(
+            settings.transform, streaming=self.streaming, seed=settings.seed, window=settings.schedule.window
+        )
         self.epsilon_: float | None = settings.index.epsilon
         self.engine_: MMHM | None = None
         self._engine_saved: dict[str, Any] | None = None  # a loaded engine state, until the engine exists again
@@ -124,7 +130,7 @@ class CheckPipeline(Stateful):
         it already); a batch with NaN or Inf is left out and makes the next check a diverged one. The batches go
         into the window in one push: the window ends up with the same points as after one push per batch.
         """
-        clouds = []
+        clouds: list[NDArray[np.float64]] = []
         limit = self.settings.schedule.points_per_batch
         for step, features in batches:
             cloud = self._as_cloud(features, min_samples=1)
@@ -134,10 +140,28 @@ class CheckPipeline(Stateful):
             if limit is not None and cloud.shape[0] > limit:
                 rows = np.random.default_rng((self.settings.seed, step)).choice(cloud.shape[0], limit, replace=False)
                 cloud = cloud[np.sort(rows)]
+            if self.transform.track(cloud):  # the features drifted out of the frame: re-express the window
+                self._push_clouds(clouds)
+                clouds = []
+                self._reframe()
             clouds.append(self.transform(cloud))
+        self._push_clouds(clouds)
+
+    def _push_clouds(self, clouds: list[NDArray[np.float64]]) -> None:
         if clouds:
             joined = np.concatenate(clouds) if len(clouds) > 1 else clouds[0]
             self._engine(joined)._push_batch(joined)
+
+    def _reframe(self) -> None:
+        """Adopt the transform's new frame and re-express the window in it (the engine rebuilds from the points)."""
+        scale, offset = self.transform.reframe()
+        old = self.engine_
+        if old is None or old.n_points == 0:
+            return
+        engine = MMHM(epsilon=old.epsilon, window=old.window)
+        engine.cost_model = old.cost_model  # what it learned about this machine carries over
+        engine._push_batch(old.points * scale + offset)
+        self.engine_ = engine
 
     def evaluate_window(self, step: int) -> Evaluation:
         """Streaming mode: evaluate the window (the record is None while it holds fewer than 2 points)."""
@@ -204,6 +228,7 @@ class CheckPipeline(Stateful):
             engine=engine.last_stats,
             n_points=int(cloud.shape[0]),
             window=engine.window,
+            density=_density(engine.n_edges, int(cloud.shape[0])),
         )
         figures = None  # full (unthresholded) diagrams for a TensorBoard figure, when one is due
         output = s.output

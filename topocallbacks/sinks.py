@@ -43,6 +43,8 @@ def scalars_of(record: CheckRecord) -> dict[str, float]:
     }
     if record.index_value is not None:
         scalars["topo/index"] = record.index_value
+    if record.density is not None:
+        scalars["topo/density"] = record.density
     for name, value in report.components.items():
         scalars[f"topo/{name}_term"] = value
     return {key: float(value) for key, value in scalars.items()}

@@ -15,6 +15,12 @@ from .settings import TransformSettings
 __all__ = ["FeatureTransform"]
 
 
+#: Streaming: the factor by which the features' running radius may drift from the window frame's before a reframe.
+REFRAME_FACTOR = math.sqrt(2.0)
+#: Streaming: how far (in frame radii) the running centre may drift before a reframe.
+REFRAME_SHIFT = 0.5
+
+
 def _to_list(value: NDArray[np.float64] | None) -> Any:
     return None if value is None else value.tolist()
 
@@ -31,8 +37,12 @@ class FeatureTransform(Stateful):
     call and kept, so that point ``i`` means the same thing at every check.
 
     Normalisation (``settings.normalize``): in probe mode each cloud is centred and scaled to unit RMS radius, so a
-    fixed ε keeps its meaning while the network's feature scale drifts; in streaming mode the centre and radius are
-    fitted once, on the first batch, so that the points already in the window keep their coordinates.
+    fixed ε keeps its meaning while the network's feature scale drifts. In streaming mode the window's points must
+    share one frame: the centre and radius are fitted on the first batch and kept while a running estimate of them
+    (an average over about a window's worth of batches, :meth:`track`) stays close; once the features' radius has
+    moved by more than :data:`REFRAME_FACTOR` either way, or their centre by more than :data:`REFRAME_SHIFT` radii,
+    :meth:`reframe` adopts the running estimate and gives the map that re-expresses the points already in the
+    window, so that a fixed ε keeps its meaning there too.
 
     Args:
         settings: a :class:`~topocallbacks.settings.TransformSettings`.
@@ -56,15 +66,33 @@ class FeatureTransform(Stateful):
             "matrix": "matrix_",
             "centre": "centre_",
             "radius": "radius_",
+            "running_mean": "running_mean_",
+            "running_square": "running_square_",
+            "reframes": "reframes_",
         },
-        encode={"mean": _to_list, "components": _to_list, "matrix": _to_list, "centre": _to_list},
-        decode={"mean": _to_array, "components": _to_array, "matrix": _to_array, "centre": _to_array},
+        encode={
+            "mean": _to_list,
+            "components": _to_list,
+            "matrix": _to_list,
+            "centre": _to_list,
+            "running_mean": _to_list,
+        },
+        decode={
+            "mean": _to_array,
+            "components": _to_array,
+            "matrix": _to_array,
+            "centre": _to_array,
+            "running_mean": _to_array,
+        },
     )
 
-    def __init__(self, settings: TransformSettings | None = None, *, streaming: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self, settings: TransformSettings | None = None, *, streaming: bool = False, seed: int = 0, window: int = 1024
+    ) -> None:
         self.settings = TransformSettings() if settings is None else settings
         self.streaming = bool(streaming)
         self.seed = seed
+        self.window = window
         self.reset()
 
     def reset(self) -> None:
@@ -75,6 +103,9 @@ class FeatureTransform(Stateful):
         self.matrix_: NDArray[np.float64] | None = None
         self.centre_: NDArray[np.float64] | None = None
         self.radius_: float | None = None
+        self.running_mean_: NDArray[np.float64] | None = None  # streaming: the running centre (projected units)
+        self.running_square_: float | None = None  # streaming: the running mean squared norm
+        self.reframes_ = 0
 
     @property
     def fitted(self) -> bool:
@@ -94,10 +125,55 @@ class FeatureTransform(Stateful):
             self.matrix_ = rng.normal(size=(cloud.shape[1], s.projection_dim)) / math.sqrt(s.projection_dim)
         if self.streaming and s.normalize:
             projected = self._project(cloud)
-            self.centre_ = projected.mean(axis=0)
-            radius = float(np.sqrt(np.mean(np.sum((projected - self.centre_) ** 2, axis=1))))
-            self.radius_ = radius if radius > 0 else 1.0
+            self.running_mean_ = projected.mean(axis=0)
+            self.running_square_ = float(np.mean(np.sum(projected**2, axis=1)))
+            self.centre_, self.radius_ = self._running_frame()
         return self
+
+    def _running_frame(self) -> tuple[NDArray[np.float64], float]:
+        if self.running_mean_ is None or self.running_square_ is None:  # pragma: no cover - set by fit
+            raise RuntimeError("the streaming transform has no running statistics before its first batch")
+        variance = max(self.running_square_ - float(np.sum(self.running_mean_**2)), 0.0)
+        radius = math.sqrt(variance)
+        return self.running_mean_.copy(), radius if radius > 0 else 1.0
+
+    def track(self, cloud: NDArray[np.float64]) -> bool:
+        """Streaming: update the running centre and radius with a batch; whether the window needs a reframe.
+
+        The running statistics are averages with weight ``batch / window`` per batch, so they follow the features
+        over about a window's worth of points. A reframe is due when the running radius is more than
+        :data:`REFRAME_FACTOR` times larger or smaller than the frame's, or the running centre more than
+        :data:`REFRAME_SHIFT` frame radii away from the frame's centre.
+        """
+        if not self.fitted:
+            self.fit(cloud)
+            return False
+        if self.running_mean_ is None or self.running_square_ is None or self.centre_ is None or self.radius_ is None:
+            return False  # not normalising: nothing to track
+        projected = self._project(cloud)
+        weight = min(1.0, projected.shape[0] / self.window)
+        self.running_mean_ = (1 - weight) * self.running_mean_ + weight * projected.mean(axis=0)
+        square = float(np.mean(np.sum(projected**2, axis=1)))
+        self.running_square_ = (1 - weight) * self.running_square_ + weight * square
+        centre, radius = self._running_frame()
+        ratio = radius / self.radius_
+        shift = float(np.linalg.norm(centre - self.centre_)) / self.radius_
+        return not (1 / REFRAME_FACTOR <= ratio <= REFRAME_FACTOR) or shift > REFRAME_SHIFT
+
+    def reframe(self) -> tuple[float, NDArray[np.float64]]:
+        """Streaming: adopt the running centre and radius as the frame.
+
+        Returns:
+            ``(a, b)``: a point ``x`` of the old frame is ``a * x + b`` in the new one.
+        """
+        if self.centre_ is None or self.radius_ is None:  # pragma: no cover - only after a fit that normalises
+            raise RuntimeError("the streaming transform has no frame to change")
+        centre, radius = self._running_frame()
+        scale = self.radius_ / radius
+        offset = (self.centre_ - centre) / radius
+        self.centre_, self.radius_ = centre, radius
+        self.reframes_ += 1
+        return scale, offset
 
     def __call__(self, cloud: NDArray[np.float64]) -> NDArray[np.float64]:
         """The transformed cloud (fitting first if this is the first one).

@@ -25,7 +25,7 @@ from topocallbacks.settings import IndexSettings
 from topocallbacks.transform import FeatureTransform
 
 #: Bump when a signal's definition changes: cached signal files with another version are recomputed.
-VERSION = 6
+VERSION = 7
 #: The monitor's default index settings (diagram drift watched, the paper's composite beside it).
 INDEX = IndexSettings()
 

@@ -196,6 +196,20 @@ def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp
     assert [r.index_value for r in checks(restored)][:3] == [r.index_value for r in checks(first)][:3]
 
 
+@pytest.mark.slow
+def test_streaming_mode_keeps_a_meaningful_window_over_2000_steps(tmp_path):
+    callback = TopoCollapseTrainerCallback(layer="encoder", mode="stream", check_every=100)
+    args = arguments(tmp_path, max_steps=2000, learning_rate=0.3, optim="sgd", per_device_train_batch_size=64)
+    data = digits_dataset(n=1797)
+    Trainer(model=DigitsNet(), args=args, train_dataset=data, callbacks=[callback]).train()
+    records = checks(callback)
+    assert [r.step for r in records][:2] == [100, 200]  # the window is empty at step 0: no check there
+    assert len(records) == 20
+    full = [r for r in records if r.n_points == r.window]
+    assert len(full) >= 15
+    assert all(r.report.betti0 < r.n_points and 0.001 < r.density < 0.9 for r in full)
+
+
 def test_a_restore_without_the_probe_in_this_process_says_what_to_do():
     with pytest.raises(InputError, match="pass the same probe to the callback of the resumed run"):
         TopoCollapseTrainerCallback(layer="encoder", probe_hash="0" * 64)

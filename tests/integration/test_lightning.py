@@ -273,6 +273,37 @@ def test_streaming_mode_watches_the_training_batches(tmp_path):
     assert "topo/ci" in fit.callback_metrics
 
 
+class DigitsMLP(pl.LightningModule):
+    """An MLP whose hidden features grow about 100x in scale during 2,000 steps of SGD at a high learning rate."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU()
+        )
+        self.head = torch.nn.Linear(32, 10)
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        return torch.nn.functional.cross_entropy(self.head(self.body(images.flatten(1))), labels)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
+
+
+@pytest.mark.slow
+def test_a_streaming_window_stays_meaningful_over_2000_steps_of_drifting_features(tmp_path):
+    callback = TopoCollapseCallback(layer="body", mode="stream", check_every=100)
+    trainer(tmp_path, [callback], max_steps=2000).fit(DigitsMLP(), digits_loader())
+    records = checks(callback)
+    assert len(records) == 20
+    full = [r for r in records if r.n_points == r.window]
+    assert len(full) >= 15
+    assert all(r.report.betti0 < r.n_points and 0.001 < r.density < 0.9 for r in full)
+    assert callback.monitor.pipeline.transform.reframes_ >= 1
+
+
 def test_import_without_lightning_gives_an_install_hint():
     code = (
         "import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None\n"

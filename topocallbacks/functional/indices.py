@@ -22,6 +22,10 @@ from .topology import _as_diagram, _betti_numbers, _subsample
 
 __all__ = ["DEFAULT_QUANTILES", "BettiCurve", "betti_curve", "diagram_distance", "total_persistence"]
 
+#: The largest Wasserstein order :func:`diagram_distance` takes (beyond it, powers of bar lengths lose all but the
+#: longest bars to underflow; the distance is then the bottleneck distance to within rounding).
+MAX_ORDER = 100.0
+
 #: Quantiles of the pairwise distances at which :func:`betti_curve` counts components and loops.
 DEFAULT_QUANTILES = (0.01, 0.02, 0.05, 0.1, 0.2)
 
@@ -158,16 +162,18 @@ def diagram_distance(first: Any, second: Any, order: float = 1.0) -> float:
 
     The usual definition with the L-infinity ground metric: the cheapest matching of the bars of one diagram to
     the bars of the other or to the diagonal, :math:`W_p = (\min \sum \|x - y\|_\infty^p)^{1/p}`, where a bar
-    ``(b, d)`` costs ``(d - b) / 2`` to send to the diagonal. Solved exactly as an assignment problem on the
-    ``(n + m) x (n + m)`` augmented cost matrix (:func:`scipy.optimize.linear_sum_assignment`); GUDHI's Hera can
-    loop forever on diagrams that are equal up to rounding, which consecutive checks produce. Infinite bars are left
+    ``(b, d)`` costs ``(d - b) / 2`` to send to the diagonal. Solved exactly: when every bar of both diagrams is
+    born at the same value (H0 of a Rips filtration) by a dynamic programme over the sorted bar lengths, else as
+    an assignment problem on the ``(n + m) x (n + m)`` augmented cost matrix
+    (:func:`scipy.optimize.linear_sum_assignment`). GUDHI's Hera can loop forever on diagrams that are equal up to
+    rounding, which consecutive checks produce. Infinite bars are left
     out of both, as their number and birth carry no information for a Rips filtration (one essential H0 bar).
     Used as *diagram drift*: the distance between the diagrams of consecutive checks.
 
     Args:
         first: ``(n_bars, 2)`` diagram.
         second: ``(n_bars, 2)`` diagram.
-        order: the Wasserstein exponent, ``>= 1``.
+        order: the Wasserstein exponent, in ``[1, 100]`` (:data:`MAX_ORDER`).
 
     Returns:
         A float ``>= 0``; 0 for equal diagrams.
@@ -183,25 +189,59 @@ def diagram_distance(first: Any, second: Any, order: float = 1.0) -> float:
         >>> diagram_distance([[0.0, 4.0]], [[0.0, 1.0]])  # both to the diagonal (2 + 0.5) beats one move (3)
         2.5
     """
-    p = check_number(order, "order", low=1.0, low_open=False)
+    p = check_number(order, "order", low=1.0, high=MAX_ORDER, low_open=False, high_open=False)
     return _diagram_distance(_as_diagram(first), _as_diagram(second), p)
 
 
 def _diagram_distance(a: NDArray[np.float64], b: NDArray[np.float64], p: float = 1.0) -> float:
     """:func:`diagram_distance` of two validated diagrams."""
-    from scipy.optimize import linear_sum_assignment
-
     a, b = (d[np.isfinite(d[:, 1])] for d in (a, b))
     n, m = a.shape[0], b.shape[0]
     if n == 0 and m == 0:
         return 0.0
-    to_diagonal_a = ((a[:, 1] - a[:, 0]) / 2) ** p
-    to_diagonal_b = ((b[:, 1] - b[:, 0]) / 2) ** p
+    unit = 1.0
+    if p > 1:  # lengths scaled into [0, 1] before the power, so that a large order neither overflows nor underflows
+        unit = float(max(np.max(np.abs(a), initial=0.0), np.max(np.abs(b), initial=0.0))) or 1.0
+        a, b = a / unit, b / unit
+    births = np.concatenate([a[:, 0], b[:, 0]])
+    if np.all(births == births[0]):
+        total = _common_birth_cost(np.sort(a[:, 1] - a[:, 0]), np.sort(b[:, 1] - b[:, 0]), p)
+    else:
+        total = _assignment_cost(a, b, p)
+    return float(total ** (1.0 / p)) * unit
+
+
+def _assignment_cost(a: NDArray[np.float64], b: NDArray[np.float64], p: float) -> float:
+    """The optimal matching's cost by a linear assignment on the augmented cost matrix."""
+    from scipy.optimize import linear_sum_assignment
+
+    n, m = a.shape[0], b.shape[0]
     cost = np.zeros((n + m, n + m))
     cost[:n, :m] = np.max(np.abs(a[:, None, :] - b[None, :, :]), axis=2) ** p
     cost[:n, m:] = np.inf
-    cost[np.arange(n), m + np.arange(n)] = to_diagonal_a
+    cost[np.arange(n), m + np.arange(n)] = ((a[:, 1] - a[:, 0]) / 2) ** p
     cost[n:, :m] = np.inf
-    cost[n + np.arange(m), np.arange(m)] = to_diagonal_b
+    cost[n + np.arange(m), np.arange(m)] = ((b[:, 1] - b[:, 0]) / 2) ** p
     rows, cols = linear_sum_assignment(cost)
-    return float(np.sum(cost[rows, cols]) ** (1.0 / p))
+    return float(np.sum(cost[rows, cols]))
+
+
+def _common_birth_cost(x: NDArray[np.float64], y: NDArray[np.float64], p: float) -> float:
+    """The optimal matching's cost when every bar of both diagrams is born at the same value (an H0 diagram).
+
+    The bars are then points on a line, ``x`` and ``y`` their sorted lengths: matching two costs ``|x - y|^p``
+    (the L-infinity distance of the two points), sending one to the diagonal ``(x / 2)^p``. The cost of a match
+    is a convex function of ``x - y``, so crossing matches can be uncrossed at no extra cost and an optimal
+    matching pairs the bars in order: a dynamic programme over the two sorted sequences finds it exactly in
+    ``O(n m)``, one vectorised row at a time (a running minimum resolves the row's left-to-right dependency).
+    """
+    to_diagonal_x, to_diagonal_y = (x / 2) ** p, (y / 2) ** p
+    before_y = np.concatenate([[0.0], np.cumsum(to_diagonal_y)])  # cost of sending y[:j] to the diagonal
+    row = before_y.copy()  # the best cost of x[:0] against y[:j]
+    for i in range(x.size):
+        match = row[:-1] + np.abs(x[i] - y) ** p
+        candidates = np.empty_like(row)
+        candidates[0] = row[0] + to_diagonal_x[i]
+        candidates[1:] = np.minimum(row[1:] + to_diagonal_x[i], match)
+        row = before_y + np.minimum.accumulate(candidates - before_y)
+    return float(row[-1])

@@ -16,7 +16,14 @@ from .._validation import as_points, check_int, check_positive_float, check_seed
 from ..exceptions import InputError
 from ._distances import epsilon_edges, power_of_two_scale
 
-__all__ = ["BettiNumbers", "betti_numbers", "persistence_diagrams", "persistence_entropy"]
+__all__ = [
+    "BettiNumbers",
+    "betti_numbers",
+    "betti_numbers_of_graph",
+    "persistence_diagrams",
+    "persistence_entropy",
+    "without_dominated_vertices",
+]
 
 
 class BettiNumbers(NamedTuple):
@@ -40,12 +47,63 @@ def _collapse_until_stable(tree: Any) -> None:
         size = new_size
 
 
+#: Edge density from which dominated vertices are removed before GUDHI's edge collapse (see
+#: :func:`without_dominated_vertices`): near-complete graphs, a collapsed cloud's, collapse to a point at once.
+DENSE_GRAPH = 0.2
+#: Candidate dominating vertices tried (highest degree first).
+_DOMINATION_CANDIDATES = 64
+
+
+def without_dominated_vertices(
+    n_vertices: int, rows: NDArray[np.intp], cols: NDArray[np.intp], candidates: int = _DOMINATION_CANDIDATES
+) -> tuple[int, NDArray[np.intp], NDArray[np.intp]]:
+    """A smaller graph whose flag complex has the homotopy type of this one's: dominated vertices removed.
+
+    A vertex ``v`` is dominated by a neighbour ``u`` when its closed neighbourhood lies in ``u``'s
+    (``N[v] ⊆ N[u]``); the flag complex then deformation-retracts onto the graph without ``v`` (a strong
+    collapse), so β0 and β1 are unchanged. Every neighbour that ``u`` dominates is removed at once (``u`` stays,
+    so each remains dominated while the others go), for up to ``candidates`` vertices ``u`` of highest degree. A
+    complete graph becomes one vertex after the first.
+
+    Returns:
+        The remaining vertex count and the edges between the remaining vertices, relabelled ``0..n'-1``.
+
+    Example:
+        >>> import numpy as np
+        >>> rows, cols = np.triu_indices(5, 1)  # a complete graph on 5 vertices
+        >>> without_dominated_vertices(5, rows, cols)[0]
+        1
+    """
+    adjacency = np.zeros((n_vertices, n_vertices), dtype=bool)
+    adjacency[rows, cols] = True
+    adjacency[cols, rows] = True
+    np.fill_diagonal(adjacency, True)  # closed neighbourhoods
+    alive = np.ones(n_vertices, dtype=bool)
+    for u in np.argsort(-adjacency.sum(axis=1), kind="stable")[:candidates]:
+        if not alive[u]:
+            continue
+        neighbours = np.flatnonzero(adjacency[u] & alive)
+        neighbours = neighbours[neighbours != u]
+        outside = np.flatnonzero(alive & ~adjacency[u])
+        dominated = (
+            ~adjacency[np.ix_(neighbours, outside)].any(axis=1) if outside.size else np.ones(neighbours.size, bool)
+        )
+        alive[neighbours[dominated]] = False
+    keep = np.flatnonzero(alive)
+    kept_rows, kept_cols = np.nonzero(np.triu(adjacency[np.ix_(keep, keep)], 1))
+    return int(keep.size), kept_rows.astype(np.intp), kept_cols.astype(np.intp)
+
+
 def betti_numbers_of_graph(n_vertices: int, rows: NDArray[np.intp], cols: NDArray[np.intp]) -> BettiNumbers:
     """β0 and β1 of the flag complex of a graph on ``n_vertices`` vertices with edges ``(rows[k], cols[k])``.
 
     GUDHI's edge collapse shrinks the graph to one whose flag complex has the same homology before the
-    2-skeleton is built, so a dense graph never has its triangles enumerated.
+    2-skeleton is built, so a dense graph never has its triangles enumerated; a graph of density at least
+    :data:`DENSE_GRAPH` first loses its dominated vertices (:func:`without_dominated_vertices`), which turns the
+    near-complete graphs of a collapsed cloud into a point in milliseconds where the edge collapse takes seconds.
     """
+    if n_vertices > 2 and rows.size >= DENSE_GRAPH * n_vertices * (n_vertices - 1) / 2:
+        n_vertices, rows, cols = without_dominated_vertices(n_vertices, rows, cols)
     tree = gudhi.SimplexTree()
     tree.insert_batch(np.arange(n_vertices, dtype=np.int64)[None, :], np.zeros(n_vertices))
     if rows.size:
@@ -165,7 +223,8 @@ def _persistence_diagrams(
     scale = power_of_two_scale(sample, *(() if limit is None else (limit,)))
     rips = gudhi.RipsComplex(points=sample * scale, max_edge_length=np.inf if limit is None else limit * scale)
     tree = rips.create_simplex_tree(max_dimension=1)
-    _collapse_until_stable(tree)
+    # One pass: it removes most edges, and any number of passes leaves the persistence diagrams as they are.
+    tree.collapse_edges()
     tree.expansion(dims + 1)
     tree.compute_persistence(homology_coeff_field=2, persistence_dim_max=True)
     diagrams = []

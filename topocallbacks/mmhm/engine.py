@@ -555,15 +555,19 @@ class MMHM:
 
         The cheapest prediction wins, except that a path measured fewer than ``_EXPLORE_MIN_SEEN`` times is tried
         when its prediction is within ``_EXPLORE_RATIO`` of the best, and one not tried for ``_REVISIT_EVERY``
-        updates is tried again within ``_REVISIT_RATIO``: a model that never measures a path never learns it.
+        updates is tried again when within ``_REVISIT_RATIO`` of the best, a ratio that doubles with every further
+        ``_REVISIT_EVERY`` updates it stays untried: a model that never measures a path never learns it, and
+        coefficients learned in another regime (a dense phase early in training, say) would otherwise lock it out
+        for ever. A trial is cheap: an incremental path that runs past its deadline rebuilds.
         """
         ranked = sorted(estimates, key=lambda estimate: estimate.seconds)
         best = ranked[0]
         for other in ranked[1:]:
             seen = self.cost_model.observations_[other.path]
             idle = self._updates - self._last_tried.get(other.path, -_REVISIT_EVERY)
+            allowed = _REVISIT_RATIO * 2.0 ** ((idle - _REVISIT_EVERY) / _REVISIT_EVERY)
             if (seen < _EXPLORE_MIN_SEEN and other.seconds <= _EXPLORE_RATIO * best.seconds) or (
-                idle >= _REVISIT_EVERY and other.seconds <= _REVISIT_RATIO * best.seconds
+                idle >= _REVISIT_EVERY and other.seconds <= allowed * best.seconds
             ):
                 return (
                     other.path,

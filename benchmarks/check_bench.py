@@ -1,0 +1,152 @@
+"""The whole check's CPU cost, features given: real probe features at n = 512 ... 4,096, healthy and collapsed.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_bench.py            # about 3 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_bench.py --quick    # n = 512 and 1,024 only
+
+What is timed is :meth:`topocallbacks.pipeline.CheckPipeline.evaluate` at the monitor's defaults (normalised
+features, ε calibrated at the first check, the MMHM engine, the composite with its 256-point diagrams, diagram
+drift against the previous check, the policy): the work a background worker does per probe check. The features
+are a small CNN's pooled 64-d features of Fashion-MNIST test images after 300 training steps (digits when
+Fashion-MNIST is not installed). Per n: a first check (ε calibrated on it), then three checks of the same images
+a few steps of training later (every point moved: a real probe check), then three checks of a *collapsed* cloud:
+the same points pulled 99.9 % of the way onto 4 of them, so that at the calibrated ε the graph is a few cliques,
+the regime that made GUDHI's edge collapse cubic. Reported: the median time of each kind, and the peak of the
+Python-visible allocations (``tracemalloc``; GUDHI's C++ memory is not included). Writes
+``benchmarks/results/check_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from topocallbacks.pipeline import CheckPipeline  # noqa: E402
+from topocallbacks.settings import MonitorSettings  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def images() -> tuple[torch.Tensor, torch.Tensor, str]:
+    try:
+        from data import fashion_mnist
+
+        x, y = fashion_mnist("test")
+        return torch.tensor(x).unsqueeze(1), torch.tensor(y), "Fashion-MNIST"
+    except FileNotFoundError:
+        from sklearn.datasets import load_digits
+
+        data = load_digits()
+        x = torch.tensor(data.images / 16.0, dtype=torch.float32).unsqueeze(1)
+        return x, torch.tensor(data.target), "digits"
+
+
+def feature_snapshots(n: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """Pooled features of the first ``n`` images after 300 training steps, and after 5 more."""
+    x, y, source = images()
+    n = min(n, len(x))
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+    )
+    head = torch.nn.Linear(64, 10)
+    optimizer = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.05, momentum=0.9)
+    generator = torch.Generator().manual_seed(0)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            batch = torch.randint(0, len(x), (64,), generator=generator)
+            loss = torch.nn.functional.cross_entropy(head(body(x[batch])), y[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    def features() -> np.ndarray:
+        with torch.no_grad():
+            return body(x[:n]).double().numpy()
+
+    train(300)
+    first = features()
+    train(5)
+    return first, features(), source
+
+
+def collapsed(cloud: np.ndarray) -> np.ndarray:
+    """The points pulled 99.9 % of the way onto 4 of them (cluster cores a thousand times tighter)."""
+    centres = cloud[np.arange(len(cloud)) % 4]
+    return centres + 1e-3 * (cloud - centres)
+
+
+def timed(pipeline: CheckPipeline, cloud: np.ndarray, step: int) -> tuple[float, int]:
+    tracemalloc.start()
+    start = time.perf_counter()
+    pipeline.evaluate(cloud, step)
+    elapsed = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return elapsed * 1e3, peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "check_bench.json")
+    args = parser.parse_args(argv)
+    sizes = (512, 1024) if args.quick else (512, 1024, 2048, 4096)
+    first, later, source = feature_snapshots(max(sizes))
+    rows = []
+    for n in sizes:
+        if n > len(first):
+            print(f"n = {n}: only {len(first)} images in {source}; skipped")
+            continue
+        rng = np.random.default_rng(n)
+        pipeline = CheckPipeline(MonitorSettings())
+        pipeline.evaluate(first[:n], 0)  # calibrates ε
+        healthy = [timed(pipeline, later[:n] + 1e-6 * rng.normal(size=(n, 64)), step) for step in range(1, 4)]
+        squeezed = [timed(pipeline, collapsed(later[:n]) + 1e-9 * rng.normal(size=(n, 64)), s) for s in range(4, 7)]
+        row = {
+            "n": n,
+            "healthy_ms": statistics.median(t for t, _ in healthy),
+            "collapsed_ms": statistics.median(t for t, _ in squeezed),
+            "healthy_peak_mib": max(p for _, p in healthy) / 2**20,
+            "collapsed_peak_mib": max(p for _, p in squeezed) / 2**20,
+        }
+        rows.append(row)
+        print(
+            f"n = {n:5d}: healthy {row['healthy_ms']:8.1f} ms (peak {row['healthy_peak_mib']:6.1f} MiB), "
+            f"collapsed {row['collapsed_ms']:8.1f} ms (peak {row['collapsed_peak_mib']:6.1f} MiB)",
+            flush=True,
+        )
+    table = ["| n | healthy check ms | collapsed check ms | peak MiB (healthy / collapsed) |", "|---|---|---|---|"]
+    table += [
+        f"| {r['n']} | {r['healthy_ms']:.1f} | {r['collapsed_ms']:.1f} | "
+        f"{r['healthy_peak_mib']:.1f} / {r['collapsed_peak_mib']:.1f} |"
+        for r in rows
+    ]
+    print("\n".join(table))
+    payload = {"features": source, "machine": platform.platform(), "rows": rows, "table": "\n".join(table)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

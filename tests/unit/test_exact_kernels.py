@@ -1,0 +1,144 @@
+"""The faster kernels of a check give what the reference computations give: GUDHI, scipy, a linear assignment."""
+
+import gudhi
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.strategies import clouds_with_epsilon, point_clouds
+from topocallbacks import InputError
+from topocallbacks import functional as F
+from topocallbacks.functional._distances import epsilon_edges, pairwise_distances, power_of_two_scale
+from topocallbacks.functional.collapse import mst_edge_lengths
+from topocallbacks.functional.indices import _assignment_cost, _common_birth_cost
+from topocallbacks.functional.topology import (
+    _collapse_until_stable,
+    _persistence_diagrams,
+    betti_numbers_of_graph,
+    without_dominated_vertices,
+)
+
+
+def gudhi_graph_betti(n, rows, cols):
+    """β0, β1 of a graph's flag complex straight from GUDHI: full 2-skeleton, no reduction."""
+    tree = gudhi.SimplexTree()
+    for v in range(n):
+        tree.insert([v])
+    for u, v in zip(rows.tolist(), cols.tolist(), strict=True):
+        tree.insert([u, v])
+    tree.expansion(2)
+    tree.compute_persistence(homology_coeff_field=2, persistence_dim_max=True)
+    betti = tree.betti_numbers()
+    return betti[0], betti[1] if len(betti) > 1 else 0
+
+
+@st.composite
+def dense_graphs(draw):
+    n = draw(st.integers(3, 22))
+    density = draw(st.floats(0.2, 1.0))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rows, cols = np.triu_indices(n, 1)
+    keep = rng.uniform(size=rows.size) < density
+    return n, rows[keep].astype(np.intp), cols[keep].astype(np.intp)
+
+
+@given(dense_graphs())
+def test_removing_dominated_vertices_keeps_the_betti_numbers(graph):
+    n, rows, cols = graph
+    expected = gudhi_graph_betti(n, rows, cols)
+    smaller = without_dominated_vertices(n, rows, cols)
+    assert smaller[0] <= n
+    assert gudhi_graph_betti(*smaller) == expected
+    assert tuple(betti_numbers_of_graph(n, rows, cols)) == expected
+
+
+def test_a_complete_graph_is_one_vertex_and_a_collapsed_cloud_is_cheap():
+    rows, cols = np.triu_indices(400, 1)
+    assert without_dominated_vertices(400, rows, cols)[0] == 1
+    collapsed = 1.0 + 1e-6 * np.random.default_rng(0).normal(size=(600, 8))
+    assert F.betti_numbers(collapsed, epsilon=1.0) == (1, 0)
+
+
+@given(clouds_with_epsilon(max_points=30))
+def test_betti_numbers_with_the_reduction_match_gudhi_rips(data):
+    cloud, epsilon = data
+    rows, cols = epsilon_edges(cloud, epsilon)
+    assert tuple(F.betti_numbers(cloud, epsilon)) == gudhi_graph_betti(cloud.shape[0], rows, cols)
+
+
+def kruskal(distances):
+    """The sorted edge lengths of a minimum spanning tree, by Kruskal with union-find (the reference)."""
+    n = len(distances)
+    parent = list(range(n))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    rows, cols = np.triu_indices(n, 1)
+    taken = []
+    for k in np.argsort(distances[rows, cols], kind="stable"):
+        a, b = root(int(rows[k])), root(int(cols[k]))
+        if a != b:
+            parent[a] = b
+            taken.append(distances[rows[k], cols[k]])
+    return np.sort(np.asarray(taken, dtype=np.float64))
+
+
+@given(point_clouds(min_points=2, max_points=40, max_dim=5))
+def test_prim_gives_the_minimum_spanning_tree_lengths(cloud):
+    distances = pairwise_distances(cloud)
+    ours = np.sort(mst_edge_lengths(distances))
+    np.testing.assert_array_equal(ours, kruskal(distances))
+
+
+@given(point_clouds(min_points=3, max_points=30, max_dim=4))
+def test_one_collapse_pass_gives_the_diagrams_of_collapsing_until_stable(cloud):
+    threshold = F.longest_mst_edge(cloud)
+    ours = _persistence_diagrams(cloud, 1, threshold)
+    scale = power_of_two_scale(cloud, *(() if threshold is None else (threshold,)))  # as the kernel scales
+    limit = np.inf if threshold is None else threshold * scale
+    tree = gudhi.RipsComplex(points=cloud * scale, max_edge_length=limit).create_simplex_tree(max_dimension=1)
+    _collapse_until_stable(tree)
+    tree.expansion(2)
+    tree.compute_persistence(homology_coeff_field=2, persistence_dim_max=True)
+    for dim in (0, 1):
+        reference = np.asarray(tree.persistence_intervals_in_dimension(dim)).reshape(-1, 2) / scale
+        order = np.lexsort((reference[:, 1], reference[:, 0]))
+        np.testing.assert_allclose(ours[dim], reference[order], rtol=1e-12)
+
+
+lengths = st.lists(st.floats(0.0, 50.0, allow_nan=False), max_size=40)
+
+
+@given(lengths, lengths, st.sampled_from([1.0, 2.0, 3.5]))
+def test_the_h0_programme_finds_the_optimal_matching(x, y, order):
+    a = np.c_[np.zeros(len(x)), x].reshape(-1, 2)
+    b = np.c_[np.zeros(len(y)), y].reshape(-1, 2)
+    expected = _assignment_cost(a, b, order) if len(x) + len(y) else 0.0
+    assert _common_birth_cost(np.sort(np.asarray(x)), np.sort(np.asarray(y)), order) == pytest.approx(
+        expected, rel=1e-9, abs=1e-12
+    )
+
+
+bars = st.lists(st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 5.0)), max_size=30)
+
+
+@given(bars, bars)
+def test_the_distance_of_any_diagrams_is_the_optimal_matching(first, second):
+    a = np.array([(birth, birth + length) for birth, length in first]).reshape(-1, 2)
+    b = np.array([(birth, birth + length) for birth, length in second]).reshape(-1, 2)
+    expected = _assignment_cost(a, b, 1.0) if len(a) + len(b) else 0.0
+    assert F.diagram_distance(a, b) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_large_orders_neither_overflow_nor_underflow():
+    a, b = [[0.0, 1e200], [0.0, 3e-200]], [[0.0, 2e200]]
+    assert F.diagram_distance(a, b, order=100) == pytest.approx(1e200, rel=1e-6)
+    small = [[0.0, 0.4], [0.0, 0.3]], [[0.0, 0.45]]
+    assert F.diagram_distance(*small, order=60) > 0.1  # (0.3/2)^60 underflows without the rescaling
+    with pytest.raises(InputError, match=r"`order` must be a finite number in \[1, 100\], got 2000"):
+        F.diagram_distance(a, b, order=2000)
