@@ -1,8 +1,10 @@
 """torch.distributed helpers shared by the training adapters (no training framework involved).
 
-The probe can be split across ranks: rank ``r`` runs samples ``r, r + world, r + 2 * world, ...``; every rank
-pads its share to the same length (as a DistributedSampler would), the shares are all-gathered, and the padding
-is dropped while putting the samples back in probe order, so no sample is counted twice. One rank then decides,
+The probe can be split across ranks: rank ``r`` runs samples ``r, r + world, r + 2 * world, ...``, its share padded
+to the same length on every rank by repeating a sample (as a DistributedSampler would), so that every rank runs the
+same number of forward passes of the same sizes (a sharded model, FSDP, needs every rank in every forward); the
+shares are all-gathered and the padding dropped while putting the samples back in probe order, so no sample is
+counted twice. One rank then decides,
 and the decision is broadcast so that every rank acts at the same step.
 """
 
@@ -42,19 +44,18 @@ def shard(n: int, rank: int, world: int) -> list[int]:
 def gather_probe_features(compute: Callable[[Sequence[int]], NDArray[np.float32]], n: int) -> NDArray[np.float32]:
     """Features of all ``n`` probe samples, each rank computing its shard with ``compute(indices)``.
 
-    Outside distributed training, ``compute(range(n))``. Inside, the shares are padded to ``ceil(n / world)``
-    rows by repeating a row, all-gathered, and reassembled in probe order without the padding.
+    Outside distributed training, ``compute(range(n))``. Inside, every rank computes ``ceil(n / world)`` rows (its
+    shard, padded by repeating its last sample, or sample 0 for a rank with none), the shares are all-gathered and
+    reassembled in probe order without the padding.
     """
     rank, world = rank_and_world()
     if world == 1:
         return compute(list(range(n)))
-    indices = shard(n, rank, world)
     per_rank = math.ceil(n / world)
-    # A rank with no sample (n < world) still runs one, so that it knows the feature width; that row is padding.
-    local = compute(indices if indices else [0])
-    have = local.shape[0]
-    padded = np.concatenate([local, np.repeat(local[-1:], per_rank - have, axis=0)]) if have < per_rank else local
-    tensor = torch.from_numpy(np.ascontiguousarray(padded, dtype=np.float32))
+    indices = shard(n, rank, world)
+    indices += [indices[-1] if indices else 0] * (per_rank - len(indices))
+    local = compute(indices)
+    tensor = torch.from_numpy(np.ascontiguousarray(local, dtype=np.float32))
     if dist.get_backend() == "nccl":  # pragma: no cover - GPU only
         tensor = tensor.cuda()
     shares = [torch.empty_like(tensor) for _ in range(world)]

@@ -88,8 +88,10 @@ class TopoMonitor(Stateful):
     Args:
         settings: a :class:`~topocallbacks.settings.MonitorSettings` (a preset's ``settings``, say); default: every
             option at its default.
-        probe: probe inputs (a tensor, a Dataset or a list; see :class:`~topocallbacks.probe.Probe`); needed in
+        probe: probe inputs (a tensor, a Dataset, a list of inputs, a mapping of columns such as a tokenizer's
+            output, or a list of texts with ``tokenizer``; see :class:`~topocallbacks.probe.Probe`); needed in
             probe mode to run :meth:`check` (:meth:`process` takes features directly).
+        tokenizer: a Hugging Face tokenizer for a probe of texts (truncated to ``probe.max_length`` tokens).
         **overrides: any option by name, merged into ``settings`` and validated
             (:meth:`MonitorSettings.merged <topocallbacks.settings.MonitorSettings.merged>`): ``layer``,
             ``check_every``, ``index``, ``max_probe_samples``, ``history_path``, ``background``, ``policy={...}``
@@ -122,7 +124,9 @@ class TopoMonitor(Stateful):
         decode={"history": lambda h: [record_from_dict(r) for r in h]},
     )
 
-    def __init__(self, settings: MonitorSettings | None = None, *, probe: Any = None, **overrides: Any) -> None:
+    def __init__(
+        self, settings: MonitorSettings | None = None, *, probe: Any = None, tokenizer: Any = None, **overrides: Any
+    ) -> None:
         if settings is not None and not isinstance(settings, MonitorSettings):
             raise InputError(f"`settings` must be a MonitorSettings, got {type(settings).__name__}")
         base = MonitorSettings() if settings is None else settings
@@ -130,7 +134,11 @@ class TopoMonitor(Stateful):
         s = self.settings
         self.extractor = None if s.probe.layer is None else FeatureExtractor(s.probe)
         self._loaded_probe_spec: ProbeSpec | None = None
-        self.probe = None if probe is None else Probe(probe, max_samples=s.probe.size, seed=s.seed)
+        self.probe: Probe | None = None
+        if probe is not None:
+            self.probe = self._new_probe(probe, tokenizer)
+        elif tokenizer is not None:
+            raise InputError("`tokenizer` is for a probe of texts; pass the texts as `probe`")
         if self.probe is not None and self.extractor is None:
             raise InputError("`layer` is required with a `probe`: name the module whose output to watch")
         # The pipeline evaluates checks here, or mirrors the background worker's after each result.
@@ -145,11 +153,19 @@ class TopoMonitor(Stateful):
         self._worker: WorkerProcess | None = None
         self._background: bool | None = s.schedule.background
         self.autocast: AutocastFactory | None = None  # set by a training adapter: the trainer's precision
+        #: The names' prefix in loggers and TensorBoard (an adapter sets ``topo/<layer>`` beside other callbacks).
+        self.prefix = s.output.prefix or "topo"
 
     # --- schedule -----------------------------------------------------------------------------------------
 
     def should_check(self, step: int) -> bool:
-        """Whether ``step`` is a check step (every ``check_every`` steps, from step 0)."""
+        """Whether ``step`` is a check step.
+
+        Every ``check_every`` steps: from step 0 in probe mode, from step ``check_every`` on in streaming mode (the
+        window of step 0 would hold a single batch).
+        """
+        if step == 0 and self.settings.schedule.mode == "stream":
+            return False
         return step % self.settings.schedule.check_every == 0
 
     def due(self, step: int) -> bool:
@@ -275,6 +291,46 @@ class TopoMonitor(Stateful):
         apply(decision, actuator, self.settings.interventions, write, step=step)
         return intervention[0]
 
+    def summary(self) -> str:
+        """What happened, in a few lines.
+
+        The checks, the warnings and interventions with their reasons, and where the history and the TensorBoard
+        figures went.
+
+        Example:
+            >>> import numpy as np
+            >>> monitor = TopoMonitor(check_every=1)
+            >>> _ = monitor.process(np.random.default_rng(0).normal(size=(40, 3)), step=0)
+            >>> print(monitor.summary().splitlines()[0])
+            topocallbacks: 1 check (step 0) of diagram_drift; no warning and no intervention.
+        """
+        checks = [r for r in self.history if isinstance(r, CheckRecord)]
+        done = [r for r in self.history if isinstance(r, InterventionRecord)]
+        layer = self.settings.probe.layer
+        watched = f" at layer {layer[0] if len(layer) == 1 else list(layer)}" if layer else ""
+        if not checks:
+            head = f"topocallbacks: no check ran{watched}"
+        else:
+            span = f"step {checks[0].step}" if len(checks) == 1 else f"steps {checks[0].step}-{checks[-1].step}"
+            plural = "check" if len(checks) == 1 else "checks"
+            head = f"topocallbacks: {len(checks)} {plural} ({span}){watched} of {self.settings.index.name}"
+        diverged = sum(1 for r in checks if not r.ok)
+        if diverged:
+            head += f", {diverged} diverged"
+        warned = [r for r in done if r.action == "warn"]
+        acted = [r for r in done if r.action != "warn"]
+        if not done:
+            lines = [f"{head}; no warning and no intervention."]
+        else:
+            lines = [f"{head}; {len(warned)} warning(s), {len(acted)} intervention(s):"]
+            lines += [f"  step {r.step}: {r.action}: {r.reason} ({r.detail})" for r in done]
+        output = self.settings.output
+        if output.history_path is not None:
+            lines.append(f"  history: {output.history_path}")
+        if output.tensorboard_dir is not None:
+            lines.append(f"  TensorBoard: {output.tensorboard_dir}")
+        return "\n".join(lines)
+
     @property
     def last_record(self) -> CheckRecord | None:
         """The latest check record."""
@@ -282,16 +338,20 @@ class TopoMonitor(Stateful):
 
     # --- probe --------------------------------------------------------------------------------------------
 
-    def set_probe(self, source: Any) -> None:
+    def set_probe(self, source: Any, tokenizer: Any = None) -> None:
         """Set the probe after construction (e.g. from a dataloader's dataset), checked against a loaded state.
 
         Raises:
             InputError: a bad source, or one whose contents differ from the probe a loaded state was saved with.
         """
-        probe = Probe(source, max_samples=self.settings.probe.size, seed=self.settings.seed)
+        probe = self._new_probe(source, tokenizer)
         if self._loaded_probe_spec is not None:
             probe.verify(self._loaded_probe_spec)
         self.probe = probe
+
+    def _new_probe(self, source: Any, tokenizer: Any) -> Probe:
+        s = self.settings
+        return Probe(source, tokenizer=tokenizer, max_length=s.probe.max_length, max_samples=s.probe.size, seed=s.seed)
 
     def features(self, model: Any, indices: Any = None) -> NDArray[np.float32]:
         """The probe's features at the watched layer (all samples, or ``indices``).
@@ -439,7 +499,7 @@ class TopoMonitor(Stateful):
         output = self.settings.output
         if output.tensorboard_dir is not None and isinstance(record, CheckRecord):
             if self._tensorboard is None:
-                self._tensorboard = TensorBoardSink(output.tensorboard_dir)
+                self._tensorboard = TensorBoardSink(output.tensorboard_dir, prefix=self.prefix)
             self._tensorboard.write(record, diagrams)
 
     # --- state --------------------------------------------------------------------------------------------

@@ -360,7 +360,8 @@ class Policy(Stateful):
         s = self.settings
         self.checks_ += 1
         if diverged or (value is not None and not math.isfinite(value)):
-            return self._act(Action(s.on_diverged), step, None, None, "diverged", "the features diverged (NaN or Inf)")
+            action, reason = self._escalate(Action(s.on_diverged), "the features diverged (NaN or Inf)")
+            return self._act(action, step, None, None, "diverged", reason)
         if self.checks_ <= s.warmup:
             if value is not None:
                 self.warmup_values_.append(value)

@@ -66,8 +66,16 @@ class ProbeSpec:
 
 
 def _check_tensor(value: Any, where: str) -> torch.Tensor:
+    if isinstance(value, str):
+        raise InputError(f"`probe` {where} is text ({value!r:.40}): pass a list of texts with `tokenizer=`")
     if not isinstance(value, torch.Tensor):
-        value = torch.as_tensor(np.asarray(value))
+        try:
+            value = torch.as_tensor(np.asarray(value))
+        except (TypeError, ValueError) as exc:
+            raise InputError(
+                f"`probe` {where} must be a tensor or an array of numbers, got {type(value).__name__} that is not "
+                f"({exc}); ragged token lists: pad them (tokenizer(..., padding=True)) or pass texts with `tokenizer=`"
+            ) from exc
     if value.device.type == "meta":
         raise InputError(f"`probe` {where} is on the meta device (shape only, no data); pass real tensors")
     # An owned CPU copy: a view would keep (and pickle, e.g. for ddp_spawn) the whole source tensor alive.
@@ -97,48 +105,91 @@ class Probe:
     """A fixed probe set.
 
     Args:
-        source: a tensor ``(n, ...)`` of inputs, a ``torch.utils.data.Dataset`` (the first element of each item
-            is the input; a mapping item is used whole, e.g. tokenizer output), or a list of inputs (tensors or
-            mappings of tensors).
+        source: the probe inputs, one of
+
+            * a tensor ``(n, ...)`` of inputs;
+            * a ``torch.utils.data.Dataset`` (the first element of each item is the input; a mapping item is used
+              whole, e.g. tokenizer output);
+            * a list of inputs: tensors of one shape, or mappings of tensors with the same keys and shapes;
+            * a mapping of columns with ``n`` rows each, e.g. a tokenizer's ``BatchEncoding`` or
+              ``{"input_ids": ids, "attention_mask": mask}``;
+            * a list of strings, with ``tokenizer``.
+        tokenizer: a Hugging Face tokenizer for a text probe: the texts are truncated to ``max_length`` tokens and
+            padded to the longest (with the pad token, else the end-of-text token), with an attention mask that
+            the pooling respects.
+        max_length: the truncation length of a text probe (None: the tokenizer's ``model_max_length``, at most 512).
         max_samples: keep at most this many samples, a seeded random subset (None: all).
         seed: seed of that subset.
 
     Raises:
-        InputError: an empty source, a source of another kind, or inputs on the meta device.
+        InputError: an empty source, a source of another kind, text without a tokenizer, inputs of different
+            shapes (ragged token lists: pad them, or pass the texts with ``tokenizer``), or inputs on the meta
+            device.
 
     Example:
         >>> import torch
         >>> probe = Probe(torch.zeros(10, 3), max_samples=4)
         >>> probe.spec.n_samples, probe.spec.source
         (4, 'tensor')
+        >>> Probe({"input_ids": torch.zeros(5, 7, dtype=torch.long)}).spec.source
+        'columns'
     """
 
-    def __init__(self, source: Any, *, max_samples: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        source: Any,
+        *,
+        tokenizer: Any = None,
+        max_length: int | None = None,
+        max_samples: int | None = None,
+        seed: int = 0,
+    ) -> None:
         if max_samples is not None and (
             isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
         ):
             raise InputError(f"`max_samples` must be None or an integer >= 1, got {max_samples!r}")
+        if isinstance(source, str):
+            raise InputError(f"`probe` is a single string ({source!r:.40}); pass a list of texts with `tokenizer=`")
         if isinstance(source, torch.Tensor):
             kind, length = "tensor", (int(source.shape[0]) if source.dim() else 0)
+        elif isinstance(source, Mapping):
+            kind, length = "columns", _column_length(source)
         elif isinstance(source, torch.utils.data.Dataset) and hasattr(source, "__len__"):
             kind, length = f"dataset:{type(source).__name__}", len(source)
         elif isinstance(source, (list, tuple)):
-            kind, length = "list", len(source)
+            texts = [isinstance(item, str) for item in source]
+            kind = "texts" if texts and all(texts) else "list"
+            if any(texts) and not all(texts):
+                raise InputError("`probe` mixes strings and other inputs; pass a list of texts or of tensors")
+            length = len(source)
         else:
             raise InputError(
-                f"`probe` must be a tensor of inputs, a Dataset with __len__, or a list of inputs, got "
-                f"{type(source).__name__}"
+                f"`probe` must be a tensor of inputs, a Dataset with __len__, a list of inputs or of texts, or a "
+                f"mapping of input columns, got {type(source).__name__}"
             )
         if length == 0:
             raise InputError(f"`probe` is empty ({kind} with 0 samples); pass at least 2 inputs")
+        if kind == "texts" and tokenizer is None:
+            raise InputError(
+                f"`probe` holds text ({source[0]!r:.40}, ...): pass `tokenizer=` (e.g. AutoTokenizer.from_pretrained"
+                f"(...)) so that the texts can be tokenized"
+            )
+        if tokenizer is not None and kind != "texts":
+            raise InputError(f"`tokenizer` is for a probe of texts (a list of strings); this probe is a {kind}")
         indices = None
         if max_samples is not None and max_samples < length:
             indices = tuple(
                 int(i) for i in np.sort(np.random.default_rng(seed).choice(length, max_samples, replace=False))
             )
-        chosen = range(length) if indices is None else indices
+        chosen = list(range(length) if indices is None else indices)
+        items: list[torch.Tensor | dict[str, torch.Tensor]]
         if kind == "tensor":
-            items: list[torch.Tensor | dict[str, torch.Tensor]] = [_check_tensor(source[i], "input") for i in chosen]
+            items = [_check_tensor(source[i], "input") for i in chosen]
+        elif kind == "columns":
+            columns = {str(k): _check_tensor(v, f"column {k!r}") for k, v in source.items()}
+            items = [{k: column[i] for k, column in columns.items()} for i in chosen]
+        elif kind == "texts":
+            items = _tokenize([source[i] for i in chosen], tokenizer, max_length)
         elif kind == "list":
             items = [_as_item(source[i]) for i in chosen]
         else:
@@ -152,6 +203,7 @@ class Probe:
                 )
         if len(items) < 2:
             raise InputError(f"`probe` must hold at least 2 samples, got {len(items)}")
+        _check_uniform(items, chosen)
         self.items = items
         self.spec = ProbeSpec(kind, len(items), indices, _hash(items))
 
@@ -183,24 +235,109 @@ class Probe:
             )
 
 
+def _column_length(columns: Mapping[Any, Any]) -> int:
+    """The common number of rows of a mapping of columns (e.g. a ``BatchEncoding``)."""
+    if not columns:
+        raise InputError("`probe` is an empty mapping; pass columns such as input_ids and attention_mask")
+    lengths = {}
+    for key, value in columns.items():
+        try:
+            lengths[str(key)] = len(value)
+        except TypeError as exc:
+            raise InputError(
+                f"`probe` column {key!r} must hold one row per sample, got {type(value).__name__}"
+            ) from exc
+    if len(set(lengths.values())) > 1:
+        raise InputError(f"`probe` columns must have the same number of rows, got {lengths}")
+    return next(iter(lengths.values()))
+
+
+def _tokenize(texts: list[str], tokenizer: Any, max_length: int | None) -> list[torch.Tensor | dict[str, torch.Tensor]]:
+    """Texts as input_ids/attention_mask rows: truncated, padded to the longest on the tokenizer's side."""
+    if max_length is None:
+        limit = getattr(tokenizer, "model_max_length", None)
+        max_length = min(int(limit), 512) if isinstance(limit, int) and limit > 0 else 512
+    try:
+        encoded = tokenizer(list(texts), truncation=True, max_length=max_length, padding=False)
+    except Exception as exc:
+        raise InputError(f"`tokenizer` {type(tokenizer).__name__} failed on the probe's texts: {exc}") from exc
+    rows = encoded["input_ids"]
+    if not all(len(row) for row in rows):
+        empty = next(i for i, row in enumerate(rows) if not len(row))
+        raise InputError(f"`probe` text {empty} ({texts[empty]!r:.40}) gives no token")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    width = max(len(row) for row in rows)
+    left = getattr(tokenizer, "padding_side", "right") == "left"
+    extra = ["token_type_ids"] if "token_type_ids" in encoded else []
+    items: list[torch.Tensor | dict[str, torch.Tensor]] = []
+    for i, row in enumerate(rows):
+        fill = width - len(row)
+
+        def padded(values: Any, value: int, fill: int = fill) -> torch.Tensor:
+            body = torch.as_tensor(list(values), dtype=torch.long)
+            pad_part = torch.full((fill,), value, dtype=torch.long)
+            return torch.cat([pad_part, body] if left else [body, pad_part])
+
+        item = {"input_ids": padded(row, pad), "attention_mask": padded([1] * len(row), 0)}
+        for key in extra:
+            item[key] = padded(encoded[key][i], 0)
+        items.append(item)
+    return items
+
+
+def _check_uniform(items: Sequence[torch.Tensor | dict[str, torch.Tensor]], chosen: Sequence[int]) -> None:
+    """Every probe input has the first one's shape (and keys): ragged inputs cannot be batched."""
+
+    def layout(item: torch.Tensor | dict[str, torch.Tensor]) -> Any:
+        if isinstance(item, dict):
+            return {k: tuple(v.shape) for k, v in item.items()}
+        return tuple(item.shape)
+
+    first = layout(items[0])
+    for position, item in enumerate(items[1:], start=1):
+        other = layout(item)
+        if other != first:
+            raise InputError(
+                f"`probe` inputs must all have the same shape to be batched: sample {chosen[0]} has {first}, sample "
+                f"{chosen[position]} has {other}; pad them (e.g. tokenizer(..., padding=True)) or pass the texts "
+                f"with `tokenizer=`"
+            )
+
+
+#: Name segments that wrappers insert between a module and its children (FSDP1, activation checkpointing,
+#: ``torch.compile``); layer names are matched without them.
+WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
 def resolve_layer(model: torch.nn.Module, layer: str | Sequence[str]) -> str:
     """The module name ``layer`` designates in ``model``.
 
     ``layer`` is a module name, or one or more ``fnmatch`` patterns (``"*.ln_f"``) tried in order; the first pattern
     that matches wins, and among several matches of one pattern the last module (in ``named_modules`` order).
-    Presets use patterns so that one preset fits a bare model and one wrapped in a LightningModule.
+    Presets use patterns so that one preset fits a bare model and one wrapped in a LightningModule. Names are
+    compared without the segments wrappers insert (:data:`WRAPPER_SEGMENTS`: FSDP, activation checkpointing,
+    ``torch.compile``), so ``"encoder"`` designates the FSDP unit wrapping the encoder; the outermost module of a
+    name is returned.
 
     Raises:
         InputError: nothing matches; the message lists the patterns and the closest module names.
     """
     patterns: list[str] = [layer] if isinstance(layer, str) else [str(p) for p in layer]
-    names: list[str] = [n for n, _ in model.named_modules() if n]
+    full: dict[str, str] = {}  # the name without wrapper segments -> the outermost module's name
+    for name, _ in model.named_modules():
+        plain = ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+        if plain:
+            full.setdefault(plain, name)
+    names = list(full)
     for pattern in patterns:
-        if pattern in names:
-            return pattern
+        if pattern in full:
+            return full[pattern]
         matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if matches:
-            return matches[-1]
+            return full[matches[-1]]
     close = difflib.get_close_matches(patterns[0].replace("*", ""), names, n=5, cutoff=0.4)
     hint = f"; closest: {close}" if close else f"; some names: {names[:8]}"
     shown = patterns[0] if len(patterns) == 1 else patterns
@@ -263,6 +400,38 @@ def _pooled(output: Any, pooling: str, mask: torch.Tensor | None) -> torch.Tenso
     """The ``(batch, d)`` float32 features of a layer's output, pooled on the output's device."""
     pooled = _pool(_first_tensor(output).detach(), pooling, mask)
     return pooled.reshape(pooled.shape[0], -1)
+
+
+def register_forward_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> torch.utils.hooks.RemovableHandle:
+    """``module.register_forward_hook(hook)`` under an id that no hook of ``module`` holds.
+
+    torch numbers hooks with one counter per process. A process started by ``spawn`` (``ddp_spawn``, ``mp.spawn``)
+    starts it at 0 while the modules it unpickled keep their hooks' ids, so a new hook could take the id of a
+    user's hook, replace it in the module's table, and remove it with its own removal. The counter is moved past
+    every id the module's hook tables hold first.
+    """
+    tables = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks)
+    used = [key for table in tables for key in table if isinstance(key, int)]
+    if used:
+        counter = torch.utils.hooks.RemovableHandle
+        counter.next_id = max(counter.next_id, max(used) + 1)
+    return module.register_forward_hook(hook)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds FSDP-sharded modules (FSDP1 or ``fully_shard``) or is a DeepSpeed engine.
+
+    Their forward gathers parameters with collectives that every rank must reach in the same order, so a probe pass
+    is never stopped early there.
+    """
+    sharded: tuple[type, ...] = ()
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        sharded = (FSDPModule, FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover - torch built without distributed
+        pass
+    return any(isinstance(m, sharded) or type(m).__name__ == "DeepSpeedEngine" for m in model.modules())
 
 
 class _StopForward(Exception):
@@ -350,7 +519,7 @@ class FeatureExtractor:
         context = autocast or autocast_for(self.settings.precision, device)
         captured: list[torch.Tensor] = []
         current_mask: list[torch.Tensor | None] = [None]
-        pooling, stop = self.settings.pooling, self.settings.stop_at_layer
+        pooling, stop = self.settings.pooling, self.settings.stop_at_layer and not is_sharded(model)
 
         def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
             captured.append(_pooled(output, pooling, current_mask[0]))
@@ -358,7 +527,7 @@ class FeatureExtractor:
                 raise _StopForward
 
         modes = {m: m.training for m in model.modules()}
-        handle = module.register_forward_hook(hook)
+        handle = register_forward_hook(module, hook)
         try:
             model.eval()
             with torch.no_grad(), context():
@@ -454,7 +623,7 @@ class StreamCapture:
             InputError: no such module (with the closest names).
         """
         if self._handle is None:
-            self._handle = resolve_module(model, layer).register_forward_hook(self._hook)
+            self._handle = register_forward_hook(resolve_module(model, layer), self._hook)
 
     def detach(self) -> None:
         """Remove the hook and drop anything captured."""

@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import os
 import types
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -168,6 +169,15 @@ def _text(value: Any, name: str) -> str:
     return value
 
 
+def _filepath(value: Any, name: str) -> str:
+    """A file or directory path: a string or an ``os.PathLike`` (kept as a string, so settings stay JSON)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise InputError(f"`{name}` must be a path (a non-empty string or os.PathLike), got {value!r}")
+    return value
+
+
 def _layers(value: Any, name: str) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
     if not items or not all(isinstance(item, str) and item for item in items):
@@ -229,7 +239,9 @@ class ProbeSettings(_Section):
             ``"16"`` (autocast on the model's device).
         stop_at_layer: end each probe forward as soon as the watched layer has run (nothing after it is computed,
             e.g. a language model's vocabulary-wide head); turn off for a model that catches every exception in
-            its forward.
+            its forward. Off by itself for sharded models (FSDP), whose forward must run to its end on every rank.
+        max_length: a text probe (a list of strings with ``tokenizer=``) is truncated to this many tokens (None:
+            the tokenizer's ``model_max_length``, at most 512).
     """
 
     layer: tuple[str, ...] | None = _option(None, _optional(_layers))
@@ -238,6 +250,7 @@ class ProbeSettings(_Section):
     batch_size: int = _option(256, _integer(1))
     precision: str = _option("auto", _choice(PRECISIONS))
     stop_at_layer: bool = _option(True, _boolean)
+    max_length: int | None = _option(None, _optional(_integer(1)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +401,7 @@ class InterventionSettings(_Section):
     """
 
     checkpoint_on_stop: bool = _option(True, _boolean)
-    rescue_dir: str | None = _option(None, _optional(_text))
+    rescue_dir: str | None = _option(None, _optional(_filepath))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,11 +412,17 @@ class OutputSettings(_Section):
         history_path: a JSONL file that receives one line per check and per intervention.
         tensorboard_dir: a TensorBoard log directory for ``topo/*`` scalars.
         diagram_every: checks between persistence-diagram figures in TensorBoard (0: never).
+        prefix: the names' prefix in loggers and TensorBoard (``topo/index``, ...); None: ``topo``, or
+            ``topo/<layer>`` when several callbacks are attached to one trainer, so their metrics never collide.
+        summary: print a summary at the end of training (checks, warnings, interventions and their reasons, where
+            the history went), once, on rank 0.
     """
 
-    history_path: str | None = _option(None, _optional(_text))
-    tensorboard_dir: str | None = _option(None, _optional(_text))
+    history_path: str | None = _option(None, _optional(_filepath))
+    tensorboard_dir: str | None = _option(None, _optional(_filepath))
     diagram_every: int = _option(0, _integer(0))
+    prefix: str | None = _option(None, _optional(_text))
+    summary: bool = _option(True, _boolean)
 
 
 #: The default rule of each index, when no policy is given: the suite's tuned z-score rule (the

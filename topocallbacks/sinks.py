@@ -19,35 +19,42 @@ from .check import CheckRecord
 __all__ = ["JsonlSink", "TensorBoardSink", "scalars_of"]
 
 
-def scalars_of(record: CheckRecord) -> dict[str, float]:
+def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
     """The ``topo/*`` scalars of a check record (what loggers and TensorBoard receive).
 
-    ``topo/index`` is the value the policy watches (``TopoMonitor(index=...)``, diagram drift by default; absent
-    while the index has no value, e.g. the drift at the first check); ``topo/ci`` the paper's composite, logged
-    beside its components.
+    ``topo/index`` is the value the policy watches (``TopoMonitor(index=...)``, diagram drift by default; logged as
+    0 at the first check, where the drift has nothing to drift from and the record holds None), ``topo/ci`` the
+    paper's composite, logged beside its components. ``prefix`` replaces ``topo`` (e.g. ``topo/encoder`` when
+    several layers are watched).
+
+    Example:
+        >>> import numpy as np
+        >>> from topocallbacks import TopoMonitor
+        >>> record = TopoMonitor().process(np.random.default_rng(0).normal(size=(40, 3)), step=0)
+        >>> scalars_of(record, prefix="topo/encoder")["topo/encoder/index"]
+        0.0
     """
     if not record.ok or record.report is None:
-        return {"topo/diverged": 1.0}
+        return {f"{prefix}/diverged": 1.0}
     report = record.report
     scalars = {
-        "topo/ci": report.ci,
-        "topo/betti0": report.betti0,
-        "topo/betti1": report.betti1,
-        "topo/persistence_entropy": report.persistence_entropy,
-        "topo/anisotropy": report.anisotropy_term,
-        "topo/epsilon": report.epsilon,
-        "topo/check_ms": record.check_ms,
-        "topo/wait_ms": record.wait_ms,
-        "topo/probe_ms": record.probe_ms,
-        "topo/diverged": 0.0,
+        "ci": report.ci,
+        "index": 0.0 if record.index_value is None else record.index_value,
+        "betti0": report.betti0,
+        "betti1": report.betti1,
+        "persistence_entropy": report.persistence_entropy,
+        "anisotropy": report.anisotropy_term,
+        "epsilon": report.epsilon,
+        "check_ms": record.check_ms,
+        "wait_ms": record.wait_ms,
+        "probe_ms": record.probe_ms,
+        "diverged": 0.0,
     }
-    if record.index_value is not None:
-        scalars["topo/index"] = record.index_value
     if record.density is not None:
-        scalars["topo/density"] = record.density
+        scalars["density"] = record.density
     for name, value in report.components.items():
-        scalars[f"topo/{name}_term"] = value
-    return {key: float(value) for key, value in scalars.items()}
+        scalars[f"{name}_term"] = value
+    return {f"{prefix}/{key}": float(value) for key, value in scalars.items()}
 
 
 class JsonlSink:
@@ -91,18 +98,19 @@ class TensorBoardSink:
         ImportError: tensorboard is not installed (``pip install topocallbacks[tensorboard]``).
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, log_dir: str | os.PathLike[str], *, prefix: str = "topo") -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError("TensorBoardSink needs tensorboard: pip install 'topocallbacks[tensorboard]'") from exc
         self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.prefix = prefix
         self._warned = False
 
     def write(self, record: CheckRecord, diagrams: list[np.ndarray] | None = None) -> None:
         """Log a check record's scalars at its step (that of its features); a figure of ``diagrams`` if given."""
         step = record.step
-        for name, value in scalars_of(record).items():
+        for name, value in scalars_of(record, self.prefix).items():
             self.writer.add_scalar(name, value, global_step=step)
         if diagrams is not None:
             self._figure(diagrams, step)
@@ -128,7 +136,7 @@ class TensorBoardSink:
         axis.set_xlabel("birth")
         axis.set_ylabel("death")
         axis.legend(loc="lower right")
-        self.writer.add_figure("topo/persistence_diagram", figure, global_step=step, close=True)
+        self.writer.add_figure(f"{self.prefix}/persistence_diagram", figure, global_step=step, close=True)
 
     def close(self) -> None:
         """Flush and close the writer."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import lightning.pytorch as pl
 import torch
 from sklearn.datasets import load_digits
@@ -107,3 +109,27 @@ def quiet_trainer(root, callbacks, max_steps: int, **overrides) -> pl.Trainer:
     }
     settings.update(overrides)
     return pl.Trainer(**settings)
+
+
+def zen_texts() -> list[str]:
+    """The Zen of Python's lines and pairs of consecutive lines: 37 short real texts of different lengths."""
+    import codecs
+    import this
+
+    lines = [line for line in codecs.decode(this.s, "rot13").splitlines() if line.strip()][1:]
+    return lines + [f"{a} {b}" for a, b in itertools.pairwise(lines)]
+
+
+def zen_tokenizer(padding_side: str = "right"):
+    """A real BPE tokenizer (the ``tokenizers`` library) trained on those texts, under 256 tokens, with an
+    end-of-text token and no pad token, as GPT-2's and LLaMA's tokenizers come."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=250, special_tokens=["<|endoftext|>", "<unk>"], show_progress=False)
+    tokenizer.train_from_iterator(zen_texts(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", unk_token="<unk>", padding_side=padding_side
+    )

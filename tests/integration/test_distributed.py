@@ -41,7 +41,9 @@ def test_probe_features_are_gathered_in_order_without_padding_duplicates(tmp_pat
     for rank in (0, 1):
         np.testing.assert_array_equal(np.load(tmp_path / f"gathered{rank}.npy"), expected)
         meta = json.loads((tmp_path / f"meta{rank}.json").read_text())
-        assert meta["calls"] == [shard(n, rank, 2) or [0]]  # each rank ran only its shard
+        # Each rank ran its shard, padded to the same length (the same forward passes on every rank).
+        own = shard(n, rank, 2)
+        assert meta["calls"] == [own + [own[-1] if own else 0] * (-(-n // 2) - len(own))]
         assert meta["decision"] == {"from": 0, "stop": True}
 
 
@@ -90,3 +92,50 @@ def test_two_process_ddp_agrees_on_every_check_and_stops_together(tmp_path, mode
         torch.load(Path(tmp_path, f"topo-stop-step{stop['step']}.ckpt"), weights_only=False)["global_step"]
         == stop["step"]
     )
+
+
+def _torchrun(script, *args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*command, str(HERE / script), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_two_process_hf_trainer_agrees_on_every_check_and_cuts_then_stops_together(tmp_path):
+    result = _torchrun("hf_ddp_train.py", tmp_path, "lower_lr")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [rank["world"] for rank in ranks] == [2, 2]
+    assert ranks[0]["history"] == ranks[1]["history"]
+    actions = [(r["step"], r["action"]) for r in ranks[0]["history"] if r["kind"] == "intervention"]
+    assert actions == [(3, "lower_lr"), (6, "lower_lr"), (9, "stop")]  # two cuts, then the escalation
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 9
+    for rank in ranks:  # the cut reached the optimizer accelerate wraps, on every rank, at the same step
+        rates = {int(step): lr for step, lr in rank["rates"].items()}
+        assert [rates[s] for s in (2, 3, 5, 6, 8)] == pytest.approx([0.1, 0.05, 0.05, 0.025, 0.025])
+    checks = [r for r in ranks[0]["history"] if r["kind"] == "check"]
+    assert all(r["n_points"] == 33 for r in checks)  # 17 + 16 probe samples, the padding dropped
+    assert result.stdout.count("topocallbacks: 4 checks") == 1  # one summary, on rank 0
+    assert (tmp_path / "checkpoint-9").is_dir()
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_model_probe_pass_matches_the_unsharded_model_and_cuts_on_every_rank(tmp_path):
+    # FSDP needs every rank in every forward: a probe of 33 samples in batches of 8 gives rank 0 17 samples (3
+    # passes) and rank 1 16 (2 passes) unless the shards are padded to the same length (a gloo collective
+    # mismatch before).
+    _torchrun("fsdp_check.py", tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["model"] == "FSDPSequential"
+    assert ranks[0]["watched"] == "2"
+    assert ranks[0]["history"] == ranks[1]["history"]
+    assert all(rank["feature_error"] < 1e-5 for rank in ranks)
+    assert ranks[0]["first_ci"] == pytest.approx(ranks[0]["unsharded_ci"], abs=1e-6)
+    assert [(r["step"], r["action"]) for r in ranks[0]["history"] if r["kind"] == "intervention"] == [
+        (5, "lower_lr"),
+        (10, "lower_lr"),
+    ]
+    assert [rank["lr"] for rank in ranks] == [0.025, 0.025]

@@ -12,7 +12,7 @@ import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from tests.integration.models import digits
+from tests.integration.models import digits, zen_texts, zen_tokenizer
 from topocallbacks import InputError, Policy
 from topocallbacks.exceptions import ConfigError
 from topocallbacks.hf import TopoCollapseTrainerCallback
@@ -104,7 +104,7 @@ def test_checks_land_in_log_history_every_n_steps(tmp_path):
     assert [r.step for r in checks(callback)] == [0, 5, 10]
     logged = [entry for entry in trainer.state.log_history if "topo/ci" in entry]
     assert [entry["step"] for entry in logged] == [0, 5, 10]
-    assert "topo/index" not in logged[0]  # diagram drift has nothing to drift from at the first check
+    assert logged[0]["topo/index"] == 0.0  # diagram drift has nothing to drift from at the first check
     assert all(math.isfinite(entry["topo/ci"]) for entry in logged)
     assert [entry["topo/index"] for entry in logged[1:]] == [r.index_value for r in checks(callback)[1:]]
     assert all(value > 0 for value in [entry["topo/index"] for entry in logged[1:]])
@@ -194,6 +194,119 @@ def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp
     assert [r.step for r in interventions(restored)] == [2]  # a fresh policy would cut again at step 6
     assert restored.monitor.lr_factor_ == 0.5
     assert [r.index_value for r in checks(restored)][:3] == [r.index_value for r in checks(first)][:3]
+    assert fresh.history is restored.history  # the user's object sees the live state, rebuilt or not
+
+
+def test_a_rebuilt_callback_follows_the_new_arguments_of_the_users_callback(tmp_path):
+    args = arguments(
+        tmp_path, max_steps=12, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=True
+    )
+    first = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2)
+    Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[first]).train()
+    fresh = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=4, history_path=str(tmp_path / "h"))
+    trainer = Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[fresh])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    restored = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TopoCollapseTrainerCallback))
+    assert restored is not fresh
+    assert [r.step for r in checks(fresh)] == [0, 2, 4, 8, 12]  # the saved checks, then every 4 steps (the new value)
+    assert fresh.monitor.settings.schedule.check_every == 4
+    assert (tmp_path / "h").read_text().count("\n") == 2  # the new history file receives the new checks
+
+
+def test_the_values_reach_report_to_tensorboard_and_the_console(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5)
+    # No logging steps of its own: the callback makes the Trainer log at its checks.
+    args = arguments(tmp_path, report_to="tensorboard", logging_strategy="no")
+    trainer = Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[callback])
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert names.index("TopoCollapseTrainerCallback") < names.index("TensorBoardCallback")
+    trainer.train()
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1
+    events = EventAccumulator(str(runs[0])).Reload()
+    assert {"train/topo/ci", "train/topo/index", "train/topo/betti0", "train/loss"} <= set(events.Tags()["scalars"])
+    logged = events.Scalars("train/topo/ci")
+    # The start check goes out with the first step's log, the others at their own step.
+    assert [e.step for e in logged] == [1, 5, 10]
+    assert [e.value for e in logged] == pytest.approx([r.report.ci for r in checks(callback)])
+    assert "'topo/ci': " in capsys.readouterr().out  # the console's log lines (PrinterCallback) carry them too
+
+
+def test_attach_places_the_callback_before_the_report_to_callbacks(tmp_path):
+    pytest.importorskip("tensorboard")
+    trainer = Trainer(model=DigitsNet(), args=arguments(tmp_path, report_to="tensorboard"))
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder")
+    assert callback.attach(trainer) is callback
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert names[:3] == ["DefaultFlowCallback", "TopoCollapseTrainerCallback", "TensorBoardCallback"]
+    callback.attach(trainer)  # idempotent
+    assert len(trainer.callback_handler.callbacks) == len(names)
+
+
+def test_two_callbacks_on_two_layers_log_under_their_layer(tmp_path, capsys):
+    a = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5)
+    b = TopoCollapseTrainerCallback(probe=PROBE, layer="head", check_every=5, summary=False)
+    trainer = Trainer(model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[a, b])
+    trainer.train()
+    assert (a.prefix, b.prefix) == ("topo/encoder", "topo/head")
+    history = trainer.state.log_history
+    assert [e["step"] for e in history if "topo/encoder/ci" in e] == [0, 5, 10]
+    assert [e["step"] for e in history if "topo/head/ci" in e] == [0, 5, 10]
+    assert not [e for e in history if "topo/ci" in e]
+    out = capsys.readouterr().out
+    # One summary (b's is off), after training, naming the checks and the layer.
+    assert out.count("topocallbacks: ") == 1
+    assert (
+        "topocallbacks: 3 checks (steps 0-10) at layer encoder of diagram_drift; no warning and no intervention." in out
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_text_probe_from_raw_strings_with_the_trainers_tokenizer(tmp_path, name):
+    tokenizer = zen_tokenizer(padding_side="right" if name == "gpt" else "left")
+    assert tokenizer.pad_token_id is None  # as GPT-2's and LLaMA's tokenizers come
+    texts = zen_texts()
+    if name == "gpt":
+        config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=64,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.tensor([tokenizer(t)["input_ids"][:8] + [0] * (8 - len(tokenizer(t)["input_ids"][:8])) for t in texts])
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    callback = TopoCollapseTrainerCallback.from_preset(name, probe=texts, check_every=2)
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=4, learning_rate=1e-3,
+                      per_device_train_batch_size=8), train_dataset=data, processing_class=tokenizer,
+                      data_collator=transformers.default_data_collator,
+                      callbacks=[callback])  # fmt: skip
+    trainer.train()
+    probe = callback.monitor.probe
+    assert probe.spec.source == "texts"
+    assert len(probe) == len(texts)
+    first = probe.items[0]
+    assert first["input_ids"][first["attention_mask"] == 1].tolist() == tokenizer(texts[0])["input_ids"]
+    records = checks(callback)
+    assert [r.step for r in records] == [0, 2, 4]
+    assert all(r.status == "ok" and math.isfinite(r.report.ci) for r in records)
+
+
+def test_a_batch_encoding_is_a_probe(tmp_path):
+    tokenizer = zen_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    encoding = tokenizer(zen_texts(), padding=True, return_tensors="pt")
+    callback = TopoCollapseTrainerCallback(probe=encoding, layer="transformer.ln_f", check_every=2)
+    assert callback.monitor.probe.spec.source == "columns"
+    assert len(callback.monitor.probe) == len(zen_texts())
+    with pytest.raises(InputError, match="pass `tokenizer=` to the callback or `processing_class=` to the Trainer"):
+        TopoCollapseTrainerCallback(probe=zen_texts(), layer="encoder").on_train_begin(
+            arguments(tmp_path), transformers.TrainerState(), transformers.TrainerControl(), model=DigitsNet()
+        )
 
 
 @pytest.mark.slow

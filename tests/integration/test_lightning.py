@@ -35,6 +35,11 @@ def interventions(callback):
     return [r for r in callback.history if r.kind == "intervention"]
 
 
+def always(action, **kwargs):
+    """A policy that fires at every check after a one-check warm-up."""
+    return Policy(action=action, score="value", threshold=-1.0, patience=1, warmup=1, cooldown=0, **kwargs)
+
+
 def blow_up_policy(action):
     # The paper composite with a baseline-relative threshold (these tests pin index="paper"); the default index,
     # diagram drift with its z-score rule, has its own test below.
@@ -314,21 +319,133 @@ def test_import_without_lightning_gives_an_install_hint():
     assert "pip install 'topocallbacks[lightning]'" in result.stderr
 
 
-def test_lightning_tensorboard_logger_receives_the_index(tmp_path):
+def test_lightning_tensorboard_logger_receives_every_check_at_its_step(tmp_path):
     pytest.importorskip("tensorboard")
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
-    fit = trainer(tmp_path, [callback], 30, logger=TensorBoardLogger(str(tmp_path), name="run"), log_every_n_steps=1)
+    # log_every_n_steps=50 never falls on a check step here: the checks must reach the logger anyway.
+    fit = trainer(tmp_path, [callback], 30, logger=TensorBoardLogger(str(tmp_path), name="run"), log_every_n_steps=50)
     fit.fit(TinyCNN(), digits_loader())
     events = EventAccumulator(fit.logger.log_dir).Reload()
-    assert {"topo/ci", "topo/betti0", "topo/anisotropy_term"} <= set(events.Tags()["scalars"])
-    # Lightning writes the latest value of a callback-logged metric at every logging step until it is logged
-    # again: the distinct values, in order, are the checks' values.
-    logged = [event.value for event in events.Scalars("topo/ci")]
-    distinct = [value for i, value in enumerate(logged) if i == 0 or value != logged[i - 1]]
-    assert distinct == pytest.approx([r.report.ci for r in checks(callback) if r.step > 0])
+    assert {"topo/ci", "topo/index", "topo/betti0", "topo/anisotropy_term"} <= set(events.Tags()["scalars"])
+    logged = events.Scalars("topo/ci")
+    assert [event.step for event in logged] == [0, 10, 20, 30]  # the start check included, each once
+    assert [event.value for event in logged] == pytest.approx([r.report.ci for r in checks(callback)])
+    assert next(event.value for event in events.Scalars("topo/index")) == 0.0  # no drift at the first check
+
+
+def test_the_index_is_available_at_every_epoch_end_with_checks_rarer_than_epochs(tmp_path):
+    # 29 batches per epoch, a check every 100 steps: before the fix the first epoch end found no topo/index.
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=100)
+    stopping = EarlyStopping(
+        monitor="topo/index", mode="max", patience=1000, check_on_train_epoch_end=True, strict=True
+    )
+    saver = ModelCheckpoint(dirpath=tmp_path / "best", monitor="topo/index", mode="max")
+    seen = []
+
+    class EpochEnds(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            seen.append((trainer.global_step, float(trainer.callback_metrics["topo/index"])))
+
+    fit = trainer(tmp_path, [callback, stopping, saver, EpochEnds()], max_steps=-1, max_epochs=5,
+                  enable_checkpointing=True)  # fmt: skip
+    fit.fit(TinyCNN(), digits_loader())
+    assert [r.step for r in checks(callback)] == [0, 100]
+    # Every epoch end saw the latest check's value: the start check's 0.0, then the drift at step 100.
+    drift = checks(callback)[1].index_value
+    assert seen == [(29, 0.0), (58, 0.0), (87, 0.0), (116, pytest.approx(drift)), (145, pytest.approx(drift))]
+    assert saver.best_model_path
+
+
+def test_two_callbacks_on_two_layers_log_under_their_layer(tmp_path):
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    a = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    b = TopoCollapseCallback(probe=PROBE, layer="*.1", check_every=10)  # a pattern: the resolved name is used
+    mine = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, prefix="mine", mode="probe")
+    stopping = EarlyStopping(monitor="topo/backbone.1/index", mode="max", patience=1000, check_on_train_epoch_end=True)
+    fit = trainer(tmp_path, [a, b, mine, stopping], 30, logger=TensorBoardLogger(str(tmp_path), name="run"))
+    fit.fit(TinyCNN(), digits_loader())
+    assert (a.prefix, b.prefix, mine.prefix) == ("topo/avgpool", "topo/backbone.1", "mine")
+    metrics = fit.callback_metrics
+    assert "topo/index" not in metrics  # no ambiguous name
+    assert float(metrics["topo/avgpool/ci"]) == pytest.approx(checks(a)[-1].report.ci)
+    assert float(metrics["topo/backbone.1/ci"]) == pytest.approx(checks(b)[-1].report.ci)
+    assert float(metrics["mine/ci"]) == pytest.approx(checks(mine)[-1].report.ci)
+    assert checks(a)[-1].report.ci != checks(b)[-1].report.ci
+    tags = set(EventAccumulator(fit.logger.log_dir).Reload().Tags()["scalars"])
+    assert {"topo/avgpool/index", "topo/backbone.1/index", "mine/index"} <= tags
+    assert fit.progress_bar_metrics.keys() >= {"topo/avgpool/index", "topo/backbone.1/index", "mine/index"}
+
+
+def test_an_end_of_run_summary_names_the_checks_and_the_interventions(tmp_path, caplog):
+    history = tmp_path / "h.jsonl"
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", check_every=5, policy=always("lower_lr"), history_path=str(history)
+    )
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, [callback], max_steps=10).fit(TinyCNN(), digits_loader())
+    summaries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("topocallbacks:")]
+    assert len(summaries) == 1
+    lines = summaries[0].splitlines()
+    assert lines[0] == (
+        "topocallbacks: 3 checks (steps 0-10) at layer avgpool of diagram_drift; 0 warning(s), 2 intervention(s):"
+    )
+    assert lines[1].startswith("  step 5: lower_lr: ")
+    assert lines[-1] == f"  history: {history}"
+    quiet = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5, summary=False)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, [quiet], max_steps=5).fit(TinyCNN(), digits_loader())
+    assert not [r for r in caplog.records if r.getMessage().startswith("topocallbacks:")]
+
+
+def test_streaming_with_gradient_accumulation_checks_once_per_check_step(tmp_path):
+    callback = TopoCollapseCallback(layer="avgpool", mode="stream", window=1024, check_every=5)
+    fit = trainer(tmp_path, [callback], max_steps=20, accumulate_grad_batches=4)
+    fit.fit(TinyCNN(), digits_loader())
+    assert [r.step for r in checks(callback)] == [5, 10, 15, 20]  # one record per check, not one per micro-batch
+    # Every micro-batch's features reached the window: 4 micro-batches x 32 points per optimizer step.
+    assert checks(callback)[0].n_points == 5 * 4 * 32
+
+
+class NaNAfter(TinyCNN):
+    """TinyCNN whose pooled features turn NaN from optimizer step ``start`` on (a diverged run)."""
+
+    def __init__(self, start):
+        super().__init__()
+        self.start = start
+        self.avgpool.register_forward_hook(self._poison)
+
+    def _poison(self, module, inputs, output):
+        if self.training and self.trainer.global_step >= self.start:
+            return output * float("nan")
+        return None
+
+
+def test_streaming_with_nan_decides_once_per_check_and_cuts_the_rate_at_check_steps(tmp_path):
+    history = tmp_path / "h.jsonl"
+    policy = {"on_diverged": "lower_lr", "max_lr_cuts": 2, "after_max_lr_cuts": "stop"}
+    callback = TopoCollapseCallback(
+        layer="avgpool", mode="stream", window=256, check_every=5, policy=policy, history_path=str(history)
+    )
+    rates = LearningRates()
+    fit = trainer(tmp_path, [callback, rates], max_steps=30)
+    fit.fit(NaNAfter(start=7), digits_loader())
+    records = checks(callback)
+    assert [(r.step, r.status) for r in records] == [(5, "ok"), (10, "diverged"), (15, "diverged"), (20, "diverged")]
+    done = interventions(callback)
+    assert [(r.step, r.action) for r in done] == [(10, "lower_lr"), (15, "lower_lr"), (20, "stop")]
+    # Cut at check steps only, not at every diverged step; the cuts spent, the third diverged check stops the run.
+    assert [rates.rates[step][0] for step in (9, 10, 14, 15, 19)] == [0.05, 0.025, 0.025, 0.0125, 0.0125]
+    assert "2 learning-rate cuts made already, so stop" in done[-1].reason
+    assert fit.global_step == 20
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    assert len(lines) == len(records) + len(done)  # one line per check and per intervention, not per step
 
 
 def test_the_default_index_and_rule_warn_on_an_induced_lr_blow_up(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from tests.integration.models import digits, digits_loader, quiet_trainer
+from tests.integration.models import digits, digits_loader, quiet_trainer, zen_texts, zen_tokenizer
 from topocallbacks import InputError
 from topocallbacks.lightning import TopoCollapseCallback
 
@@ -130,6 +130,26 @@ def test_each_preset_runs_on_its_architecture_with_finite_index_at_every_check(t
         "llama": "model.model.norm",
     }[name]
     assert callback.monitor.extractor.resolved_layer_ == expected_layer
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_text_probe_from_raw_strings_for_the_language_presets(tmp_path, name):
+    tokenizer = zen_tokenizer(padding_side="right" if name == "gpt" else "left")
+    texts = zen_texts()
+    assert TopoCollapseCallback.from_preset(name, probe=texts, tokenizer=tokenizer).monitor.probe.spec.n_samples == 37
+    # The presets truncate at 256 tokens; these tiny models take 32 positions.
+    callback = TopoCollapseCallback.from_preset(name, probe=texts, tokenizer=tokenizer, check_every=5, max_length=20)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(text_windows()), batch_size=16, shuffle=True)
+    trainer = quiet_trainer(tmp_path, [callback], 10)
+    trainer.fit(tiny(name), loader)
+    probe = callback.monitor.probe
+    lengths = [min(len(tokenizer(t)["input_ids"]), 20) for t in texts]
+    assert max(len(tokenizer(t)["input_ids"]) for t in texts) > 20
+    assert [int(item["attention_mask"].sum()) for item in probe.items] == lengths
+    assert {tuple(item["input_ids"].shape) for item in probe.items} == {(max(lengths),)}
+    checks = [r for r in callback.history if r.kind == "check"]
+    assert [r.step for r in checks] == [0, 5, 10]
+    assert all(r.status == "ok" and r.n_points == len(texts) and math.isfinite(r.report.ci) for r in checks)
 
 
 def test_probe_from_the_validation_dataloader(tmp_path):

@@ -163,3 +163,40 @@ def test_gradient_norm_is_the_norm_clip_grad_norm_sees():
     model(torch.randn(8, 5)).pow(2).sum().backward()
     expected = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf")))
     assert gradient_norm(model.parameters()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_total_persistence_beyond_float64_is_a_clear_error_not_inf():
+    assert total_persistence([[0.0, 1e100], [0.0, 1e100]], order=2) == pytest.approx(2e200)
+    with pytest.raises(InputError, match=r"overflows float64: the longest bar is 1e\+200 at `order`=2; pass `scale`"):
+        total_persistence([[0.0, 1e200], [0.0, 1e200]], order=2)
+    assert total_persistence([[0.0, 1e200], [0.0, 1e200]], order=2, scale=1e200) == 2.0
+
+
+@pytest.mark.parametrize(
+    ("diagram", "message"),
+    [
+        ("abc", r"`diagram` must be an array of \(birth, death\) rows, got a str: 'abc'"),
+        ([["a", "b"]], r"`diagram` must be an array of \(birth, death\) rows of numbers, got \[\['a', 'b'\]\]"),
+    ],
+)
+def test_a_diagram_of_text_is_a_clear_error(diagram, message):
+    with pytest.raises(InputError, match=message):
+        diagram_distance(diagram, [[0.0, 1.0]])
+    with pytest.raises(InputError, match=message):
+        total_persistence(diagram)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ([None], "got NoneType None at position 0"),
+        ([3], "got int 3 at position 0"),
+        (["x"], "got str 'x' at position 0"),
+        (3, "must be an iterable of tensors, got int"),
+    ],
+)
+def test_gradient_norm_names_a_bad_parameter(parameters, message):
+    from topocallbacks.functional import gradient_norm
+
+    with pytest.raises(InputError, match=message):
+        gradient_norm(parameters)

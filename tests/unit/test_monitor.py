@@ -100,13 +100,14 @@ def test_streaming_mode_watches_a_window_of_training_batches():
     rng = np.random.default_rng(2)
     monitor = TopoMonitor(mode="stream", window=128, check_every=4)
     records = [monitor.observe(rng.normal(size=(16, 6)), step) for step in range(12)]
-    assert [r is not None for r in records] == [step % 4 == 0 for step in range(12)]
+    # Every 4 steps from step 4: the window of step 0 holds a single batch.
+    assert [r is not None for r in records] == [step % 4 == 0 and step > 0 for step in range(12)]
     assert records[8].n_points == 128
     assert records[8].engine.path in {"vertex", "rebuild"}
     # Several batches at one step (gradient accumulation): all pushed, the window checked once.
     again = [monitor.observe(rng.normal(size=(16, 6)), 12) for _ in range(4)]
     assert [r is not None for r in again] == [True, False, False, False]
-    assert len(checks(monitor)) == 4
+    assert len(checks(monitor)) == 3
     with pytest.raises(InputError, match="observe\\(\\) is for streaming mode"):
         TopoMonitor().observe(np.zeros((4, 2)), 0)
 
@@ -161,7 +162,11 @@ def test_tensorboard_scalars_are_written(tmp_path):
         assert name in scalars
     assert [e.step for e in events.Scalars("topo/ci")] == [0, 10, 20]
     assert [e.value for e in events.Scalars("topo/ci")] == pytest.approx([r.report.ci for r in records])
-    assert [e.step for e in events.Scalars("topo/index")] == [10, 20]  # no drift at the first check
+    # No drift at the first check: logged as 0 there, so that the curve (and a monitor of it) starts with the run.
+    assert [(e.step, e.value) for e in events.Scalars("topo/index")] == [
+        (0, 0.0),
+        *[(r.step, pytest.approx(r.index_value)) for r in records[1:]],
+    ]
     if "topo/persistence_diagram" not in events.Tags()["images"]:
         pytest.importorskip("matplotlib")
         pytest.fail("a persistence-diagram figure was due at every check")
@@ -313,3 +318,13 @@ def test_a_stop_is_recorded_before_its_checkpoint_is_saved(tmp_path):
     assert done.action == "stop"
     assert done.detail == "stop requested; checkpoint at topo-stop-step1"
     assert saved_history == [["check", "check", "intervention"]]  # the checkpoint holds the intervention
+
+
+def test_paths_may_be_path_objects(tmp_path):
+    monitor = TopoMonitor(check_every=1, history_path=tmp_path / "h.jsonl", tensorboard_dir=tmp_path / "tb")
+    assert monitor.settings.output.history_path == str(tmp_path / "h.jsonl")  # kept as text: settings stay JSON
+    monitor.process(np.random.default_rng(0).normal(size=(20, 3)), step=0)
+    monitor.close()
+    assert (tmp_path / "h.jsonl").read_text().count("\n") == 1
+    with pytest.raises(InputError, match=r"`history_path` must be a path \(a non-empty string or os.PathLike\)"):
+        TopoMonitor(history_path=3)

@@ -95,6 +95,15 @@ def test_divergence_acts_at_once_even_in_warmup():
     assert Policy(on_diverged="none").decide(0, None, diverged=True).action is Action.NONE
 
 
+def test_diverged_learning_rate_cuts_are_capped_like_the_rules():
+    policy = Policy(on_diverged="lower_lr", max_lr_cuts=2, after_max_lr_cuts="stop", cooldown=0)
+    decisions = [policy.decide(step, None, diverged=True) for step in range(4)]
+    assert actions(decisions) == ["lower_lr", "lower_lr", "stop", "stop"]
+    assert decisions[1].reason == "the features diverged (NaN or Inf): learning rate x 0.5 (cut 2 of 2)"
+    assert decisions[2].reason == "the features diverged (NaN or Inf); 2 learning-rate cuts made already, so stop"
+    assert policy.lr_cuts_ == 2
+
+
 def test_state_round_trip_never_refires():
     values = [0.2, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
     settings = {

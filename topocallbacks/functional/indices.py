@@ -140,7 +140,7 @@ def total_persistence(diagram: Any, order: float = 1.0, scale: float | None = No
         A float ``>= 0``.
 
     Raises:
-        InputError: bad diagram or argument.
+        InputError: bad diagram or argument, or a result beyond float64 (long bars at a high order: use ``scale``).
 
     Example:
         >>> total_persistence([[0.0, 1.0], [0.0, 3.0], [0.5, float("inf")]])
@@ -154,7 +154,15 @@ def total_persistence(diagram: Any, order: float = 1.0, scale: float | None = No
     lengths = lengths[np.isfinite(lengths)]
     if scale is not None:
         lengths = lengths / check_number(scale, "scale", low=0.0)
-    return float(np.sum(lengths**p))
+    with np.errstate(over="ignore"):
+        total = float(np.sum(lengths**p))
+    if np.isinf(total):
+        longest = float(lengths.max())
+        raise InputError(
+            f"total persistence overflows float64: the longest bar is {longest:.3g} at `order`={p:g}; pass "
+            f"`scale` (e.g. the cloud's median distance) or a lower `order`"
+        )
+    return total
 
 
 def diagram_distance(first: Any, second: Any, order: float = 1.0) -> float:

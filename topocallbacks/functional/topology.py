@@ -237,7 +237,16 @@ def _persistence_diagrams(
 
 
 def _as_diagram(diagram: Any) -> NDArray[np.float64]:
-    array = np.asarray(diagram, dtype=np.float64) if not isinstance(diagram, np.ndarray) else diagram
+    if isinstance(diagram, (str, bytes)):
+        raise InputError(
+            f"`diagram` must be an array of (birth, death) rows, got a {type(diagram).__name__}: {diagram!r:.40}"
+        )
+    try:
+        array = diagram if isinstance(diagram, np.ndarray) else np.asarray(diagram, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InputError(
+            f"`diagram` must be an array of (birth, death) rows of numbers, got {diagram!r:.60}: {exc}"
+        ) from exc
     if array.dtype.kind not in "iuf":
         raise InputError(f"`diagram` must have a real numeric dtype, got dtype {array.dtype}")
     if array.size == 0:

@@ -21,6 +21,9 @@ def gradient_norm(parameters: Iterable[Any]) -> float:
     Returns:
         The norm, a float ``>= 0`` (NaN or Inf when a gradient holds them); 0.0 when no parameter has a gradient.
 
+    Raises:
+        InputError: ``parameters`` is not an iterable of tensors (e.g. ``[None]``, ``[3]``), naming the first bad item.
+
     Example:
         >>> import torch
         >>> weight = torch.nn.Parameter(torch.zeros(2))
@@ -30,7 +33,21 @@ def gradient_norm(parameters: Iterable[Any]) -> float:
     """
     import torch
 
-    norms = [torch.linalg.vector_norm(p.grad.detach()) for p in parameters if p.grad is not None]
+    from ..exceptions import InputError
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    try:
+        items = list(parameters)
+    except TypeError as exc:
+        raise InputError(f"`parameters` must be an iterable of tensors, got {type(parameters).__name__}") from exc
+    for index, p in enumerate(items):
+        if not isinstance(p, torch.Tensor):
+            raise InputError(
+                f"`parameters` must hold tensors (e.g. model.parameters()), got {type(p).__name__} {p!r:.40} at "
+                f"position {index}"
+            )
+    norms = [torch.linalg.vector_norm(p.grad.detach()) for p in items if p.grad is not None]
     if not norms:
         return 0.0
     value = float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))

@@ -1,6 +1,7 @@
 """The Hugging Face ``transformers.Trainer`` callback, a thin adapter around :class:`~topocallbacks.TopoMonitor`.
 
-It runs the monitor's checks during ``Trainer.train`` and gives the monitor an
+It runs the monitor's checks during ``Trainer.train``, hands their values to the Trainer's own logging (the next
+``on_log`` carries them to ``report_to`` and the console), and gives the monitor an
 :class:`~topocallbacks.interventions.Actuator` that steers the loop only through ``TrainerControl`` flags and the
 optimizer and scheduler the Trainer hands to its callbacks; its state goes to ``trainer_state.json`` through
 ``ExportableState``. It holds no decision logic.
@@ -8,30 +9,38 @@ optimizer and scheduler the Trainer hands to its callbacks; its state goes to ``
 
 from __future__ import annotations
 
+import itertools
+import sys
+import types
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_callback import ExportableState
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from ..check import CheckRecord
 from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
-from ..probe import Probe, StreamCapture, autocast_for, resolve_module
+from ..probe import StreamCapture, autocast_for, resolve_module
 from ..settings import MonitorSettings
 from ..sinks import scalars_of
 
 __all__ = ["TopoCollapseTrainerCallback"]
 
-# Probes of the callbacks alive in this process, by content hash. ``Trainer`` restores a callback from a
-# checkpoint by calling the class with the JSON arguments saved by ``state()``, which cannot hold the probe's
-# tensors; the restored callback finds them here, in the callback the user created for the resumed run.
-_PROBES: weakref.WeakValueDictionary[str, Probe] = weakref.WeakValueDictionary()
+# The callbacks alive in this process. ``Trainer`` restores a callback from a checkpoint by calling the class with
+# the JSON arguments saved by ``state()`` (``restore_callback_states_from_checkpoint``), which cannot hold the probe's
+# tensors, and puts the new object in place of the user's; the restored callback finds the user's callback for the
+# resumed run here and becomes another name for it, so that the user's object sees the live state.
+_LIVE: weakref.WeakSet[TopoCollapseTrainerCallback] = weakref.WeakSet()
 _LABEL_KEYS = ("labels", "label", "label_ids")
+_CREATED = itertools.count()
+_REPORTERS = tuple(INTEGRATION_TO_CALLBACK.values())  # the callbacks `report_to` adds
 
 
 class _TrainerActuator:
@@ -112,36 +121,45 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         *,
         preset: str | None = None,
         settings: Mapping[str, Any] | MonitorSettings | None = None,
+        tokenizer: Any = None,
         probe_hash: str | None = None,
+        restoring: bool = False,
         **overrides: Any,
     ) -> None:
         resolved = resolve_settings(preset, settings, overrides)
         if resolved.probe.layer is None:
             raise InputError("`layer` is required: the name of the module whose output to watch (or a `preset`)")
+        if restoring or probe_hash is not None:
+            live = _live_callback(resolved, probe_hash)
+            if live is not None:
+                # Another name for the user's callback of the resumed run: its settings, its state (loaded at
+                # on_train_begin from `_restored`, which the Trainer sets on this object after construction).
+                self.__dict__ = live.__dict__
+                return
+            if probe_hash is not None and probe is None:
+                raise InputError(
+                    f"cannot restore the callback: no callback in this process holds the probe it was saved with "
+                    f"(hash {probe_hash[:12]}); pass the same probe to the callback of the resumed run"
+                )
         self.streaming = resolved.schedule.mode == "stream"
         self._probe_source = probe if isinstance(probe, str) else None
         if self._probe_source is not None and self._probe_source not in ("train", "eval"):
             raise InputError(f"`probe` given as text must be 'train' or 'eval' (a dataloader's dataset), got {probe!r}")
         if _is_foreign_dataset(probe):
             probe = _InputsOnly(probe)  # e.g. a `datasets.Dataset` with torch format: items become input tensors
-        known: Probe | None = None
-        if probe is None and probe_hash is not None:
-            known = _PROBES.get(probe_hash)
-            if known is None:
-                raise InputError(
-                    f"cannot restore the callback: no callback in this process holds the probe it was saved with "
-                    f"(hash {probe_hash[:12]}); pass the same probe to the callback of the resumed run"
-                )
-        elif probe is None and not self.streaming:
+        if probe is None and not self.streaming:
             raise InputError("`probe` is required in probe mode: a tensor, Dataset, list of inputs, 'train' or 'eval'")
-        self.monitor = TopoMonitor(resolved, probe=None if self._probe_source or known else probe)
-        if known is not None:
-            self.monitor.probe = known
-        if self.monitor.probe is not None:
-            _PROBES[self.monitor.probe.spec.content_hash] = self.monitor.probe
+        # Texts without a tokenizer wait for the Trainer's `processing_class` (at on_train_begin).
+        self._texts = probe if tokenizer is None and _is_texts(probe) else None
+        given = None if self._probe_source or self._texts is not None else probe
+        self.monitor = TopoMonitor(resolved, probe=given, tokenizer=tokenizer)
         self.preset = preset
         self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
         self._restored: Mapping[str, Any] | None = None
+        self._to_log: dict[str, float] = {}  # values for the next on_log
+        self._placed = False  # before the `report_to` callbacks, so that on_log reaches them
+        self._created = next(_CREATED)
+        _LIVE.add(self)
 
     @classmethod
     def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseTrainerCallback:
@@ -160,6 +178,25 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         return self.monitor.settings.probe.layer or ()
 
     @property
+    def prefix(self) -> str:
+        """The metrics' prefix: ``topo``, or ``topo/<layer>`` beside other callbacks of this class."""
+        return self.monitor.prefix
+
+    def attach(self, trainer: Trainer) -> TopoCollapseTrainerCallback:
+        """Add this callback to ``trainer`` (if it is not there) before the ``report_to`` callbacks.
+
+        The callback places itself there when the Trainer first calls it; this does it explicitly, e.g. for a
+        Trainer whose callback list is managed by other code.
+
+        Returns:
+            The callback.
+        """
+        if self not in trainer.callback_handler.callbacks:
+            trainer.callback_handler.callbacks.append(self)
+        self._place(trainer.callback_handler)
+        return self
+
+    @property
     def history(self) -> list[Any]:
         """The check records and interventions so far (see :class:`~topocallbacks.monitor.TopoMonitor`)."""
         return self.monitor.history
@@ -174,17 +211,26 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
                 "probe": self._probe_source,
                 "settings": self.monitor.settings.as_dict(),
                 "probe_hash": None if probe is None else probe.spec.content_hash,
+                "restoring": True,
             },
             "attributes": {"_restored": {"monitor": self.monitor.state_dict()}},
         }
 
     # --- Trainer hooks --------------------------------------------------------------------------------------
 
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        self._place(_calling_handler())
+        return control
+
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         model = kwargs["model"]
         resolve_module(model, self.layer)  # unknown names fail here, with close matches
+        self._place(_calling_handler())
+        self._warn_if_unplaced(args)
         # Resuming: Trainer rebuilds the callback from state() and sets `_restored` when
         # `args.restore_callback_states_from_checkpoint` is on; otherwise the saved state is read here from the
         # checkpoint's trainer_state.json (state.stateful_callbacks), so that a resume never re-fires an action.
@@ -192,6 +238,13 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         if restored is not None:
             self.monitor.load_state_dict(restored["monitor"])
             self._restored = None
+        if self._texts is not None and self.monitor.probe is None:
+            tokenizer = kwargs.get("processing_class")
+            if tokenizer is None or not callable(tokenizer):
+                raise InputError(
+                    "`probe` holds text: pass `tokenizer=` to the callback or `processing_class=` to the Trainer"
+                )
+            self.monitor.set_probe(self._texts, tokenizer=tokenizer)
         if self._probe_source is not None and self.monitor.probe is None:
             loader = kwargs.get(f"{self._probe_source}_dataloader")
             dataset = getattr(loader, "dataset", None)
@@ -228,21 +281,121 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         features = self.capture.take() if self.streaming else None
         for record in self.monitor.on_step(state.global_step, model=kwargs["model"], features=features):
             self._act(state, control, record, kwargs)
+        if self._to_log:
+            control.should_log = True  # the Trainer logs this step: on_log carries the values to report_to
+        return control
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TrainerControl:
+        if self._to_log and logs is not None:
+            logs.update(self._to_log)  # the callbacks after this one (report_to, the console) see them
+            self._to_log = {}
         return control
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         self.capture.detach()
-        self.monitor.finish()  # checks still pending reach the history; their decisions can no longer act
+        for record in self.monitor.finish():  # pending checks reach the history; their decisions can no longer act
+            state.log_history.append({**scalars_of(record, self.prefix), "step": record.step})
         self.monitor.close()
+        if self.monitor.settings.output.summary and state.is_world_process_zero:
+            print(self.monitor.summary(), flush=True)
         return control
 
     def _act(
         self, state: TrainerState, control: TrainerControl, record: CheckRecord, kwargs: Mapping[str, Any]
     ) -> None:
-        state.log_history.append({**scalars_of(record), "step": record.step})
+        scalars = scalars_of(record, self.prefix)
+        state.log_history.append({**scalars, "step": record.step})  # at the step of the check
+        self._to_log.update(scalars)
         self.monitor.act(record, _TrainerActuator(state, control, kwargs))
+
+    def _place(self, handler: CallbackHandler | None) -> None:
+        """Move this callback before the ``report_to`` callbacks of ``handler``, and name its metrics."""
+        if handler is None or self not in handler.callbacks:
+            return
+        callbacks = handler.callbacks
+        first = next((i for i, c in enumerate(callbacks) if isinstance(c, _REPORTERS)), None)
+        if first is not None and first < callbacks.index(self):
+            callbacks.remove(self)
+            callbacks.insert(first, self)
+        self._placed = True
+        ours = [c for c in callbacks if isinstance(c, TopoCollapseTrainerCallback)]
+        if len(ours) > 1 and self.monitor.settings.output.prefix is None:
+            named = [c for c in ours if c.monitor.settings.output.prefix is None]
+            self.monitor.prefix = _prefix(self, named)
+
+    def _warn_if_unplaced(self, args: TrainingArguments) -> None:
+        if self._placed or not args.report_to or args.report_to in ("none", ["none"]):
+            return
+        warnings.warn(
+            "TopoCollapseTrainerCallback could not place itself before the report_to callbacks "
+            f"({args.report_to}): topo/* values reach state.log_history and the console but not them; call "
+            "callback.attach(trainer) before train()",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _caller(kind: type, depth: int = 4) -> Any:
+    """The nearest ``self`` of type ``kind`` among the callers of the caller's caller (within ``depth`` frames)."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, kind):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _calling_handler() -> CallbackHandler | None:
+    """The Trainer's ``CallbackHandler`` calling the current hook (found on the call stack), or None."""
+    handler: CallbackHandler | None = _caller(CallbackHandler)
+    return handler
+
+
+def _live_callback(settings: MonitorSettings, probe_hash: str | None) -> TopoCollapseTrainerCallback | None:
+    """The user's callback that a callback saved with ``settings`` and ``probe_hash`` resumes.
+
+    First among the callbacks of the Trainer that is restoring it (``Trainer._load_callback_state`` calls the
+    class), else the newest one alive in this process.
+    """
+    trainer = _caller(Trainer, depth=6)
+    ours = (
+        [c for c in trainer.callback_handler.callbacks if isinstance(c, TopoCollapseTrainerCallback)] if trainer else []
+    )
+    for callback in ours + sorted(_LIVE, key=lambda c: -c._created):
+        mine = callback.monitor.settings
+        if mine.probe.layer != settings.probe.layer or mine.schedule.mode != settings.schedule.mode:
+            continue
+        probe = callback.monitor.probe
+        if probe_hash is None or (probe is not None and probe.spec.content_hash == probe_hash):
+            return callback
+        if probe is None and (callback._texts is not None or callback._probe_source is not None):
+            return callback  # its probe is made at on_train_begin, where the saved state checks it
+    return None
+
+
+def _prefix(callback: TopoCollapseTrainerCallback, callbacks: list[TopoCollapseTrainerCallback]) -> str:
+    """``topo/<layer>`` of ``callback`` among ``callbacks`` (then the mode, then a number if shared)."""
+    names = [",".join(c.layer) for c in callbacks]
+    modes = [c.monitor.settings.schedule.mode for c in callbacks]
+    named = [f"{n}/{m}" if names.count(n) > 1 else n for n, m in zip(names, modes, strict=True)]
+    named = [f"{n}/{i}" if named.count(n) > 1 else n for i, n in enumerate(named)]
+    return f"topo/{named[next(i for i, c in enumerate(callbacks) if c is callback)]}"
+
+
+def _is_texts(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
 
 
 class _InputsOnly(torch.utils.data.Dataset[Any]):
@@ -265,6 +418,6 @@ class _InputsOnly(torch.utils.data.Dataset[Any]):
 
 def _is_foreign_dataset(value: Any) -> bool:
     """An indexable, sized dataset that is not a tensor, a list or a torch Dataset (e.g. ``datasets.Dataset``)."""
-    if value is None or isinstance(value, (str, torch.Tensor, list, tuple, torch.utils.data.Dataset)):
+    if value is None or isinstance(value, (str, torch.Tensor, list, tuple, Mapping, torch.utils.data.Dataset)):
         return False
     return hasattr(value, "__getitem__") and hasattr(value, "__len__")

@@ -1,8 +1,10 @@
 """The Lightning callback, a thin adapter around :class:`~topocallbacks.monitor.TopoMonitor`.
 
-It translates Lightning's hooks into monitor calls, logs the records with ``pl_module.log``, and gives the monitor
-an :class:`~topocallbacks.interventions.Actuator` made of Lightning's own means (``trainer.save_checkpoint``, the
-trainer's optimizers and schedulers, ``trainer.should_stop``). It holds no decision logic.
+It translates Lightning's hooks into monitor calls, writes each record to the trainer's loggers at the step of its
+features and makes its values callback metrics (``pl_module.log``, for ``EarlyStopping``, ``ModelCheckpoint`` and
+the progress bar), and gives the monitor an :class:`~topocallbacks.interventions.Actuator` made of Lightning's own
+means (``trainer.save_checkpoint``, the trainer's optimizers and schedulers, ``trainer.should_stop``). It holds no
+decision logic.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 
 from ..check import CheckRecord
 from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
-from ..probe import StreamCapture, resolve_module
+from ..probe import StreamCapture, resolve_layer, resolve_module
 from ..settings import MonitorSettings
 from ..sinks import scalars_of
 
@@ -57,10 +60,14 @@ class TopoCollapseCallback(Callback):
     """Watch representational collapse with topology during ``Trainer.fit``, and act on it.
 
     Every ``check_every`` optimizer steps (and once when training starts) the probe runs through the module
-    (no grad, eval mode, modes restored), the watched index, the Collapse Index and its components are computed and
-    logged with ``pl_module.log`` (``topo/index``, ``topo/ci``, ``topo/betti0``, ...; the same value on every rank,
-    so ``EarlyStopping(monitor="topo/index")`` works), and the policy's decision is carried out
-    (:func:`topocallbacks.interventions.apply`):
+    (no grad, eval mode, modes restored), the watched index, the Collapse Index and its components are computed,
+    and the policy's decision is carried out (:func:`topocallbacks.interventions.apply`). The values
+    (``topo/index``, ``topo/ci``, ``topo/betti0``, ...; the same on every rank) go to the trainer's loggers at the
+    step of the check, whatever ``log_every_n_steps``, and are callback metrics from the first training batch on,
+    so ``EarlyStopping(monitor="topo/index")`` and ``ModelCheckpoint(monitor="topo/index")`` find them at every
+    epoch end; ``topo/index`` is on the progress bar. With several of these callbacks on one trainer each logs
+    under ``topo/<layer>/`` (``prefix`` to choose). At the end of training a summary is printed on rank 0
+    (``summary=False`` to turn it off).
 
     * ``warn``: a warning (rank 0);
     * ``lower_lr``: every optimizer's param groups *and* every scheduler's base rates are scaled, so the cut
@@ -72,12 +79,14 @@ class TopoCollapseCallback(Callback):
     Every decision that acts, and what was done, goes to the history (``callback.history``, and the JSONL file).
 
     Args:
-        probe: probe inputs (tensor, Dataset or list), or ``"train"``/``"val"`` for that dataloader's dataset;
-            required in probe mode.
+        probe: probe inputs (a tensor, Dataset, list of inputs, mapping of columns, or list of texts with
+            ``tokenizer``), or ``"train"``/``"val"`` for that dataloader's dataset; required in probe mode.
         preset: a preset name (``topocallbacks.presets.available()``) or YAML path whose values are the defaults.
         settings: a :class:`~topocallbacks.settings.MonitorSettings` (instead of a preset), or a mapping of options
             merged into the preset's: the form to use from LightningCLI's YAML
             (``settings: {check_every: 200, policy: {action: lower_lr}}``).
+        tokenizer: a Hugging Face tokenizer, for a probe given as a list of texts (truncated at
+            ``probe.max_length``, padded, with an attention mask the pooling respects).
         check_on_validation_end: also check after every validation run (probe mode; sanity checks skipped),
             e.g. with a large ``check_every`` to check once per validation only.
         **overrides: any monitor option by name, merged last: ``layer``, ``check_every``, ``index``, ``mode``,
@@ -105,6 +114,7 @@ class TopoCollapseCallback(Callback):
         # dict first: LightningCLI tries union members in order and would turn a mapping into whole new settings
         # instead of merging it into the preset's.
         settings: dict[str, Any] | MonitorSettings | None = None,
+        tokenizer: Any = None,
         check_on_validation_end: bool = False,
         **overrides: Any,
     ) -> None:
@@ -118,9 +128,10 @@ class TopoCollapseCallback(Callback):
         self.streaming = resolved.schedule.mode == "stream"
         if not self.streaming and probe is None:
             raise InputError("`probe` is required in probe mode: a tensor, Dataset, list of inputs, 'train' or 'val'")
-        self.monitor = TopoMonitor(resolved, probe=None if self._probe_source else probe)
+        self.monitor = TopoMonitor(resolved, probe=None if self._probe_source else probe, tokenizer=tokenizer)
         self.check_on_validation_end = bool(check_on_validation_end)
         self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
+        self._unlogged: CheckRecord | None = None  # the latest record, until it is a callback metric
 
     @classmethod
     def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseCallback:
@@ -141,7 +152,11 @@ class TopoCollapseCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(layer=",".join(self.layer), mode=self.monitor.settings.schedule.mode)
+        """Unique per watched layer and mode (and ``prefix`` when given, to watch one layer twice)."""
+        key: dict[str, str] = {"layer": ",".join(self.layer), "mode": self.monitor.settings.schedule.mode}
+        if self.monitor.settings.output.prefix is not None:
+            key["prefix"] = self.monitor.settings.output.prefix
+        return self._generate_state_key(**key)
 
     @property
     def history(self) -> list[Any]:
@@ -150,8 +165,18 @@ class TopoCollapseCallback(Callback):
 
     # --- Lightning hooks ------------------------------------------------------------------------------------
 
+    @property
+    def prefix(self) -> str:
+        """The metrics' prefix: ``topo``, or ``topo/<layer>`` beside other callbacks of this class (set in setup)."""
+        return self.monitor.prefix
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         resolve_module(pl_module, self.layer)  # unknown names fail here, with close matches
+        if self.monitor.settings.output.prefix is None:
+            ours = [c for c in trainer.callbacks if isinstance(c, TopoCollapseCallback)]  # type: ignore[attr-defined]
+            if len(ours) > 1:  # beside others: each under its layer (those with their own prefix left out)
+                named = [c for c in ours if c.monitor.settings.output.prefix is None]
+                self.monitor.prefix = _prefix(self, pl_module, named)
         if self.streaming:
             self.capture.attach(pl_module, self.layer)
 
@@ -167,24 +192,38 @@ class TopoCollapseCallback(Callback):
         # A first check before any update calibrates ε and starts the warm-up on the initial features.
         if not self.streaming:
             for record in self.monitor.on_step(trainer.global_step, model=pl_module):
-                self._act(trainer, pl_module, record, log=False)
+                self._act(trainer, record)
+        if self._unlogged is None:
+            self._unlogged = self.monitor.last_record  # resumed: the latest values are callback metrics again
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         features = self.capture.take() if self.streaming else None
         for record in self.monitor.on_step(trainer.global_step, model=pl_module, features=features):
-            self._act(trainer, pl_module, record, log=True)
+            self._act(trainer, record)
+        if self._unlogged is not None:
+            record, self._unlogged = self._unlogged, None
+            index = f"{self.prefix}/index"
+            for name, value in scalars_of(record, self.prefix).items():
+                # Callback metrics (EarlyStopping, ModelCheckpoint, the progress bar): they stay until logged
+                # again. The loggers got the record at its own step already.
+                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == index, logger=False,
+                              batch_size=1)  # fmt: skip
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.monitor.finish()  # checks still pending reach the history; their decisions can no longer act
+        # Checks still pending reach the history and the loggers; their decisions can no longer act.
+        for record in self.monitor.finish():
+            self._write_to_loggers(trainer, record)
+        if self.monitor.settings.output.summary:
+            rank_zero_info(self.monitor.summary())
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         wanted = self.check_on_validation_end and not self.streaming and not trainer.sanity_checking
         if wanted and step != self.monitor.last_checked_step_:
-            # Logging is not allowed in on_validation_end: the record goes to the history and the sinks.
-            self._act(trainer, pl_module, self.monitor.check(pl_module, step), log=False)
+            # The loggers get the record now; it becomes a callback metric at the next training batch.
+            self._act(trainer, self.monitor.check(pl_module, step))
 
     def state_dict(self) -> dict[str, Any]:
         return {"monitor": self.monitor.state_dict()}
@@ -194,12 +233,29 @@ class TopoCollapseCallback(Callback):
 
     # --- checks ---------------------------------------------------------------------------------------------
 
-    def _act(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: CheckRecord, *, log: bool) -> None:
-        """Log rank 0's record (the same on every rank) and carry out its decision on every rank."""
-        if log:
-            for name, value in scalars_of(record).items():
-                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "topo/index", batch_size=1)
+    def _act(self, trainer: pl.Trainer, record: CheckRecord) -> None:
+        """Log a record (the same on every rank) and carry out its decision on every rank."""
+        self._write_to_loggers(trainer, record)
+        self._unlogged = record
         self.monitor.act(record, _LightningActuator(trainer, self.monitor.settings.interventions.rescue_dir))
+
+    def _write_to_loggers(self, trainer: pl.Trainer, record: CheckRecord) -> None:
+        """The record's values to every logger of the trainer (rank 0), at the step of the check."""
+        if trainer.is_global_zero and trainer.loggers:
+            scalars = scalars_of(record, self.prefix)
+            for logger in trainer.loggers:
+                logger.log_metrics(scalars, step=record.step)
+
+
+def _prefix(callback: TopoCollapseCallback, model: pl.LightningModule, callbacks: list[Any]) -> str:
+    """``topo/<watched module>`` of ``callback`` among ``callbacks`` (then the mode, then a number if shared)."""
+    names = [resolve_layer(model, c.layer) for c in callbacks]
+    named = [
+        f"{n}/{c.monitor.settings.schedule.mode}" if names.count(n) > 1 else n
+        for n, c in zip(names, callbacks, strict=True)
+    ]
+    named = [f"{n}/{i}" if named.count(n) > 1 else n for i, n in enumerate(named)]
+    return f"topo/{named[next(i for i, c in enumerate(callbacks) if c is callback)]}"
 
 
 def _dataloader_dataset(trainer: pl.Trainer, which: str) -> Any:
