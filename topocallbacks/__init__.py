@@ -22,8 +22,10 @@ from .policy import Action, Decision, Policy
 from .settings import MonitorSettings
 
 if TYPE_CHECKING:
+    from .analyze import analyze
     from .monitor import TopoMonitor
     from .probe import Probe
+    from .report import write_report
 
 __version__ = "0.1.0.dev0"
 
@@ -43,11 +45,14 @@ __all__ = [
     "TopoCallbacksError",
     "TopoMonitor",
     "__version__",
+    "analyze",
     "functional",
+    "write_report",
 ]
 
-# The monitor and the probe use torch; they are imported on first access so that `import topocallbacks` stays light.
-_LAZY = {"TopoMonitor": ".monitor", "Probe": ".probe"}
+# The monitor and the probe use torch, the report matplotlib; they are imported on first access so that
+# `import topocallbacks` stays light.
+_LAZY = {"TopoMonitor": ".monitor", "Probe": ".probe", "analyze": ".analyze", "write_report": ".report"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,11 +1,11 @@
-"""Command line: ``topocallbacks demo`` (or ``python -m topocallbacks demo``)."""
+"""Command line: ``topocallbacks demo``, ``report`` and ``analyze`` (or ``python -m topocallbacks ...``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -93,6 +93,38 @@ def run_demo(n_points: int = 512, seed: int = 0) -> int:
     return 1 if failures else 0
 
 
+def run_report(history: str, out: str, title: str | None = None) -> int:
+    """``topocallbacks report``: write the HTML report of a history file; prints where it went."""
+    from .report import write_report
+
+    path = write_report(history, out, title=title)
+    print(f"report: {path}")
+    return 0
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    """``topocallbacks analyze``: measure every checkpoint in a folder; prints where the results went."""
+    from .analyze import analyze
+
+    overrides = {} if args.max_probe_samples is None else {"max_probe_samples": args.max_probe_samples}
+    result = analyze(
+        args.path,
+        out_dir=args.out,
+        probe=args.probe,
+        layers=args.layer,
+        factory=args.factory,
+        trust_checkpoints=args.trust_checkpoints,
+        weights=args.weights,
+        title=args.title,
+        progress=not args.no_progress,
+        **overrides,
+    )
+    print(f"table:  {result.csv_path}")
+    print(f"json:   {result.json_path}")
+    print(f"report: {result.report_path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``topocallbacks`` command."""
     parser = argparse.ArgumentParser(prog="topocallbacks", description=__doc__)
@@ -100,11 +132,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="watch the Collapse Index on a collapsing real feature cloud")
     demo.add_argument("--points", type=int, default=512, help="probe size (default: 512)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the probe subsample (default: 0)")
+    report = commands.add_parser(
+        "report", help="write an HTML report (index, composite, warnings, diagnosis) of a history JSONL file"
+    )
+    report.add_argument("history", help="the history JSONL file a monitor or callback wrote (history_path=)")
+    report.add_argument("--out", required=True, help="folder to write index.html and its figures into")
+    report.add_argument("--title", default=None, help="the report's title")
+    analyze = commands.add_parser(
+        "analyze",
+        help="measure saved checkpoints (Lightning .ckpt, Hugging Face checkpoint-N) or feature arrays offline",
+    )
+    analyze.add_argument("path", help="folder of .ckpt files, checkpoint-N folders, or feature arrays named by step")
+    analyze.add_argument("--out", required=True, help="folder to write analysis.csv, analysis.json and the report")
+    analyze.add_argument("--probe", default=None, help="probe inputs for model checkpoints: a .pt or .npy file")
+    analyze.add_argument(
+        "--layer", action="append", default=None, help="module name or pattern to analyse (repeat for several)"
+    )
+    analyze.add_argument("--factory", default=None, help="module:function (or file.py:function) building the model")
+    analyze.add_argument("--weights", action="store_true", help="add weight-space topology of Linear/Conv layers")
+    analyze.add_argument(
+        "--trust-checkpoints",
+        action="store_true",
+        help="load files that need arbitrary unpickling (torch.load weights_only=False); only for trusted files",
+    )
+    analyze.add_argument("--max-probe-samples", type=int, default=None, help="use at most this many probe samples")
+    analyze.add_argument("--title", default=None, help="the report's title")
+    analyze.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    # "demo" is the only command so far; argparse rejects any other.
+    if args.command == "report":
+        return _reporting_errors(lambda: run_report(args.history, args.out, args.title))
+    if args.command == "analyze":
+        return _reporting_errors(lambda: run_analyze(args))
     if not 2 <= args.points <= 1797:
         parser.error(f"--points must be between 2 and 1797 (the digits set), got {args.points}")
     return run_demo(n_points=args.points, seed=args.seed)
+
+
+def _reporting_errors(command: Callable[[], int]) -> int:
+    """Run a command; a bad input is one line on stderr and exit status 2 (argparse's for usage errors)."""
+    from .exceptions import InputError
+
+    try:
+        return command()
+    except InputError as exc:
+        print(f"topocallbacks: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
