@@ -12,16 +12,18 @@ current rate. Scaling all of these together keeps the cut in effect at every lat
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from ._validation import check_number
 from .distributed import rank_and_world
+from .exceptions import InputError
 from .policy import Decision
 from .settings import Action, InterventionSettings
 
-__all__ = ["Actuator", "apply", "current_learning_rates", "scale_learning_rate"]
+__all__ = ["Actuator", "LoopActuator", "apply", "current_learning_rates", "scale_learning_rate"]
 
 
 class Actuator(Protocol):
@@ -41,6 +43,79 @@ class Actuator(Protocol):
 
     def save_checkpoint(self, tag: str) -> None:
         """Save (or ask the framework to save) a checkpoint of the current state, named by ``tag``."""
+
+
+class LoopActuator:
+    """The :class:`Actuator` of a plain PyTorch loop: ``monitor.act(record, LoopActuator(optimizer, scheduler))``.
+
+    A learning-rate cut scales the optimizers and schedulers together (:func:`scale_learning_rate`); a stop sets
+    :attr:`stop_requested`, which the loop reads to break; a rescue checkpoint is ``torch.save(state(), path)`` in
+    ``directory`` (``<tag>.pt``, the tag naming the action and the step), written on rank 0 only.
+
+    Args:
+        optimizers: a torch optimizer or a list of them.
+        schedulers: their learning-rate schedulers (one, a list, or None).
+        directory: where rescue checkpoints go (None: none are saved, and the history says so).
+        state: returns what a rescue checkpoint holds, e.g. ``lambda: {"model": model.state_dict(),
+            "optimizer": optimizer.state_dict(), "monitor": monitor.state_dict()}``; required with ``directory``.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        >>> actuator = LoopActuator(optimizer)
+        >>> actuator.scale_learning_rate(0.5), current_learning_rates([optimizer])
+        ('learning rate x 0.5', [0.05])
+        >>> actuator.request_stop(), actuator.stop_requested
+        ('stop requested', True)
+    """
+
+    def __init__(
+        self,
+        optimizers: Any,
+        schedulers: Any = None,
+        *,
+        directory: str | os.PathLike[str] | None = None,
+        state: Callable[[], Any] | None = None,
+    ) -> None:
+        self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        if not self.optimizers or not all(hasattr(o, "param_groups") for o in self.optimizers):
+            raise InputError(f"`optimizers` must be a torch optimizer or a list of them, got {optimizers!r}")
+        self.schedulers = (
+            [] if schedulers is None else list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
+        )
+        if directory is not None and state is None:
+            raise InputError("`state` is required with `directory`: a function returning what a checkpoint holds")
+        if state is not None and not callable(state):
+            raise InputError(f"`state` must be a function returning what a checkpoint holds, got {state!r}")
+        self.directory = None if directory is None else os.fspath(directory)
+        self.state = state
+        #: Set by a stop decision; the loop breaks on it.
+        self.stop_requested = False
+
+    def scale_learning_rate(self, factor: float) -> str:
+        """Cut the rate of every optimizer and scheduler by ``factor``."""
+        scale_learning_rate(self.optimizers, self.schedulers, factor)
+        return f"learning rate x {factor}"
+
+    def request_stop(self) -> str:
+        """Set :attr:`stop_requested`."""
+        self.stop_requested = True
+        return "stop requested"
+
+    def checkpoint_location(self, tag: str) -> str:
+        """``<directory>/<tag>.pt``."""
+        if self.directory is None:
+            return "not saved (LoopActuator has no `directory`)"
+        return os.path.join(self.directory, f"{tag}.pt")
+
+    def save_checkpoint(self, tag: str) -> None:
+        """``torch.save(state(), <directory>/<tag>.pt)`` on rank 0."""
+        if self.directory is None or self.state is None or rank_and_world()[0] != 0:
+            return
+        import torch
+
+        os.makedirs(self.directory, exist_ok=True)
+        torch.save(self.state(), self.checkpoint_location(tag))
 
 
 def apply(

@@ -307,6 +307,9 @@ class TopoMonitor(Stateful):
         checks = [r for r in self.history if isinstance(r, CheckRecord)]
         done = [r for r in self.history if isinstance(r, InterventionRecord)]
         layer = self.settings.probe.layer
+        resolved = getattr(self.extractor, "resolved_layer_", None)  # the name a pattern matched
+        if resolved is not None:
+            layer = (resolved,)
         watched = f" at layer {layer[0] if len(layer) == 1 else list(layer)}" if layer else ""
         if not checks:
             head = f"topocallbacks: no check ran{watched}"
@@ -323,7 +326,7 @@ class TopoMonitor(Stateful):
             lines = [f"{head}; no warning and no intervention."]
         else:
             lines = [f"{head}; {len(warned)} warning(s), {len(acted)} intervention(s):"]
-            lines += [f"  step {r.step}: {r.action}: {r.reason} ({r.detail})" for r in done]
+            lines += [f"  step {r.step}: {r.action} ({r.detail}), because {r.reason}" for r in done]
         output = self.settings.output
         if output.history_path is not None:
             lines.append(f"  history: {output.history_path}")

@@ -395,7 +395,8 @@ def test_an_end_of_run_summary_names_the_checks_and_the_interventions(tmp_path, 
     assert lines[0] == (
         "topocallbacks: 3 checks (steps 0-10) at layer avgpool of diagram_drift; 0 warning(s), 2 intervention(s):"
     )
-    assert lines[1].startswith("  step 5: lower_lr: ")
+    cut = "learning rate x 0.5 in 1 optimizer(s) and 0 scheduler(s), now 0.025"
+    assert lines[1].startswith(f"  step 5: lower_lr ({cut}), because index ")
     assert lines[-1] == f"  history: {history}"
     quiet = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5, summary=False)
     caplog.clear()

@@ -101,3 +101,66 @@ def test_factor_must_lower_the_rate(factor):
     optimizer, scheduler = make("cosine")
     with pytest.raises(InputError, match="`factor` must be a finite number in \\(0, 1\\), got"):
         scale_learning_rate([optimizer], [scheduler], factor)
+
+
+# --- LoopActuator: the plain loop's means ----------------------------------------------------------------------
+
+
+def test_loop_actuator_cuts_then_stops_a_plain_loop_and_its_rescue_checkpoint_holds_why(tmp_path):
+    from sklearn.datasets import load_digits
+
+    from topocallbacks import Policy, TopoMonitor
+    from topocallbacks.interventions import LoopActuator
+
+    data = load_digits()
+    x, y = torch.tensor(data.data / 16.0, dtype=torch.float32), torch.tensor(data.target)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    # Every check after the first fires: two cuts, then the escalation to stop.
+    policy = Policy(action="lower_lr", score="value", threshold=-1.0, patience=1, warmup=1, cooldown=0, max_lr_cuts=2)
+    monitor = TopoMonitor(probe=x[:64], layer="1", check_every=3, policy=policy, background=False)
+    actuator = LoopActuator(
+        optimizer,
+        scheduler,
+        directory=tmp_path / "rescue",
+        state=lambda: {"model": model.state_dict(), "monitor": monitor.state_dict()},
+    )
+    rates = {}
+    for step in range(30):
+        batch = torch.arange(step * 32, step * 32 + 32) % len(x)
+        loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        for record in monitor.on_step(step, model=model):
+            monitor.act(record, actuator)
+        rates[step] = optimizer.param_groups[0]["lr"]
+        if actuator.stop_requested:
+            break
+    done = [(r.step, r.action) for r in monitor.history if r.kind == "intervention"]
+    assert done == [(3, "lower_lr"), (6, "lower_lr"), (9, "stop")]
+    assert step == 9
+    # Each cut is in effect at every later scheduler step: 0.1 / (1 + s) x 0.5 per cut so far.
+    for s, rate in rates.items():
+        cuts = (s >= 3) + (s >= 6)
+        assert rate == pytest.approx(0.1 / (2 + s) * 0.5**cuts)
+    saved = torch.load(tmp_path / "rescue" / "topo-stop-step9.pt", weights_only=True)
+    last = saved["monitor"]["history"][-1]
+    assert (last["kind"], last["step"], last["action"]) == ("intervention", 9, "stop")
+    torch.testing.assert_close(saved["model"]["0.weight"], model[0].weight)
+
+
+def test_loop_actuator_refuses_bad_arguments_and_says_where_nothing_was_saved():
+    from topocallbacks.interventions import LoopActuator
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(InputError, match="`optimizers` must be a torch optimizer"):
+        LoopActuator("sgd")
+    with pytest.raises(InputError, match="`state` is required with `directory`"):
+        LoopActuator(optimizer, directory="rescue")
+    assert LoopActuator(optimizer).checkpoint_location("topo-stop-step3") == (
+        "not saved (LoopActuator has no `directory`)"
+    )

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -22,7 +23,7 @@ from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
-from ..probe import StreamCapture, resolve_layer, resolve_module
+from ..probe import StreamCapture, is_sharded, resolve_layer, resolve_module
 from ..settings import MonitorSettings
 from ..sinks import scalars_of
 
@@ -132,6 +133,7 @@ class TopoCollapseCallback(Callback):
         self.check_on_validation_end = bool(check_on_validation_end)
         self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
         self._unlogged: CheckRecord | None = None  # the latest record, until it is a callback metric
+        self._sharded_root: torch.nn.Module | None = None  # the strategy's FSDP/DeepSpeed root, if any
 
     @classmethod
     def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseCallback:
@@ -189,9 +191,14 @@ class TopoCollapseCallback(Callback):
             self.monitor.set_probe(_dataloader_dataset(trainer, self._probe_source))
         if self.monitor.settings.probe.precision == "auto":
             self.monitor.autocast = trainer.strategy.precision_plugin.forward_context  # the trainer's precision
+        root = trainer.strategy.model
+        # FSDP (FSDPStrategy) and DeepSpeed wrap the LightningModule: the probe's forward goes through the wrapper,
+        # which gathers the root's sharded parameters (calling the module itself would see only this rank's shard).
+        # A ModelParallelStrategy's fully_shard modules are the LightningModule itself; DDP's wrapper is not used.
+        self._sharded_root = root if root is not None and root is not pl_module and is_sharded(root) else None
         # A first check before any update calibrates ε and starts the warm-up on the initial features.
         if not self.streaming:
-            for record in self.monitor.on_step(trainer.global_step, model=pl_module):
+            for record in self.monitor.on_step(trainer.global_step, model=self._probed(pl_module)):
                 self._act(trainer, record)
         if self._unlogged is None:
             self._unlogged = self.monitor.last_record  # resumed: the latest values are callback metrics again
@@ -200,7 +207,7 @@ class TopoCollapseCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         features = self.capture.take() if self.streaming else None
-        for record in self.monitor.on_step(trainer.global_step, model=pl_module, features=features):
+        for record in self.monitor.on_step(trainer.global_step, model=self._probed(pl_module), features=features):
             self._act(trainer, record)
         if self._unlogged is not None:
             record, self._unlogged = self._unlogged, None
@@ -223,7 +230,11 @@ class TopoCollapseCallback(Callback):
         wanted = self.check_on_validation_end and not self.streaming and not trainer.sanity_checking
         if wanted and step != self.monitor.last_checked_step_:
             # The loggers get the record now; it becomes a callback metric at the next training batch.
-            self._act(trainer, self.monitor.check(pl_module, step))
+            self._act(trainer, self.monitor.check(self._probed(pl_module), step))
+
+    def _probed(self, pl_module: pl.LightningModule) -> torch.nn.Module:
+        """The module the probe runs through: the strategy's sharded root when there is one (see on_train_start)."""
+        return self._sharded_root if self._sharded_root is not None else pl_module
 
     def state_dict(self) -> dict[str, Any]:
         return {"monitor": self.monitor.state_dict()}
