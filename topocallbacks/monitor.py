@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -333,6 +335,21 @@ class TopoMonitor(Stateful):
         if output.tensorboard_dir is not None:
             lines.append(f"  TensorBoard: {output.tensorboard_dir}")
         return "\n".join(lines)
+
+    def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path:
+        """Write the HTML report of this monitor's history into ``out_dir`` (:func:`topocallbacks.write_report`).
+
+        The persistence diagrams of the last check are drawn too. Needs matplotlib (``topocallbacks[report]``).
+
+        Returns:
+            The path of ``index.html``.
+        """
+        from .report import write_report
+
+        last = self.last_record
+        diagrams = self.pipeline.last_diagrams
+        drawn = None if last is None or diagrams is None else {last.step: diagrams}
+        return write_report(self.history, out_dir, diagrams=drawn, title=title)
 
     @property
     def last_record(self) -> CheckRecord | None:

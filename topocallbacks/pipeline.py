@@ -106,6 +106,11 @@ class CheckPipeline(Stateful):
 
     # --- evaluation ---------------------------------------------------------------------------------------
 
+    @property
+    def last_diagrams(self) -> Diagrams | None:
+        """The last check's persistence diagrams (H0, H1; those diagram drift compares), or None before it."""
+        return self._diagrams
+
     def evaluate(self, features: Any, step: int) -> Evaluation:
         """Probe mode: evaluate one check of features ``(n, d)``.
 

@@ -1,5 +1,6 @@
 """The Hugging Face callback in real ``transformers.Trainer.train`` runs on CPU."""
 
+import html as markup
 import json
 import math
 import os
@@ -262,6 +263,20 @@ def test_two_callbacks_on_two_layers_log_under_their_layer(tmp_path, capsys):
     assert (
         "topocallbacks: 3 checks (steps 0-10) at layer encoder of diagram_drift; no warning and no intervention." in out
     )
+
+
+def test_the_callback_writes_a_report_of_its_run(tmp_path):
+    policy = Policy(action="lower_lr", score="value", threshold=-1.0, patience=1, warmup=1, cooldown=0)
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, policy=policy)
+    Trainer(model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[callback]).train()
+    page = callback.report(tmp_path / "report", title="digits")
+    html = page.read_text()
+    text = markup.unescape(html)
+    assert "<title>digits</title>" in html
+    assert {"index.png", "composite_0.png", "diagrams.png"} <= {p.name for p in page.parent.iterdir()}
+    cuts = [r for r in callback.history if r.kind == "intervention"]
+    assert [r.step for r in cuts] == [5, 10]
+    assert all(r.reason.split(":")[0] in text for r in cuts)  # each intervention is diagnosed on the page
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])

@@ -405,6 +405,20 @@ def test_an_end_of_run_summary_names_the_checks_and_the_interventions(tmp_path, 
     assert not [r for r in caplog.records if r.getMessage().startswith("topocallbacks:")]
 
 
+def test_the_callback_writes_a_report_of_its_run(tmp_path):
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5, policy=always("lower_lr"))
+    trainer(tmp_path, [callback], max_steps=10).fit(TinyCNN(), digits_loader())
+    page = callback.report(tmp_path / "report")
+    assert {"index.png", "composite_0.png", "diagrams.png"} <= {p.name for p in page.parent.iterdir()}
+    html = page.read_text()
+    assert html.count("src='index.png'") == 1
+    assert html.count("src='diagrams.png'") == 1
+    assert [r.step for r in callback.history if r.kind == "intervention"] == [5, 10]
+    assert "lower_lr at 5, lower_lr at 10" in html  # the summary's decisions
+    assert "Step 5: decision" in html  # each one diagnosed
+    assert "Step 10: decision" in html
+
+
 def test_streaming_with_gradient_accumulation_checks_once_per_check_step(tmp_path):
     callback = TopoCollapseCallback(layer="avgpool", mode="stream", window=1024, check_every=5)
     fit = trainer(tmp_path, [callback], max_steps=20, accumulate_grad_batches=4)

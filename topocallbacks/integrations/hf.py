@@ -10,11 +10,13 @@ optimizer and scheduler the Trainer hands to its callbacks; its state goes to ``
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import types
 import warnings
 import weakref
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from ..check import CheckRecord
+from ..distributed import rank_and_world
 from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
@@ -200,6 +203,18 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     def history(self) -> list[Any]:
         """The check records and interventions so far (see :class:`~topocallbacks.monitor.TopoMonitor`)."""
         return self.monitor.history
+
+    def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
+        """Write the HTML report of the history so far into ``out_dir`` (see :func:`topocallbacks.write_report`).
+
+        Only the main process writes (the history is the same on every rank); elsewhere it returns None.
+
+        Returns:
+            The path of ``index.html`` (None on other ranks).
+        """
+        if rank_and_world()[0] != 0:
+            return None
+        return self.monitor.report(out_dir, title=title)
 
     # --- ExportableState ------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..check import CheckRecord
+from ..distributed import rank_and_world
 from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
@@ -164,6 +166,18 @@ class TopoCollapseCallback(Callback):
     def history(self) -> list[Any]:
         """The check records and interventions so far (see :class:`~topocallbacks.monitor.TopoMonitor`)."""
         return self.monitor.history
+
+    def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
+        """Write the HTML report of the history so far into ``out_dir`` (see :func:`topocallbacks.write_report`).
+
+        Only the main process writes (the history is the same on every rank); elsewhere it returns None.
+
+        Returns:
+            The path of ``index.html`` (None on other ranks).
+        """
+        if rank_and_world()[0] != 0:
+            return None
+        return self.monitor.report(out_dir, title=title)
 
     # --- Lightning hooks ------------------------------------------------------------------------------------
 
