@@ -109,13 +109,19 @@ class LoopActuator:
         return os.path.join(self.directory, f"{tag}.pt")
 
     def save_checkpoint(self, tag: str) -> None:
-        """``torch.save(state(), <directory>/<tag>.pt)`` on rank 0."""
-        if self.directory is None or self.state is None or rank_and_world()[0] != 0:
+        """``torch.save(state(), <directory>/<tag>.pt)``.
+
+        ``state()`` runs on every rank (a sharded model's ``state_dict`` is a collective); rank 0 writes.
+        """
+        if self.directory is None or self.state is None:
+            return
+        payload = self.state()
+        if rank_and_world()[0] != 0:
             return
         import torch
 
         os.makedirs(self.directory, exist_ok=True)
-        torch.save(self.state(), self.checkpoint_location(tag))
+        torch.save(payload, self.checkpoint_location(tag))
 
 
 def apply(

@@ -339,15 +339,16 @@ class TopoMonitor(Stateful):
     def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path:
         """Write the HTML report of this monitor's history into ``out_dir`` (:func:`topocallbacks.write_report`).
 
-        The persistence diagrams of the last check are drawn too. Needs matplotlib (``topocallbacks[report]``).
+        The persistence diagrams of the last check that did not diverge are drawn too. Needs matplotlib
+        (``topocallbacks[report]``).
 
         Returns:
             The path of ``index.html``.
         """
         from .report import write_report
 
-        last = self.last_record
-        diagrams = self.pipeline.last_diagrams
+        last = next((r for r in reversed(self.history) if isinstance(r, CheckRecord) and r.ok), None)
+        diagrams = self.pipeline.last_diagrams  # those of the last check that was not diverged
         drawn = None if last is None or diagrams is None else {last.step: diagrams}
         return write_report(self.history, out_dir, diagrams=drawn, title=title)
 

@@ -214,6 +214,27 @@ def test_a_rebuilt_callback_follows_the_new_arguments_of_the_users_callback(tmp_
     assert (tmp_path / "h").read_text().count("\n") == 2  # the new history file receives the new checks
 
 
+def test_two_rebuilt_callbacks_on_one_layer_each_resume_their_own_state(tmp_path):
+    args = arguments(
+        tmp_path, max_steps=8, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=True
+    )
+
+    def pair():
+        return [
+            TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, prefix="topo/a"),
+            TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=4, prefix="topo/b"),
+        ]
+
+    Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=pair()).train()
+    a, b = pair()
+    trainer = Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[a, b])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert a.history is not b.history
+    assert [r.step for r in checks(a)] == [0, 2, 4, 6, 8]
+    assert [r.step for r in checks(b)] == [0, 4, 8]
+    assert [e["step"] for e in trainer.state.log_history if "topo/b/ci" in e] == [0, 4, 8]
+
+
 def test_the_values_reach_report_to_tensorboard_and_the_console(tmp_path, capsys):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -95,12 +95,17 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
 
     Args:
         probe: the probe inputs (a tensor, a ``torch`` Dataset, a list of tensors or of mappings such as
-            tokenizer output, or a ``datasets.Dataset`` in torch format, label columns dropped), or
+            tokenizer output, a ``BatchEncoding`` or mapping of columns, a list of texts, or a
+            ``datasets.Dataset`` in torch format, label columns dropped), or
             ``"train"``/``"eval"`` for the Trainer's dataset (label columns dropped). Required in probe mode.
         preset: a preset name (``topocallbacks.presets.available()``) or YAML path whose values are the defaults.
         settings: a :class:`~topocallbacks.settings.MonitorSettings` (instead of a preset), or a mapping of options
             merged into the preset's.
+        tokenizer: a Hugging Face tokenizer, for a probe given as a list of texts (default: the Trainer's
+            ``processing_class``, taken at ``on_train_begin``); truncated at ``probe.max_length``, padded, with an
+            attention mask the pooling respects.
         probe_hash: set by a restore from ``trainer_state.json`` (the saved probe's content hash); not for users.
+        restoring: set by a restore from ``trainer_state.json``; not for users.
         **overrides: any monitor option by name, merged last: ``layer``, ``check_every``, ``index``, ``mode``,
             ``policy={...}``, ``max_probe_samples``, ``history_path``, ``checkpoint_on_stop``... (see
             :class:`~topocallbacks.settings.MonitorSettings`).
@@ -249,7 +254,9 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         # Resuming: Trainer rebuilds the callback from state() and sets `_restored` when
         # `args.restore_callback_states_from_checkpoint` is on; otherwise the saved state is read here from the
         # checkpoint's trainer_state.json (state.stateful_callbacks), so that a resume never re-fires an action.
-        restored = self._restored or self._saved_state(state)
+        # The checkpoint's newest entry first: with several callbacks of this class, transformers appends every
+        # save's states to one list (the empty ones of the Trainer's start first) and a rebuild pairs the first.
+        restored = self._saved_state(state) or self._restored
         if restored is not None:
             self.monitor.load_state_dict(restored["monitor"])
             self._restored = None
@@ -278,17 +285,33 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         return control
 
     def _saved_state(self, state: TrainerState) -> Mapping[str, Any] | None:
-        """This callback's state in a checkpoint being resumed from (None on a fresh run)."""
+        """This callback's state in a checkpoint being resumed from (None on a fresh run).
+
+        Matched by layer, mode and ``prefix``: two callbacks on one layer and mode need distinct prefixes to resume
+        each its own state.
+        """
         if self.monitor.history or not state.global_step:
             return None  # already running, or nothing was trained before this run
         stored: Any = state.stateful_callbacks  # a dict by class name once TrainerState is built (typed as a list)
         saved = stored.get(type(self).__name__) if isinstance(stored, Mapping) else None
+        mine = self.monitor.settings
+        found: Mapping[str, Any] | None = None
         for entry in saved if isinstance(saved, list) else [] if saved is None else [saved]:
-            layer = entry.get("args", {}).get("settings", {}).get("probe", {}).get("layer")
-            if layer is not None and tuple(layer) == self.layer:
-                restored: Mapping[str, Any] = entry["attributes"]["_restored"]
-                return restored
-        return None
+            settings = entry.get("args", {}).get("settings", {})
+            layer = settings.get("probe", {}).get("layer")
+            mode = settings.get("schedule", {}).get("mode", mine.schedule.mode)
+            prefix = settings.get("output", {}).get("prefix")
+            if (
+                layer is not None
+                and tuple(layer) == self.layer
+                and (mode, prefix)
+                == (
+                    mine.schedule.mode,
+                    mine.output.prefix,
+                )
+            ):
+                found = entry["attributes"]["_restored"]  # the last match is the newest save
+        return found
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -378,17 +401,33 @@ def _calling_handler() -> CallbackHandler | None:
     return handler
 
 
+def _replaced_callback(depth: int = 6) -> TopoCollapseTrainerCallback | None:
+    """The user's callback whose saved state ``Trainer._load_callback_state`` is restoring now (its loop variable)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_load_callback_state":
+            callback = frame.f_locals.get("callback")
+            return callback if isinstance(callback, TopoCollapseTrainerCallback) else None
+        frame = frame.f_back
+    return None
+
+
 def _live_callback(settings: MonitorSettings, probe_hash: str | None) -> TopoCollapseTrainerCallback | None:
     """The user's callback that a callback saved with ``settings`` and ``probe_hash`` resumes.
 
-    First among the callbacks of the Trainer that is restoring it (``Trainer._load_callback_state`` calls the
-    class), else the newest one alive in this process.
+    First the callback that ``Trainer._load_callback_state`` is replacing (it pairs the i-th callback of the class
+    with the i-th saved state, so two callbacks on one layer each get their own), then the others of that Trainer,
+    else the newest one alive in this process.
     """
     trainer = _caller(Trainer, depth=6)
     ours = (
         [c for c in trainer.callback_handler.callbacks if isinstance(c, TopoCollapseTrainerCallback)] if trainer else []
     )
-    for callback in ours + sorted(_LIVE, key=lambda c: -c._created):
+    replaced = _replaced_callback()
+    first = [] if replaced is None else [replaced]
+    for callback in first + ours + sorted(_LIVE, key=lambda c: -c._created):
         mine = callback.monitor.settings
         if mine.probe.layer != settings.probe.layer or mine.schedule.mode != settings.schedule.mode:
             continue

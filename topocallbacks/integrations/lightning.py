@@ -25,7 +25,7 @@ from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
-from ..probe import StreamCapture, is_sharded, resolve_layer, resolve_module
+from ..probe import StreamCapture, resolve_layer, resolve_module
 from ..settings import MonitorSettings
 from ..sinks import scalars_of
 
@@ -206,10 +206,11 @@ class TopoCollapseCallback(Callback):
         if self.monitor.settings.probe.precision == "auto":
             self.monitor.autocast = trainer.strategy.precision_plugin.forward_context  # the trainer's precision
         root = trainer.strategy.model
-        # FSDP (FSDPStrategy) and DeepSpeed wrap the LightningModule: the probe's forward goes through the wrapper,
-        # which gathers the root's sharded parameters (calling the module itself would see only this rank's shard).
-        # A ModelParallelStrategy's fully_shard modules are the LightningModule itself; DDP's wrapper is not used.
-        self._sharded_root = root if root is not None and root is not pl_module and is_sharded(root) else None
+        # FSDPStrategy wraps the LightningModule in an FSDP root: the probe's forward goes through it, which gathers
+        # the root's own sharded parameters (calling the module itself would see only this rank's shard). DeepSpeed
+        # gathers through hooks on the modules themselves, a ModelParallelStrategy's fully_shard modules are the
+        # LightningModule itself, and DDP's wrapper is not needed: those probe the LightningModule.
+        self._sharded_root = root if _is_fsdp_root(root) and root is not pl_module else None
         # A first check before any update calibrates ε and starts the warm-up on the initial features.
         if not self.streaming:
             for record in self.monitor.on_step(trainer.global_step, model=self._probed(pl_module)):
@@ -305,3 +306,12 @@ def _dataloader_dataset(trainer: pl.Trainer, which: str) -> Any:
     if dataset is None:
         raise InputError(f"`probe`={which!r} needs a {which} dataloader with a dataset; none was given to fit()")
     return dataset
+
+
+def _is_fsdp_root(module: Any) -> bool:
+    """Whether ``module`` is an FSDP1 wrapper (``FullyShardedDataParallel``), as Lightning's FSDPStrategy makes."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(module, FullyShardedDataParallel)
