@@ -150,6 +150,17 @@ def callback_overrides(model: str, config: str, background: bool | None) -> dict
 # --- Lightning --------------------------------------------------------------------------------------------------
 
 
+def topo_callback(
+    kind: Any, model: str, config: str, shape: tuple[int, ...], vocab: int, background: bool | None
+) -> Any:
+    """The callback of class ``kind`` for ``config`` (the model's preset with the config's overrides), or None."""
+    if config == "none":
+        return None
+    return kind.from_preset(
+        preset_of(model), probe=probe_for(model, shape, vocab), **callback_overrides(model, config, background)
+    )
+
+
 def lightning_run(
     model: str, size: str, shape: tuple[int, ...], config: str, steps: int, device: torch.device, background: Any
 ) -> dict[str, Any]:
@@ -183,13 +194,8 @@ def lightning_run(
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             clock.mark()
 
-    callbacks: list[Any] = [Clock()]
-    topo = None
-    if config != "none":
-        topo = TopoCollapseCallback.from_preset(
-            preset_of(model), probe=probe_for(model, shape, vocab), **callback_overrides(model, config, background)
-        )
-        callbacks.insert(0, topo)
+    topo = topo_callback(TopoCollapseCallback, model, config, shape, vocab, background)
+    callbacks: list[Any] = [Clock()] if topo is None else [topo, Clock()]
     trainer = pl.Trainer(
         max_steps=steps,
         accelerator="gpu" if device.type == "cuda" else "cpu",
@@ -236,13 +242,8 @@ def hf_run(
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             clock.mark()
 
-    callbacks: list[Any] = [Clock()]
-    topo = None
-    if config != "none":
-        topo = TopoCollapseTrainerCallback.from_preset(
-            preset_of(model), probe=probe_for(model, shape, vocab), **callback_overrides(model, config, background)
-        )
-        callbacks.insert(0, topo)
+    topo = topo_callback(TopoCollapseTrainerCallback, model, config, shape, vocab, background)
+    callbacks: list[Any] = [Clock()] if topo is None else [topo, Clock()]
     args = transformers.TrainingArguments(
         output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "gpu_overhead_hf"),
         per_device_train_batch_size=shape[0],

@@ -336,15 +336,18 @@ class TopoMonitor(Stateful):
             lines.append(f"  TensorBoard: {output.tensorboard_dir}")
         return "\n".join(lines)
 
-    def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path:
+    def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
         """Write the HTML report of this monitor's history into ``out_dir`` (:func:`topocallbacks.write_report`).
 
-        The persistence diagrams of the last check that did not diverge are drawn too. Needs matplotlib
+        The persistence diagrams of the last check that did not diverge are drawn too. In distributed training
+        only rank 0 writes, as for the other sinks (the history is the same on every rank). Needs matplotlib
         (``topocallbacks[report]``).
 
         Returns:
-            The path of ``index.html``.
+            The path of ``index.html`` (None on the other ranks).
         """
+        if rank_and_world()[0] != 0:
+            return None
         from .report import write_report
 
         last = next((r for r in reversed(self.history) if isinstance(r, CheckRecord) and r.ok), None)

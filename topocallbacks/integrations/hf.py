@@ -25,7 +25,6 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from ..check import CheckRecord
-from ..distributed import rank_and_world
 from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
@@ -210,15 +209,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         return self.monitor.history
 
     def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
-        """Write the HTML report of the history so far into ``out_dir`` (see :func:`topocallbacks.write_report`).
-
-        Only the main process writes (the history is the same on every rank); elsewhere it returns None.
-
-        Returns:
-            The path of ``index.html`` (None on other ranks).
-        """
-        if rank_and_world()[0] != 0:
-            return None
+        """The HTML report of the history so far, in ``out_dir`` (:meth:`TopoMonitor.report`; rank 0 writes)."""
         return self.monitor.report(out_dir, title=title)
 
     # --- ExportableState ------------------------------------------------------------------------------------
@@ -382,17 +373,19 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         )
 
 
+def _frames(skip: int, depth: int) -> list[types.FrameType]:
+    """Up to ``depth`` frames of the call stack, from ``skip`` frames above the function calling this one."""
+    frames: list[types.FrameType] = []
+    frame: types.FrameType | None = sys._getframe(skip + 1)
+    while frame is not None and len(frames) < depth:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
 def _caller(kind: type, depth: int = 4) -> Any:
     """The nearest ``self`` of type ``kind`` among the callers of the caller's caller (within ``depth`` frames)."""
-    frame: types.FrameType | None = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, kind):
-            return candidate
-        frame = frame.f_back
-    return None
+    return next((f.f_locals["self"] for f in _frames(2, depth) if isinstance(f.f_locals.get("self"), kind)), None)
 
 
 def _calling_handler() -> CallbackHandler | None:
@@ -403,14 +396,10 @@ def _calling_handler() -> CallbackHandler | None:
 
 def _replaced_callback(depth: int = 6) -> TopoCollapseTrainerCallback | None:
     """The user's callback whose saved state ``Trainer._load_callback_state`` is restoring now (its loop variable)."""
-    frame: types.FrameType | None = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return None
+    for frame in _frames(1, depth):
         if frame.f_code.co_name == "_load_callback_state":
             callback = frame.f_locals.get("callback")
             return callback if isinstance(callback, TopoCollapseTrainerCallback) else None
-        frame = frame.f_back
     return None
 
 

@@ -20,7 +20,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..check import CheckRecord
-from ..distributed import rank_and_world
 from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
@@ -168,15 +167,7 @@ class TopoCollapseCallback(Callback):
         return self.monitor.history
 
     def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
-        """Write the HTML report of the history so far into ``out_dir`` (see :func:`topocallbacks.write_report`).
-
-        Only the main process writes (the history is the same on every rank); elsewhere it returns None.
-
-        Returns:
-            The path of ``index.html`` (None on other ranks).
-        """
-        if rank_and_world()[0] != 0:
-            return None
+        """The HTML report of the history so far, in ``out_dir`` (:meth:`TopoMonitor.report`; rank 0 writes)."""
         return self.monitor.report(out_dir, title=title)
 
     # --- Lightning hooks ------------------------------------------------------------------------------------
