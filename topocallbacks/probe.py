@@ -418,20 +418,29 @@ def register_forward_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> 
     return module.register_forward_hook(hook)
 
 
+def _fsdp_classes() -> tuple[type, ...]:
+    """``(FSDPModule, FullyShardedDataParallel)`` (FSDP2, FSDP1), or () for a torch built without distributed."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return ()
+    return (FSDPModule, FullyShardedDataParallel)
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds FSDP-sharded modules (FSDP1 or ``fully_shard``) or is a DeepSpeed engine.
 
     Their forward gathers parameters with collectives that every rank must reach in the same order, so a probe pass
     is never stopped early there.
     """
-    sharded: tuple[type, ...] = ()
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-        sharded = (FSDPModule, FullyShardedDataParallel)
-    except ImportError:  # pragma: no cover - torch built without distributed
-        pass
+    sharded = _fsdp_classes()
     return any(isinstance(m, sharded) or type(m).__name__ == "DeepSpeedEngine" for m in model.modules())
+
+
+def is_fsdp1_wrapper(module: Any) -> bool:
+    """Whether ``module`` is an FSDP1 wrapper (``FullyShardedDataParallel``), e.g. Lightning's FSDPStrategy root."""
+    classes = _fsdp_classes()
+    return bool(classes) and isinstance(module, classes[1])
 
 
 class _StopForward(Exception):

@@ -24,7 +24,7 @@ from ..exceptions import InputError
 from ..interventions import current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
-from ..probe import StreamCapture, resolve_layer, resolve_module
+from ..probe import StreamCapture, is_fsdp1_wrapper, resolve_layer, resolve_module
 from ..settings import MonitorSettings
 from ..sinks import scalars_of
 
@@ -201,7 +201,7 @@ class TopoCollapseCallback(Callback):
         # the root's own sharded parameters (calling the module itself would see only this rank's shard). DeepSpeed
         # gathers through hooks on the modules themselves, a ModelParallelStrategy's fully_shard modules are the
         # LightningModule itself, and DDP's wrapper is not needed: those probe the LightningModule.
-        self._sharded_root = root if _is_fsdp_root(root) and root is not pl_module else None
+        self._sharded_root = root if is_fsdp1_wrapper(root) and root is not pl_module else None
         # A first check before any update calibrates ε and starts the warm-up on the initial features.
         if not self.streaming:
             for record in self.monitor.on_step(trainer.global_step, model=self._probed(pl_module)):
@@ -297,12 +297,3 @@ def _dataloader_dataset(trainer: pl.Trainer, which: str) -> Any:
     if dataset is None:
         raise InputError(f"`probe`={which!r} needs a {which} dataloader with a dataset; none was given to fit()")
     return dataset
-
-
-def _is_fsdp_root(module: Any) -> bool:
-    """Whether ``module`` is an FSDP1 wrapper (``FullyShardedDataParallel``), as Lightning's FSDPStrategy makes."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(module, FullyShardedDataParallel)
