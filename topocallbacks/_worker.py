@@ -6,8 +6,9 @@ READ_FD WRITE_FD`` (a fresh interpreter that imports no torch and never re-runs 
 requests over two pipes and reads one reply per evaluation, in order:
 
 * ``("init", settings_dict, state_or_None)``: create the pipeline (from a saved state when resuming);
-* ``("evaluate", step, features)``: a probe check; ``("window", step, batches)``: push streaming batches, then
-  check the window; each answered with ``("ok", record_dict_or_None, shared_state, figures_or_None)`` or
+* ``("evaluate", step, features, dynamics)``: a probe check; ``("window", step, batches, dynamics)``: push
+  streaming batches, then check the window (``dynamics``: the training loss and gradient norm since the last
+  check, or None); each answered with ``("ok", record_dict_or_None, shared_state, figures_or_None)`` or
   ``("error", traceback_text)``;
 * ``("stop",)``, or the pipes closing: exit.
 """
@@ -52,11 +53,12 @@ def _serve(receive: Connection, send: Connection) -> int:
                 continue
             if pipeline is None:
                 raise RuntimeError(f"the worker got {kind!r} before 'init'")
+            dynamics = message[3] if len(message) > 3 else None
             if kind == "evaluate":
-                evaluation = pipeline.evaluate(message[2], message[1])
+                evaluation = pipeline.evaluate(message[2], message[1], dynamics)
             elif kind == "window":
                 pipeline.push(message[2])
-                evaluation = pipeline.evaluate_window(message[1])
+                evaluation = pipeline.evaluate_window(message[1], dynamics)
             else:
                 raise RuntimeError(f"unknown request {kind!r}")
             record = None if evaluation.record is None else evaluation.record.as_dict()

@@ -192,8 +192,12 @@ class InterventionRecord:
         step: the training step at which it was done.
         action: the action taken (``"warn"``, ``"lower_lr"``, ``"stop"``).
         reason: the decision's reason.
-        detail: what the adapter did (rates after a cut, where a checkpoint went).
+        detail: what the adapter did (rates after a cut, where a checkpoint went, which snapshot a rollback
+            restored and what it cost).
         lr_factor: the cumulative learning-rate factor after this intervention.
+        snapshot_step: for a rollback, the step of the snapshot restored (None otherwise).
+        steps_lost: for a rollback, the updates undone (``step - snapshot_step``; their batches are not seen
+            again: training goes on with the next batch).
     """
 
     kind: ClassVar[str] = "intervention"
@@ -203,6 +207,8 @@ class InterventionRecord:
     reason: str
     detail: str
     lr_factor: float
+    snapshot_step: int | None = None
+    steps_lost: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""

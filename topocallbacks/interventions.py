@@ -12,6 +12,7 @@ current rate. Scaling all of these together keeps the cut in effect at every lat
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -23,7 +24,16 @@ from .exceptions import InputError
 from .policy import Decision
 from .settings import Action, InterventionSettings
 
-__all__ = ["Actuator", "LoopActuator", "apply", "current_learning_rates", "scale_learning_rate"]
+__all__ = [
+    "Actuator",
+    "LoopActuator",
+    "apply",
+    "capture_state",
+    "current_learning_rates",
+    "restore_state",
+    "scale_learning_rate",
+    "state_nbytes",
+]
 
 
 class Actuator(Protocol):
@@ -44,17 +54,30 @@ class Actuator(Protocol):
     def save_checkpoint(self, tag: str) -> None:
         """Save (or ask the framework to save) a checkpoint of the current state, named by ``tag``."""
 
+    def snapshot(self) -> Any:
+        """A copy of this rank's training state in host memory (:func:`capture_state`), for ``rollback``."""
+
+    def restore(self, snapshot: Any) -> str:
+        """Load :meth:`snapshot`'s copy back in place, on this rank (:func:`restore_state`)."""
+
+    def save_snapshot(self, snapshot: Any, tag: str) -> str:
+        """Write a snapshot to a file named by ``tag`` (rank 0) and say where, so a stop keeps the last good state."""
+
 
 class LoopActuator:
     """The :class:`Actuator` of a plain PyTorch loop: ``monitor.act(record, LoopActuator(optimizer, scheduler))``.
 
     A learning-rate cut scales the optimizers and schedulers together (:func:`scale_learning_rate`); a stop sets
     :attr:`stop_requested`, which the loop reads to break; a rescue checkpoint is ``torch.save(state(), path)`` in
-    ``directory`` (``<tag>.pt``, the tag naming the action and the step), written on rank 0 only.
+    ``directory`` (``<tag>.pt``, the tag naming the action and the step), written on rank 0 only. A rollback
+    restores ``model``, the optimizers, the schedulers and ``scaler`` in place from a snapshot
+    (:func:`capture_state`), and the loop goes on with its next batch.
 
     Args:
         optimizers: a torch optimizer or a list of them.
         schedulers: their learning-rate schedulers (one, a list, or None).
+        model: the model, required for ``rollback``.
+        scaler: a ``torch.amp.GradScaler``, restored with the rest (None: none).
         directory: where rescue checkpoints go (None: none are saved, and the history says so).
         state: returns what a rescue checkpoint holds, e.g. ``lambda: {"model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "monitor": monitor.state_dict()}``; required with ``directory``.
@@ -74,6 +97,8 @@ class LoopActuator:
         optimizers: Any,
         schedulers: Any = None,
         *,
+        model: Any = None,
+        scaler: Any = None,
         directory: str | os.PathLike[str] | None = None,
         state: Callable[[], Any] | None = None,
     ) -> None:
@@ -87,6 +112,10 @@ class LoopActuator:
             raise InputError("`state` is required with `directory`: a function returning what a checkpoint holds")
         if state is not None and not callable(state):
             raise InputError(f"`state` must be a function returning what a checkpoint holds, got {state!r}")
+        if model is not None and not hasattr(model, "load_state_dict"):
+            raise InputError(f"`model` must be a torch module, got {type(model).__name__}")
+        self.model = model
+        self.scaler = scaler
         self.directory = None if directory is None else os.fspath(directory)
         self.state = state
         #: Set by a stop decision; the loop breaks on it.
@@ -123,6 +152,109 @@ class LoopActuator:
         os.makedirs(self.directory, exist_ok=True)
         torch.save(payload, self.checkpoint_location(tag))
 
+    def snapshot(self) -> dict[str, Any]:
+        """:func:`capture_state` of the model, optimizers, schedulers and scaler.
+
+        Raises:
+            InputError: no ``model`` was given.
+        """
+        if self.model is None:
+            raise InputError("`rollback` needs the model: LoopActuator(optimizer, scheduler, model=model)")
+        return capture_state(self.model, self.optimizers, self.schedulers, self.scaler)
+
+    def restore(self, snapshot: Any) -> str:
+        """:func:`restore_state` in place."""
+        if self.model is None:  # pragma: no cover - snapshot() refused already
+            raise InputError("`rollback` needs the model: LoopActuator(optimizer, scheduler, model=model)")
+        restore_state(snapshot, self.model, self.optimizers, self.schedulers, self.scaler)
+        return "model, optimizer and scheduler state restored"
+
+    def save_snapshot(self, snapshot: Any, tag: str) -> str:
+        """``torch.save`` it as ``<directory>/<tag>.pt`` (rank 0)."""
+        if self.directory is None:
+            return "not saved (LoopActuator has no `directory`)"
+        path = os.path.join(self.directory, f"{tag}.pt")
+        if rank_and_world()[0] == 0:
+            import torch
+
+            os.makedirs(self.directory, exist_ok=True)
+            torch.save(snapshot, path)
+        return f"saved to {path}"
+
+
+def _host_copy(tree: Any) -> Any:
+    """A deep copy of a state dict with every tensor copied to host memory."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {key: _host_copy(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_host_copy(value) for value in tree)
+    return copy.deepcopy(tree)
+
+
+def capture_state(
+    model: Any, optimizers: Iterable[Any], schedulers: Iterable[Any], scaler: Any = None
+) -> dict[str, Any]:
+    """A copy of the training state in host memory: what ``rollback`` restores.
+
+    The model's ``state_dict`` (parameters and buffers, e.g. batch-norm statistics), each optimizer's and
+    scheduler's ``state_dict`` and the grad scaler's, every tensor copied to the host (the training goes on
+    changing the originals in place).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> sorted(capture_state(model, [optimizer], []))
+        ['model', 'optimizers', 'scaler', 'schedulers']
+    """
+    return {
+        "model": _host_copy(model.state_dict()),
+        "optimizers": [_host_copy(optimizer.state_dict()) for optimizer in optimizers],
+        "schedulers": [_host_copy(scheduler.state_dict()) for scheduler in schedulers],
+        "scaler": None if scaler is None else _host_copy(scaler.state_dict()),
+    }
+
+
+def restore_state(
+    snapshot: dict[str, Any], model: Any, optimizers: Iterable[Any], schedulers: Iterable[Any], scaler: Any = None
+) -> None:
+    """Load :func:`capture_state`'s copy back in place: the parameters are the same objects afterwards.
+
+    Copies are loaded (``load_state_dict`` keeps a host tensor it is given as the optimizer's state, and the
+    snapshot must stay intact for a later rollback).
+
+    Raises:
+        InputError: the snapshot holds another number of optimizers or schedulers than given.
+    """
+    optimizers, schedulers = list(optimizers), list(schedulers)
+    if len(snapshot["optimizers"]) != len(optimizers) or len(snapshot["schedulers"]) != len(schedulers):
+        raise InputError(
+            f"the snapshot holds {len(snapshot['optimizers'])} optimizer(s) and {len(snapshot['schedulers'])} "
+            f"scheduler(s); the training has {len(optimizers)} and {len(schedulers)}"
+        )
+    model.load_state_dict(snapshot["model"])
+    for optimizer, state in zip(optimizers, snapshot["optimizers"], strict=True):
+        optimizer.load_state_dict(_host_copy(state))
+    for scheduler, state in zip(schedulers, snapshot["schedulers"], strict=True):
+        scheduler.load_state_dict(_host_copy(state))
+    if scaler is not None and snapshot.get("scaler") is not None:
+        scaler.load_state_dict(_host_copy(snapshot["scaler"]))
+
+
+def state_nbytes(tree: Any) -> int:
+    """Bytes held by the tensors of a (nested) state."""
+    if hasattr(tree, "element_size") and hasattr(tree, "nelement"):
+        return int(tree.element_size() * tree.nelement())
+    if isinstance(tree, dict):
+        return sum(state_nbytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(state_nbytes(value) for value in tree)
+    return 0
+
 
 def apply(
     decision: Decision,
@@ -131,13 +263,15 @@ def apply(
     record: Callable[[str], None],
     *,
     step: int | None = None,
+    rollback: Callable[[], str] | None = None,
+    keep: Callable[[], str] | None = None,
 ) -> str:
     """Carry out ``decision`` through ``actuator`` and return what was done, in words.
 
-    The order keeps nothing lost: the action is applied (a warning on rank 0, the learning-rate cut, the stop
-    request), then ``record(detail)`` writes the intervention to the history, and only then is the rescue
-    checkpoint saved (when the decision asks for one, or before a stop with ``checkpoint_on_stop``), so the
-    checkpoint holds the cut learning rate, the intervention and its reason.
+    The order keeps nothing lost: the action is applied (a warning on rank 0, the learning-rate cut, the rollback
+    and its cut, the stop request), then ``record(detail)`` writes the intervention to the history, and only then
+    is the rescue checkpoint saved (when the decision asks for one, or before a stop with ``checkpoint_on_stop``),
+    so the checkpoint holds the cut learning rate, the intervention and its reason.
 
     Args:
         decision: a decision that fired.
@@ -145,6 +279,10 @@ def apply(
         settings: the intervention settings (``checkpoint_on_stop``).
         record: called once with the detail, before the checkpoint is saved.
         step: the step at which it is carried out (default: the decision's, that of the check's features).
+        rollback: restores the snapshot a ``rollback`` goes back to and says what it did (the monitor's, which
+            holds the snapshots); required for ``rollback``.
+        keep: for a stop, writes the newest healthy snapshot to a file and says where (the monitor's, when it
+            keeps snapshots), so a stop never drops the last good state.
     """
     step = decision.step if step is None else step
     done: list[str] = []
@@ -156,8 +294,16 @@ def apply(
         done.append("warned")
     elif decision.action is Action.LOWER_LR and decision.lr_factor is not None:
         done.append(actuator.scale_learning_rate(decision.lr_factor))
+    elif decision.action is Action.ROLLBACK:
+        if rollback is None:
+            raise InputError("a rollback decision needs `rollback`: the monitor's snapshot restore")
+        done.append(rollback())
+        if decision.lr_factor is not None:
+            done.append(actuator.scale_learning_rate(decision.lr_factor))
     elif decision.action is Action.STOP:
         done.append(actuator.request_stop())
+        if keep is not None:
+            done.append(keep())
     save = decision.checkpoint or (decision.action is Action.STOP and settings.checkpoint_on_stop)
     tag = f"topo-{decision.action.value}-step{step}"
     if save:

@@ -37,8 +37,9 @@ from .distributed import broadcast_object, gather_probe_features, rank_and_world
 from .exceptions import InputError
 from .interventions import Actuator, apply
 from .pipeline import CheckPipeline, Evaluation
-from .policy import Policy
+from .policy import Decision, Policy
 from .probe import AutocastFactory, FeatureExtractor, Probe, ProbeSpec
+from .rollback import Snapshot, SnapshotStore
 from .settings import Action, MonitorSettings
 from .sinks import JsonlSink, TensorBoardSink
 
@@ -152,6 +153,9 @@ class TopoMonitor(Stateful):
         self.last_checked_step_: int | None = None
         self._pending: collections.deque[_Pending] = collections.deque()
         self._batches: list[tuple[int, Any]] = []  # streaming: the training batches since the last check
+        self._dynamics: list[tuple[Any, Any]] = []  # (loss, gradient norm) of each step since the last check
+        #: The healthy snapshots a ``rollback`` goes back to (kept only while a rule can roll back).
+        self.snapshots = SnapshotStore(s.interventions.snapshots, s.interventions.snapshot_dir)
         self._worker: WorkerProcess | None = None
         self._background: bool | None = s.schedule.background
         self.autocast: AutocastFactory | None = None  # set by a training adapter: the trainer's precision
@@ -194,17 +198,22 @@ class TopoMonitor(Stateful):
 
     # --- the per-step entry point ---------------------------------------------------------------------------
 
-    def on_step(self, step: int, *, model: Any = None, features: Any = None) -> list[CheckRecord]:
+    def on_step(
+        self, step: int, *, model: Any = None, features: Any = None, loss: Any = None, grad_norm: Any = None
+    ) -> list[CheckRecord]:
         """Check when a check is due, and apply what is due: the entry point for a training loop, every step.
 
         In probe mode a due check runs the probe through ``model``; in streaming mode ``features`` (this step's
-        pooled training features, or None) join the window, which is checked when due. Every rank of a distributed
-        job must call it at every step.
+        pooled training features, or None) join the window, which is checked when due. ``loss`` and
+        ``grad_norm`` (this step's training loss and gradient norm before clipping: floats, or tensors that are
+        read once per check) feed the policy's ``"loss"`` and ``"grad_norm"`` channels. Every rank of a
+        distributed job must call it at every step (rank 0's values are the ones checked).
 
         Returns:
             The checks whose decisions are applied at this step (the same on every rank): in the training loop, a
             check at its own step; in the background, ``lag`` steps later.
         """
+        self.record_dynamics(loss, grad_norm)
         if self.settings.schedule.mode == "stream":
             if features is not None and rank_and_world()[0] == 0:
                 self._batches.append((step, features))
@@ -230,18 +239,20 @@ class TopoMonitor(Stateful):
         self._submit_probe(model, step, lag=0)
         return self._only(self._collect(step), step)
 
-    def process(self, features: Any, step: int) -> CheckRecord:
+    def process(self, features: Any, step: int, *, loss: Any = None, grad_norm: Any = None) -> CheckRecord:
         """Evaluate one check of features ``(n, d)`` now and return its record.
 
         NaN or Inf features give a ``"diverged"`` record and the policy's ``on_diverged`` action; they never reach
-        GUDHI.
+        GUDHI. ``loss`` and ``grad_norm`` join the steps' values recorded since the last check
+        (:meth:`record_dynamics`) for the training channels.
 
         Raises:
             InputError: features of the wrong shape, or whose dimension changed since the first check.
         """
         self._decide_background(features)
         self.last_checked_step_ = step
-        self._submit(("evaluate", step, features), step, lag=0)
+        self.record_dynamics(loss, grad_norm)
+        self._submit(("evaluate", step, features, self._take_dynamics()), step, lag=0)
         return self._only(self._collect(step), step)
 
     def observe(self, features: Any, step: int) -> CheckRecord | None:
@@ -270,28 +281,88 @@ class TopoMonitor(Stateful):
             records.extend(self._collect(self._pending[-1].apply_at, final=True))
         return records
 
+    def record_dynamics(self, loss: Any = None, grad_norm: Any = None) -> None:
+        """Record one step's training loss and gradient norm (floats or tensors; None: not known).
+
+        They are read (one device synchronisation) and averaged at the next check, for the policy's ``"loss"``
+        and ``"grad_norm"`` channels; a non-finite value makes that check a diverged one.
+        """
+        if loss is not None or grad_norm is not None:
+            self._dynamics.append((loss, grad_norm))
+
     def act(self, record: CheckRecord, actuator: Actuator) -> InterventionRecord | None:
         """Carry out ``record``'s decision (every rank, at the same step) and write it to the history.
+
+        Call it for every record, healthy ones too: while a rule can roll back, a healthy check's state is kept
+        as a snapshot (:attr:`snapshots`, through ``actuator.snapshot()``). A rollback restores the newest
+        snapshot taken before the warning's onset, in place, and training goes on with the next batch.
 
         Returns:
             The intervention record, or None when the decision asked for nothing.
         """
         decision = record.decision
-        if not decision.fired or record.applied_step is None:
+        if record.applied_step is None:
             return None
+        step = record.applied_step
+        if not decision.fired:
+            if record.ok and decision.healthy and self.rolls_back:
+                self.snapshots.add(step, _snapshot(actuator), self.pipeline.reference_diagrams)
+            return None
+        target: Snapshot | None = None
+        if decision.action is Action.ROLLBACK:
+            target = self.snapshots.newest_before(decision.step if decision.onset is None else decision.onset)
+            if target is None:
+                decision = _no_snapshot(decision, self.settings.rule.after_max_rollbacks if not record.ok else "warn")
         intervention: list[InterventionRecord] = []
 
-        step = record.applied_step
-
         def write(detail: str) -> None:
-            if decision.action is Action.LOWER_LR and decision.lr_factor is not None:
+            if decision.lr_factor is not None and decision.action in (Action.LOWER_LR, Action.ROLLBACK):
                 self.lr_factor_ *= decision.lr_factor
-            entry = InterventionRecord(step, decision.action.value, decision.reason, detail, self.lr_factor_)
+            since = None if target is None else target.step
+            entry = InterventionRecord(
+                step, decision.action.value, decision.reason, detail, self.lr_factor_, since,
+                None if since is None else step - since,
+            )  # fmt: skip
             intervention.append(entry)
             self._emit(entry)
 
-        apply(decision, actuator, self.settings.interventions, write, step=step)
+        newest = self.snapshots.snapshots[-1] if self.snapshots.snapshots else None
+        apply(
+            decision,
+            actuator,
+            self.settings.interventions,
+            write,
+            step=step,
+            rollback=None if target is None else lambda: self._roll_back(actuator, target, step),
+            keep=None
+            if newest is None
+            else lambda: (
+                f"last healthy state (step {newest.step}) "
+                + actuator.save_snapshot(newest.load(), f"topo-last-healthy-step{newest.step}")
+            ),
+        )
         return intervention[0]
+
+    @property
+    def rolls_back(self) -> bool:
+        """Whether the rule in effect can roll back (then healthy checks keep snapshots)."""
+        rule = self.settings.rule
+        return Action.ROLLBACK.value in (rule.action, rule.on_diverged)
+
+    def _roll_back(self, actuator: Actuator, target: Snapshot, step: int) -> str:
+        """Restore ``target`` in place (every rank) and rewind the checks to it; what was done, in words."""
+        # Checks still pending saw the abandoned steps: they reach the history, their decisions no longer act.
+        self.finish()
+        detail = actuator.restore(target.load())
+        self.pipeline.rewind(target.diagrams)
+        self._stop_worker()  # the next check starts a worker from the rewound state
+        self._dynamics, self._batches = [], []
+        self.snapshots.drop_after(target.step)
+        return (
+            f"rolled back to the snapshot of step {target.step}: the {step - target.step} updates since are undone "
+            f"and their batches not seen again (training goes on with the next batch); {detail}; "
+            f"{self.snapshots.describe()}"
+        )
 
     def summary(self) -> str:
         """What happened, in a few lines.
@@ -334,6 +405,8 @@ class TopoMonitor(Stateful):
             lines.append(f"  history: {output.history_path}")
         if output.tensorboard_dir is not None:
             lines.append(f"  TensorBoard: {output.tensorboard_dir}")
+        if self.snapshots.snapshots:
+            lines.append(f"  rollback snapshots: {self.snapshots.describe()}")
         return "\n".join(lines)
 
     def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
@@ -415,7 +488,8 @@ class TopoMonitor(Stateful):
             layer = None if self.extractor is None else list(self.extractor.layer)
             raise InputError(f"{exc} (model {type(model).__name__}, layer {layer!r}, step {step})") from exc
         self.last_checked_step_ = step
-        self._submit(("evaluate", step, features), step, lag, probe_ms=(time.perf_counter() - start) * 1e3)
+        request = ("evaluate", step, features, self._take_dynamics())
+        self._submit(request, step, lag, probe_ms=(time.perf_counter() - start) * 1e3)
 
     def _submit_window(self, step: int, features: Any, lag: int | None = None) -> None:
         self._decide_background(features)
@@ -423,7 +497,15 @@ class TopoMonitor(Stateful):
         start = time.perf_counter()
         batches, self._batches = self._batches, []
         host = _host_batches(batches) if rank_and_world()[0] == 0 else []
-        self._submit(("window", step, host), step, lag, probe_ms=(time.perf_counter() - start) * 1e3)
+        request = ("window", step, host, self._take_dynamics())
+        self._submit(request, step, lag, probe_ms=(time.perf_counter() - start) * 1e3)
+
+    def _take_dynamics(self) -> dict[str, float | None] | None:
+        """The mean loss and gradient norm since the last check (rank 0; one read of the device tensors)."""
+        taken, self._dynamics = self._dynamics, []
+        if not taken or rank_and_world()[0] != 0:
+            return None
+        return {name: _mean([step[i] for step in taken]) for i, name in enumerate(("loss", "grad_norm"))}
 
     def _submit(self, request: tuple[Any, ...], step: int, lag: int | None, probe_ms: float = 0.0) -> None:
         """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker."""
@@ -433,12 +515,12 @@ class TopoMonitor(Stateful):
                 self._start_worker().request(request)
             else:
                 start = time.perf_counter()
-                kind, _, payload = request
+                kind, _, payload, dynamics = request
                 if kind == "evaluate":
-                    pending.evaluation = self.pipeline.evaluate(payload, step)
+                    pending.evaluation = self.pipeline.evaluate(payload, step, dynamics)
                 else:
                     self.pipeline.push(payload)
-                    pending.evaluation = self.pipeline.evaluate_window(step)
+                    pending.evaluation = self.pipeline.evaluate_window(step, dynamics)
                 pending.eval_ms = (time.perf_counter() - start) * 1e3
         self._pending.append(pending)
 
@@ -584,4 +666,40 @@ class TopoMonitor(Stateful):
     def __getstate__(self) -> dict[str, Any]:
         # An open writer, a worker process and device tensors do not pickle (ddp_spawn pickles callbacks); the
         # writer and the worker are started again on use.
-        return {**self.__dict__, "_tensorboard": None, "_worker": None, "_batches": [], "autocast": None}
+        state = {**self.__dict__, "_tensorboard": None, "_worker": None, "_batches": [], "autocast": None}
+        state["_dynamics"] = []
+        state["snapshots"] = SnapshotStore(self.snapshots.keep, self.snapshots.directory)
+        return state
+
+
+def _mean(values: list[Any]) -> float | None:
+    """The mean of floats and tensors (the tensors are summed on their device and read once); None if none."""
+    tensors = [v.detach().float().reshape(-1) for v in values if isinstance(v, torch.Tensor)]
+    plain = [float(v) for v in values if v is not None and not isinstance(v, torch.Tensor)]
+    count = sum(t.numel() for t in tensors) + len(plain)
+    if not count:
+        return None
+    total = float(torch.cat(tensors).sum().item()) if tensors else 0.0
+    return (total + sum(plain)) / count
+
+
+def _snapshot(actuator: Actuator) -> Any:
+    """``actuator.snapshot()``, with a clear error for an actuator that takes none."""
+    take = getattr(actuator, "snapshot", None)
+    if take is None:
+        raise InputError(
+            f"the policy can roll back, but {type(actuator).__name__} takes no snapshots: give it `snapshot()` and "
+            "`restore()` (LoopActuator(..., model=model) has them)"
+        )
+    return take()
+
+
+def _no_snapshot(decision: Decision, instead: str) -> Decision:
+    """A rollback with nothing to go back to becomes ``instead`` (a warning; for a diverged check, the escalation)."""
+    onset = decision.step if decision.onset is None else decision.onset
+    return dataclasses.replace(
+        decision,
+        action=Action(instead),
+        lr_factor=None,
+        reason=f"{decision.reason}; no healthy snapshot before step {onset}, so {instead}",
+    )

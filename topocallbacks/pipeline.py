@@ -39,6 +39,12 @@ def _diagrams_from_lists(saved: Any) -> Diagrams | None:
     return None if saved is None else [np.asarray(d, dtype=np.float64).reshape(-1, 2) for d in saved]
 
 
+def _channels(dynamics: Mapping[str, float | None] | None) -> tuple[float | None, float | None]:
+    """The training channels' values (loss, gradient norm) since the last check, or None each."""
+    dynamics = dynamics or {}
+    return dynamics.get("loss"), dynamics.get("grad_norm")
+
+
 def _density(edges: int, n: int) -> float:
     return edges / (n * (n - 1) / 2) if n > 1 else 0.0
 
@@ -72,18 +78,19 @@ class CheckPipeline(Stateful):
     """
 
     _state = StateFields(
-        version=1,
+        version=2,
         fields={
             "epsilon": "epsilon_",
             "transform": "transform",
             "policy": "policy",
             "diagrams": "_diagrams",
+            "reference_diagrams": "_reference",
             "engine": "_engine_state",
             "checks": "checks_",
             "stream_diverged": "stream_diverged_",
         },
-        encode={"diagrams": _diagrams_to_lists},
-        decode={"diagrams": _diagrams_from_lists},
+        encode={"diagrams": _diagrams_to_lists, "reference_diagrams": _diagrams_to_lists},
+        decode={"diagrams": _diagrams_from_lists, "reference_diagrams": _diagrams_from_lists},
     )
 
     def __init__(self, settings: MonitorSettings) -> None:
@@ -95,7 +102,10 @@ class CheckPipeline(Stateful):
         self.epsilon_: float | None = settings.index.epsilon
         self.engine_: MMHM | None = None
         self._engine_saved: dict[str, Any] | None = None  # a loaded engine state, until the engine exists again
-        self._diagrams: Diagrams | None = None  # the last check's, for diagram drift
+        self._diagrams: Diagrams | None = None  # the last check's
+        # The last healthy check's (no channel at its threshold): diagram drift is measured against them, so a
+        # collapse that persists keeps its drift high instead of reading 0 once the features stop moving.
+        self._reference: Diagrams | None = None
         self.checks_ = 0
         self.stream_diverged_ = False  # streaming: a batch with NaN or Inf arrived since the last check
 
@@ -111,10 +121,25 @@ class CheckPipeline(Stateful):
         """The last check's persistence diagrams (H0, H1; those diagram drift compares), or None before it."""
         return self._diagrams
 
-    def evaluate(self, features: Any, step: int) -> Evaluation:
+    @property
+    def reference_diagrams(self) -> Diagrams | None:
+        """The last healthy check's diagrams: what the next check's drift is measured against."""
+        return self._reference
+
+    def rewind(self, diagrams: Diagrams | None) -> None:
+        """After a rollback: measure drift against ``diagrams`` (the snapshot's) and empty a streaming window.
+
+        The window's points came from the abandoned steps.
+        """
+        self._reference = diagrams
+        if self.streaming and self.engine_ is not None:
+            self.engine_ = MMHM(epsilon=self.engine_.epsilon, window=self.engine_.window)
+
+    def evaluate(self, features: Any, step: int, dynamics: Mapping[str, float | None] | None = None) -> Evaluation:
         """Probe mode: evaluate one check of features ``(n, d)``.
 
-        NaN or Inf features give a ``"diverged"`` record and the policy's ``on_diverged`` action.
+        NaN or Inf features give a ``"diverged"`` record and the policy's ``on_diverged`` action. ``dynamics``
+        holds the training channels since the last check (``{"loss": ..., "grad_norm": ...}``).
 
         Raises:
             InputError: features of the wrong shape, or whose dimension changed since the first check.
@@ -122,11 +147,11 @@ class CheckPipeline(Stateful):
         start = time.perf_counter()
         cloud = self._as_cloud(features)
         if cloud is None:
-            return self._diverged(step, start)
+            return self._diverged(step, start, dynamics)
         cloud = self.transform(cloud)
         engine = self._engine(cloud)
         betti = engine._update(cloud)
-        return self._measure(cloud, (betti.b0, betti.b1), step, start, engine)
+        return self._measure(cloud, (betti.b0, betti.b1), step, start, engine, dynamics)
 
     def push(self, batches: Sequence[tuple[int, Any]]) -> None:
         """Streaming mode: add training batches' features ``[(step, (b, d)), ...]`` to the window, oldest first.
@@ -168,17 +193,17 @@ class CheckPipeline(Stateful):
         engine._push_batch(old.points * scale + offset)
         self.engine_ = engine
 
-    def evaluate_window(self, step: int) -> Evaluation:
+    def evaluate_window(self, step: int, dynamics: Mapping[str, float | None] | None = None) -> Evaluation:
         """Streaming mode: evaluate the window (the record is None while it holds fewer than 2 points)."""
         start = time.perf_counter()
         if self.stream_diverged_:
             self.stream_diverged_ = False
-            return self._diverged(step, start)
+            return self._diverged(step, start, dynamics)
         engine = self.engine_
         if engine is None or engine.n_points < 2:
             return Evaluation(None, self.share())
         betti = engine.betti_numbers()
-        return self._measure(engine.points, (betti.b0, betti.b1), step, start, engine)
+        return self._measure(engine.points, (betti.b0, betti.b1), step, start, engine, dynamics)
 
     # --- internals ----------------------------------------------------------------------------------------
 
@@ -212,15 +237,25 @@ class CheckPipeline(Stateful):
         return max(2, min(schedule.window, affordable))
 
     def _measure(
-        self, cloud: NDArray[np.float64], betti: tuple[int, int], step: int, start: float, engine: MMHM
+        self,
+        cloud: NDArray[np.float64],
+        betti: tuple[int, int],
+        step: int,
+        start: float,
+        engine: MMHM,
+        dynamics: Mapping[str, float | None] | None,
     ) -> Evaluation:
         s = self.settings
         if self.epsilon_ is None:  # pragma: no cover - the engine exists, so ε was calibrated
             raise RuntimeError("the pipeline evaluated a cloud before calibrating ε")
-        found = measure(cloud, self.epsilon_, s.index, previous=self._diagrams, betti=betti, seed=s.seed)
+        found = measure(cloud, self.epsilon_, s.index, previous=self._reference, betti=betti, seed=s.seed)
         self._diagrams = found.diagrams
         value = found.index_value
-        decision = self.policy.decide(step, None if value is None else ORIENTATION[s.index.name] * value)
+        loss, grad_norm = _channels(dynamics)
+        oriented = None if value is None else ORIENTATION[s.index.name] * value
+        decision = self.policy.decide(step, oriented, loss=loss, grad_norm=grad_norm)
+        if "index" not in decision.flagged:
+            self._reference = found.diagrams
         self.checks_ += 1
         record = CheckRecord(
             step=step,
@@ -241,8 +276,9 @@ class CheckPipeline(Stateful):
             figures = _persistence_diagrams(_subsample(cloud, s.index.max_points, s.seed), 1, None)
         return Evaluation(record, self.share(), figures)
 
-    def _diverged(self, step: int, start: float) -> Evaluation:
-        decision = self.policy.decide(step, None, diverged=True)
+    def _diverged(self, step: int, start: float, dynamics: Mapping[str, float | None] | None) -> Evaluation:
+        loss, grad_norm = _channels(dynamics)
+        decision = self.policy.decide(step, None, diverged=True, loss=loss, grad_norm=grad_norm)
         self.checks_ += 1
         elapsed = (time.perf_counter() - start) * 1e3
         record = CheckRecord(step, "diverged", self.settings.index.name, None, decision, elapsed)

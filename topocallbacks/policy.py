@@ -58,6 +58,11 @@ class Decision:
         lr_factor: the factor to multiply the learning rate by, for ``lower_lr``.
         checkpoint: save a rescue checkpoint with the action.
         held_back: the action the rule asked for when a cooldown held it back (the reason says why), else None.
+        flagged: the channels whose score reached the threshold at this check (``"diverged"`` for a diverged
+            check); a check with none is *healthy*: ``rollback`` keeps snapshots of healthy checks only.
+        onset: the step of the first check of the run of flagged checks that made the rule hold (a rollback goes
+            to the newest snapshot before it), or None.
+        scores: each watched channel's score when the rule watches more than the index, else None.
     """
 
     action: Action
@@ -69,24 +74,40 @@ class Decision:
     lr_factor: float | None = None
     checkpoint: bool = False
     held_back: Action | None = None
+    flagged: tuple[str, ...] = ()
+    onset: int | None = None
+    scores: dict[str, float | None] | None = None
 
     @property
     def fired(self) -> bool:
         """Whether the adapter has anything to do."""
         return self.action is not Action.NONE
 
+    @property
+    def healthy(self) -> bool:
+        """No action and no channel at its threshold: a state worth a rollback snapshot."""
+        return self.action is Action.NONE and not self.flagged and self.held_back is None
+
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         result = dataclasses.asdict(self)
         result["action"] = self.action.value
         result["held_back"] = None if self.held_back is None else self.held_back.value
+        result["flagged"] = list(self.flagged)
         return result
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Decision:
         """The inverse of :meth:`as_dict`."""
         held = data.get("held_back")
-        return cls(**{**data, "action": Action(data["action"]), "held_back": None if held is None else Action(held)})
+        return cls(
+            **{
+                **data,
+                "action": Action(data["action"]),
+                "held_back": None if held is None else Action(held),
+                "flagged": tuple(data.get("flagged", ())),
+            }
+        )
 
 
 def trailing_zscore(
@@ -200,6 +221,10 @@ def score_value(
     return value
 
 
+def _finite_or_none(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
+
+
 def _flagged(score: float | None, threshold: float) -> bool:
     return score is not None and score >= threshold
 
@@ -258,22 +283,52 @@ def rule_holds(
     return result
 
 
+class _Channel:
+    """What the policy keeps about one watched channel: its reference, warm-up values and flagged run."""
+
+    def __init__(self, settings: PolicySettings) -> None:
+        self.reference = Reference(2 * settings.zscore_window, max(settings.zscore_window, settings.patience))
+        self.warmup: list[float] = []
+        self.over = 0  # consecutive checks at or above the threshold
+        self.onset: int | None = None  # the step of the first of them
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "reference": list(self.reference.values),
+            "held": list(self.reference.held),
+            "warmup": list(self.warmup),
+            "over": self.over,
+            "onset": self.onset,
+        }
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        self.reference.values = [float(v) for v in state["reference"]]
+        self.reference.held = [float(v) for v in state["held"]]
+        self.warmup = [float(v) for v in state["warmup"]]
+        self.over = int(state["over"])
+        self.onset = None if state["onset"] is None else int(state["onset"])
+
+
 class Policy(Stateful):
-    """Rules over the index history, with warm-up, patience, cooldown and a cap on learning-rate cuts.
+    """Rules over the watched channels' history, with warm-up, patience, cooldown and escalation.
 
-    A check's *rule holds* when, after the warm-up, either
+    The channels (``settings.channels``) are the probe's index and, when the training adapter passes them, the
+    training loss and gradient norm (averaged over the steps since the last check). Each is scored on its own
+    (the value, its excess over the warm-up mean, or its z-score against its recent checks that stayed below the
+    threshold) and a channel *holds* at a check after the warm-up when either
 
-    * threshold: the score (see :class:`~topocallbacks.settings.PolicySettings`: the index, its excess over the
-      warm-up mean, or its z-score against the recent checks that stayed below the threshold) is
-      ``>= threshold`` for ``patience`` consecutive checks; or
-    * trend (when ``trend_window`` is set): the least-squares slope of the last ``trend_window`` values, per
-      check, is ``>= trend_slope``.
+    * threshold: its score is ``>= threshold`` for ``patience`` consecutive checks; or
+    * trend (the index only, when ``trend_window`` is set): the least-squares slope of its last ``trend_window``
+      values, per check, is ``>= trend_slope``.
 
-    It then returns ``action``, escalated to ``after_max_lr_cuts`` once ``max_lr_cuts`` cuts were made. Within
-    ``cooldown`` checks of an action, the *same* action is held back (the decision says so) unless the score is
-    above the one that started the cooldown; a stronger action (``warn`` < ``lower_lr`` < ``stop``) always goes
-    through, so a warning never silences a stop. A diverged check (NaN or Inf features) returns ``on_diverged``
-    at once, warm-up or cooldown or not. After an action the patience count starts again.
+    The rule holds when ``require`` channels hold at once. It then returns ``action``, escalated once its budget is
+    spent: ``lower_lr`` to ``after_max_lr_cuts`` after ``max_lr_cuts`` cuts, ``rollback`` to
+    ``after_max_rollbacks`` after ``max_rollbacks`` rollbacks (the second and later rollbacks also cut the learning
+    rate). Within ``cooldown`` checks of an action, the *same* action is held back (the decision says so) unless
+    the score is above the one that started the cooldown; a stronger action (``warn`` < ``lower_lr`` <
+    ``rollback`` < ``stop``) always goes through, so a warning never silences a stop. A diverged check (NaN or Inf
+    features, loss or gradient norm) returns ``on_diverged`` at once, warm-up or cooldown or not. After an action
+    the patience count starts again.
 
     Args:
         settings: a :class:`~topocallbacks.settings.PolicySettings` (default: the tuned default rule).
@@ -290,18 +345,16 @@ class Policy(Stateful):
     """
 
     _state = StateFields(
-        version=4,
+        version=5,
         fields={
             "checks": "checks_",
-            "warmup_values": "warmup_values_",
+            "channels": "_channel_state",
             "recent": "recent_",
-            "reference": "_reference_values",
-            "held_out": "_reference_held",
-            "over_threshold": "over_threshold_",
             "last_action_check": "last_action_check_",
             "last_action": "last_action_",
             "last_action_score": "last_action_score_",
             "lr_cuts": "lr_cuts_",
+            "rollbacks": "rollbacks_",
         },
     )
 
@@ -313,42 +366,61 @@ class Policy(Stateful):
         self.reset()
 
     def reset(self) -> None:
-        """Forget the history, the baseline and the counters."""
-        s = self.settings
+        """Forget the history, the baselines and the counters."""
         self.checks_ = 0
-        self.warmup_values_: list[float] = []
-        self.recent_: list[float] = []  # the last trend_window values, for the trend rule
-        self.reference_ = Reference(2 * s.zscore_window, s.zscore_window)
-        self.over_threshold_ = 0
+        self.channels_ = {name: _Channel(self.settings) for name in self.settings.channels}
+        self.recent_: list[float] = []  # the last trend_window index values, for the trend rule
         self.last_action_check_: int | None = None
         self.last_action_: str | None = None
         self.last_action_score_: float | None = None
         self.lr_cuts_ = 0
+        self.rollbacks_ = 0
 
     @property
-    def _reference_values(self) -> list[float]:
-        return self.reference_.values
+    def _channel_state(self) -> dict[str, dict[str, Any]]:
+        return {name: channel.state() for name, channel in self.channels_.items()}
 
-    @_reference_values.setter
-    def _reference_values(self, values: list[float]) -> None:
-        self.reference_.values = [float(v) for v in values]
+    @_channel_state.setter
+    def _channel_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        if set(state) != set(self.channels_):
+            raise InputError(
+                f"the saved policy watched channels {sorted(state)}, this one watches {sorted(self.channels_)}"
+            )
+        for name, saved in state.items():
+            self.channels_[name].load(saved)
 
     @property
-    def _reference_held(self) -> list[float]:
-        return self.reference_.held
+    def reference_(self) -> Reference:
+        """The watched index's z-score reference (see :class:`Reference`)."""
+        return self._index_channel().reference
 
-    @_reference_held.setter
-    def _reference_held(self, values: list[float]) -> None:
-        self.reference_.held = [float(v) for v in values]
+    @property
+    def over_threshold_(self) -> int:
+        """Consecutive checks whose index score reached the threshold."""
+        return self._index_channel().over
 
     @property
     def baseline_(self) -> float | None:
         """Mean index over the warm-up checks (None until the warm-up is over or when it is 0 checks)."""
-        if self.checks_ <= self.settings.warmup or not self.warmup_values_:
-            return None
-        return float(np.mean(self.warmup_values_))
+        return self._baseline(self._index_channel())
 
-    def decide(self, step: int, value: float | None, *, diverged: bool = False) -> Decision:
+    def _index_channel(self) -> _Channel:
+        return self.channels_.get("index") or next(iter(self.channels_.values()))
+
+    def _baseline(self, channel: _Channel) -> float | None:
+        if self.checks_ <= self.settings.warmup or not channel.warmup:
+            return None
+        return float(np.mean(channel.warmup))
+
+    def decide(
+        self,
+        step: int,
+        value: float | None,
+        *,
+        diverged: bool = False,
+        loss: float | None = None,
+        grad_norm: float | None = None,
+    ) -> Decision:
         """The decision for one check.
 
         Args:
@@ -356,69 +428,129 @@ class Policy(Stateful):
             value: the index value, oriented so that higher means more collapsed; None when the index has no value
                 yet (e.g. diagram drift at the first check).
             diverged: the features held NaN or Inf.
+            loss: the mean training loss since the last check (the ``"loss"`` channel), or None.
+            grad_norm: the mean gradient norm (before clipping) since the last check, or None.
         """
         s = self.settings
         self.checks_ += 1
-        if diverged or (value is not None and not math.isfinite(value)):
-            action, reason = self._escalate(Action(s.on_diverged), "the features diverged (NaN or Inf)")
-            return self._act(action, step, None, None, "diverged", reason)
+        observed = {"index": value, "loss": loss, "grad_norm": grad_norm}
+        broken = [name for name in ("loss", "grad_norm") if not _finite_or_none(observed[name])]
+        if diverged or (value is not None and not math.isfinite(value)) or broken:
+            what = (
+                f"the training {broken[0].replace('_', ' ')} is {observed[broken[0]]}"
+                if broken and not diverged
+                else "the features diverged (NaN or Inf)"
+            )
+            action, reason = self._escalate(Action(s.on_diverged), what)
+            return self._act(action, step, None, None, "diverged", reason, ("diverged",), step, None)
         if self.checks_ <= s.warmup:
-            if value is not None:
-                self.warmup_values_.append(value)
-                self.reference_.add(value, flagged=False)
+            for name, channel in self.channels_.items():
+                seen = observed[name]
+                if seen is not None:
+                    channel.warmup.append(seen)
+                    channel.reference.add(seen, flagged=False)
             return Decision(Action.NONE, f"warm-up check {self.checks_} of {s.warmup}", step, value)
-        if value is None:
-            self.over_threshold_ = 0
+        scores: dict[str, float | None] = {}
+        for name, channel in self.channels_.items():
+            scores[name] = self._score(channel, observed[name], step)
+        flagged = tuple(name for name, score in scores.items() if _flagged(score, s.threshold))
+        shown = None if list(self.channels_) == ["index"] else scores
+        if "index" in self.channels_ and value is not None and s.trend_window is not None:
+            self.recent_ = [*self.recent_, value][-s.trend_window :]
+        holding: list[tuple[str, str, str]] = []  # (channel, rule, reason)
+        waiting: list[str] = []
+        for name, channel in self.channels_.items():
+            if observed[name] is None:
+                continue
+            rule, reason = self._rule(name, channel, observed[name], scores[name])  # type: ignore[arg-type]
+            if rule is not None:
+                holding.append((name, rule, reason))
+            else:
+                waiting.append(reason)
+        score = (
+            scores.get("index")
+            if "index" in scores
+            else max((v for v in scores.values() if v is not None), default=None)
+        )
+        if not holding and all(observed[name] is None for name in self.channels_):
             return Decision(Action.NONE, "no index value at this check", step)
-        score = score_value(s, self.reference_.values, value, self.baseline_)
-        self.reference_.add(value, _flagged(score, s.threshold))
-        rule, reason = self._rule(value, score)
-        if rule is None:
-            return Decision(Action.NONE, reason, step, value, score)
-        action, reason = self._escalate(Action(s.action), reason)
+        if len(holding) < s.require:
+            reason = "; ".join([r for _, _, r in holding] + waiting)
+            if holding:
+                reason += f" ({len(holding)} of the {s.require} channels required)"
+            return Decision(Action.NONE, reason, step, value, score, flagged=flagged, scores=shown)
+        held_scores = [v for name, _, _ in holding if (v := scores[name]) is not None]
+        if "index" not in [name for name, _, _ in holding]:  # the cooldown compares the strongest channel's score
+            score = max(held_scores, default=score)
+        onsets = [self.channels_[name].onset for name, _, _ in holding]
+        onset = min((o for o in onsets if o is not None), default=step)
+        rule = holding[0][1] if len({r for _, r, _ in holding}) == 1 else "+".join(r for _, r, _ in holding)
+        action, reason = self._escalate(Action(s.action), "; ".join(r for _, _, r in holding))
         held = self._held_back(action, score)
         if held is not None:
-            return Decision(Action.NONE, f"{reason}; {held}", step, value, score, rule, held_back=action)
-        return self._act(action, step, value, score, rule, reason)
+            return Decision(
+                Action.NONE, f"{reason}; {held}", step, value, score, rule, held_back=action, flagged=flagged,
+                onset=onset, scores=shown,
+            )  # fmt: skip
+        return self._act(action, step, value, score, rule, reason, flagged, onset, shown)
 
-    def _describe(self, value: float, score: float | None) -> str:
+    def _score(self, channel: _Channel, value: float | None, step: int) -> float | None:
+        """A channel's score at this check (None: no value or no score yet); updates its reference and run."""
         s = self.settings
+        if value is None:
+            channel.over, channel.onset = 0, None
+            return None
+        score = score_value(s, channel.reference.values, value, self._baseline(channel))
+        flagged = _flagged(score, s.threshold)
+        channel.reference.add(value, flagged)
+        if flagged:
+            channel.over += 1
+            if channel.over == 1:
+                channel.onset = step
+        else:
+            channel.over, channel.onset = 0, None
+        return score
+
+    def _describe(self, name: str, value: float, score: float | None) -> str:
+        s = self.settings
+        what = "index" if name == "index" else name.replace("_", " ")
         if s.score == "zscore":
             shown = "none yet" if score is None else f"{score:.2f}"
-            return f"index {value:.4g} at z = {shown} against its last {s.zscore_window} checks"
+            return f"{what} {value:.4g} at z = {shown} against its last {s.zscore_window} checks"
         if s.score == "baseline":
             if score is None:
-                return f"index {value:.4f} (no baseline yet)"
-            return f"index - baseline {score:.4f} (baseline {value - score:.4f})"
-        return f"index {value:.4f}"
+                return f"{what} {value:.4f} (no baseline yet)"
+            return f"{what} - baseline {score:.4f} (baseline {value - score:.4f})"
+        return f"{what} {value:.4f}"
 
-    def _rule(self, value: float, score: float | None) -> tuple[str | None, str]:
-        """Which rule holds at this check (None: neither), and why, in words."""
+    def _rule(self, name: str, channel: _Channel, value: float, score: float | None) -> tuple[str | None, str]:
+        """Which rule holds for a channel at this check (None: neither), and why, in words."""
         s = self.settings
-        what = self._describe(value, score)
-        self.over_threshold_ = self.over_threshold_ + 1 if _flagged(score, s.threshold) else 0
-        if s.trend_window is not None:
-            self.recent_ = [*self.recent_, value][-s.trend_window :]
-        if self.over_threshold_ >= s.patience:
-            return "threshold", f"{what} >= threshold {s.threshold} for {self.over_threshold_} consecutive checks"
-        if s.trend_window is not None and s.trend_slope is not None and len(self.recent_) >= s.trend_window:
-            slope = float(np.polyfit(np.arange(s.trend_window), np.asarray(self.recent_), 1)[0])
-            if slope >= s.trend_slope:
+        what = self._describe(name, value, score)
+        if channel.over >= s.patience:
+            return "threshold", f"{what} >= threshold {s.threshold} for {channel.over} consecutive checks"
+        trend = name == "index" and s.trend_window is not None and s.trend_slope is not None
+        if trend and len(self.recent_) >= s.trend_window:  # type: ignore[operator]
+            slope = float(np.polyfit(np.arange(s.trend_window), np.asarray(self.recent_), 1)[0])  # type: ignore[arg-type]
+            if slope >= s.trend_slope:  # type: ignore[operator]
                 return "trend", (
                     f"index rising {slope:.4f} per check over the last {s.trend_window} checks (>= {s.trend_slope})"
                 )
-        if self.over_threshold_:
+        if channel.over:
             return None, (
-                f"{what} >= threshold {s.threshold} for {self.over_threshold_} of {s.patience} required "
-                "consecutive checks"
+                f"{what} >= threshold {s.threshold} for {channel.over} of {s.patience} required consecutive checks"
             )
         return None, f"{what} below threshold {s.threshold}"
 
     def _escalate(self, action: Action, reason: str) -> tuple[Action, str]:
-        """``lower_lr`` becomes ``after_max_lr_cuts`` once the cuts are spent."""
-        if action is Action.LOWER_LR and self.lr_cuts_ >= self.settings.max_lr_cuts:
-            escalated = Action(self.settings.after_max_lr_cuts)
+        """``lower_lr`` and ``rollback`` become ``after_max_lr_cuts``/``after_max_rollbacks`` once spent."""
+        s = self.settings
+        if action is Action.LOWER_LR and self.lr_cuts_ >= s.max_lr_cuts:
+            escalated = Action(s.after_max_lr_cuts)
             return escalated, f"{reason}; {self.lr_cuts_} learning-rate cuts made already, so {escalated.value}"
+        if action is Action.ROLLBACK and self.rollbacks_ >= s.max_rollbacks:
+            escalated = Action(s.after_max_rollbacks)
+            return escalated, f"{reason}; {self.rollbacks_} rollbacks made already, so {escalated.value}"
         return action, reason
 
     def _held_back(self, action: Action, score: float | None) -> str | None:
@@ -442,22 +574,43 @@ class Policy(Stateful):
         )
 
     def _act(
-        self, action: Action, step: int, value: float | None, score: float | None, rule: str, reason: str
+        self,
+        action: Action,
+        step: int,
+        value: float | None,
+        score: float | None,
+        rule: str,
+        reason: str,
+        flagged: tuple[str, ...],
+        onset: int | None,
+        scores: dict[str, float | None] | None,
     ) -> Decision:
         s = self.settings
         if action is Action.NONE:
-            return Decision(Action.NONE, f"{reason} (action: none)", step, value, score, rule)
+            return Decision(
+                Action.NONE, f"{reason} (action: none)", step, value, score, rule, flagged=flagged, onset=onset,
+                scores=scores,
+            )  # fmt: skip
         self.last_action_check_ = self.checks_
         self.last_action_ = action.value
         self.last_action_score_ = score
-        self.over_threshold_ = 0
+        for channel in self.channels_.values():
+            channel.over, channel.onset = 0, None
         factor = None
         if action is Action.LOWER_LR:
             self.lr_cuts_ += 1
             factor = s.lr_factor
             reason = f"{reason}: learning rate x {factor} (cut {self.lr_cuts_} of {s.max_lr_cuts})"
-        checkpoint = s.checkpoint and action in (Action.LOWER_LR, Action.STOP)
-        return Decision(action, reason, step, value, score, rule, factor, checkpoint)
+        elif action is Action.ROLLBACK:
+            self.rollbacks_ += 1
+            factor = s.rollback_lr_factor if self.rollbacks_ == 1 else (s.rollback_lr_factor or s.lr_factor)
+            cut = "" if factor is None else f", learning rate x {factor}"
+            reason = (
+                f"{reason}: roll back to the newest healthy snapshot before step {onset}{cut} "
+                f"(rollback {self.rollbacks_} of {s.max_rollbacks})"
+            )
+        checkpoint = s.checkpoint and action in (Action.LOWER_LR, Action.ROLLBACK, Action.STOP)
+        return Decision(action, reason, step, value, score, rule, factor, checkpoint, None, flagged, onset, scores)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Policy):

@@ -64,6 +64,8 @@ PROJECTIONS = (None, "pca", "random")
 INDEX_NAMES = ("diagram_drift", "paper", "rankme")
 #: How the policy turns the watched index into the score it compares with its threshold.
 SCORES = ("value", "baseline", "zscore")
+#: What a rule can watch: the probe's index, and the training loss and gradient norm the adapters pass along.
+CHANNELS = ("index", "loss", "grad_norm")
 #: Names of the Collapse Index components, in the order they are reported.
 COMPONENTS = ("betti", "entropy", "anisotropy")
 #: The paper's weights: ``CI = 0.4 * betti + 0.3 * entropy + 0.3 * anisotropy``.
@@ -76,6 +78,7 @@ class Action(str, enum.Enum):
     NONE = "none"
     WARN = "warn"
     LOWER_LR = "lower_lr"
+    ROLLBACK = "rollback"
     STOP = "stop"
 
     @property
@@ -188,6 +191,20 @@ def _layers(value: Any, name: str) -> tuple[str, ...]:
 def _weights(value: Any, name: str) -> str | dict[str, float]:
     resolve_weights(value, name)
     return "paper" if value is None or value == "paper" else {str(k): float(v) for k, v in value.items()}
+
+
+def _channels(value: Any, name: str) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if not items or not all(isinstance(item, str) for item in items):
+        raise InputError(f"`{name}` must be a non-empty list of {list(CHANNELS)}, got {value!r}")
+    unknown = [item for item in items if item not in CHANNELS]
+    if unknown:
+        raise InputError(
+            f"`{name}` has {unknown[0]!r}{_did_you_mean(unknown[0], list(CHANNELS))} Valid: {list(CHANNELS)}"
+        )
+    if len(set(items)) != len(items):
+        raise InputError(f"`{name}` names a channel twice: {items!r}")
+    return tuple(items)
 
 
 def _option(default: Any, check: Check, *, alias: str | None = None) -> Any:
@@ -361,8 +378,17 @@ class PolicySettings(_Section):
         lr_factor: learning-rate multiplier of ``lower_lr``, in ``(0, 1)``.
         max_lr_cuts: cuts before ``lower_lr`` escalates to ``after_max_lr_cuts``.
         after_max_lr_cuts: ``"warn"``, ``"stop"`` or ``"none"``.
-        checkpoint: ask for a rescue checkpoint with ``lower_lr`` and ``stop``.
-        on_diverged: the action for a diverged check (NaN or Inf features), at once, warm-up or not.
+        checkpoint: ask for a rescue checkpoint with ``lower_lr``, ``rollback`` and ``stop``.
+        on_diverged: the action for a diverged check (NaN or Inf features, loss or gradient norm), at once, warm-up
+            or not.
+        rollback_lr_factor: ``rollback`` also multiplies the learning rate by this factor (None: the first rollback
+            keeps the rate; every later one cuts it by ``rollback_lr_factor`` or else ``lr_factor``).
+        max_rollbacks: rollbacks before ``rollback`` escalates to ``after_max_rollbacks``.
+        after_max_rollbacks: ``"stop"``, ``"warn"`` or ``"none"``.
+        channels: what the rule watches: ``"index"`` (the probe's index), ``"loss"`` and ``"grad_norm"`` (the
+            training loss and gradient norm the adapters pass, averaged over the steps since the last check; each
+            scored like the index, as a rise). Non-finite loss or gradient norm makes the check a diverged one.
+        require: how many channels must hold at one check (1: any of them; ``len(channels)``: all).
     """
 
     action: str = _option("warn", _choice(tuple(a.value for a in Action)))
@@ -379,6 +405,11 @@ class PolicySettings(_Section):
     after_max_lr_cuts: str = _option("stop", _choice(("warn", "stop", "none")))
     checkpoint: bool = _option(False, _boolean)
     on_diverged: str = _option("stop", _choice(tuple(a.value for a in Action)))
+    rollback_lr_factor: float | None = _option(None, _optional(_number(0.0, 1.0)))
+    max_rollbacks: int = _option(2, _integer(0))
+    after_max_rollbacks: str = _option("stop", _choice(("warn", "stop", "none")))
+    channels: tuple[str, ...] = _option(("index",), _channels)
+    require: int = _option(1, _integer(1))
 
     @classmethod
     def _check_together(cls, values: Mapping[str, Any], prefix: str) -> None:
@@ -387,6 +418,12 @@ class PolicySettings(_Section):
             raise InputError(
                 f"`{prefix}trend_window` and `{prefix}trend_slope` go together, got trend_window={window!r}, "
                 f"trend_slope={slope!r}"
+            )
+        channels, require = values.get("channels", ("index",)), values.get("require", 1)
+        if require > len(channels):
+            raise InputError(
+                f"`{prefix}require` must be at most the number of `{prefix}channels` ({len(channels)}: "
+                f"{list(channels)}), got {require}"
             )
 
 
@@ -398,10 +435,17 @@ class InterventionSettings(_Section):
         checkpoint_on_stop: save a checkpoint before stopping, so a stop never loses the last state.
         rescue_dir: where the Lightning callback writes rescue checkpoints (None: ``trainer.default_root_dir``;
             the Hugging Face Trainer saves into its ``output_dir``).
+        snapshots: healthy snapshots kept for ``rollback`` (model, optimizers, schedulers, grad scaler and the
+            monitor's check state, taken when a check is judged healthy; only while a rule can roll back).
+        snapshot_dir: None keeps them in host memory; a directory keeps them there as ``torch.save`` files (for
+            models whose copies would not fit in memory). A stop writes the newest one there too, or into
+            ``rescue_dir`` when snapshots live in memory.
     """
 
     checkpoint_on_stop: bool = _option(True, _boolean)
     rescue_dir: str | None = _option(None, _optional(_filepath))
+    snapshots: int = _option(2, _integer(1))
+    snapshot_dir: str | None = _option(None, _optional(_filepath))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -578,6 +622,8 @@ class MonitorSettings:
         result = dataclasses.asdict(self)
         layer = result["probe"]["layer"]
         result["probe"]["layer"] = None if layer is None else list(layer)
+        if result["policy"] is not None:
+            result["policy"]["channels"] = list(result["policy"]["channels"])
         return result
 
     @classmethod

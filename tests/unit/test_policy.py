@@ -136,7 +136,7 @@ def test_decision_round_trip():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"action": "explode"}, r"`action` must be one of \['none', 'warn', 'lower_lr', 'stop'\], got 'explode'"),
+        ({"action": "explode"}, r"`action` must be one of \['none', 'warn', 'lower_lr', 'rollback', 'stop'\], got 'explode'"),
         ({"threshold": math.nan}, "`threshold` must be a finite number, got nan"),
         ({"patience": 0}, "`patience` must be an integer >= 1, got 0"),
         ({"warmup": -1}, "`warmup` must be an integer >= 0, got -1"),
@@ -157,8 +157,8 @@ def test_bad_arguments(kwargs, match):
 
 def test_load_state_errors():
     with pytest.raises(InputError, match=r"missing key\(s\)"):
-        Policy().load_state_dict({"version": 4})
-    with pytest.raises(InputError, match=r"`state\['version'\]` must be 4, got 1"):
+        Policy().load_state_dict({"version": 5})
+    with pytest.raises(InputError, match=r"`state\['version'\]` must be 5, got 1"):
         Policy().load_state_dict({**Policy().state_dict(), "version": 1})
 
 

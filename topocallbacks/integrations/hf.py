@@ -26,7 +26,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from ..check import CheckRecord
 from ..exceptions import InputError
-from ..interventions import current_learning_rates, scale_learning_rate
+from ..interventions import capture_state, current_learning_rates, restore_state, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture, autocast_for, resolve_module
@@ -48,8 +48,10 @@ _REPORTERS = tuple(INTEGRATION_TO_CALLBACK.values())  # the callbacks `report_to
 class _TrainerActuator:
     """Decisions carried out through ``TrainerControl`` and the optimizer and scheduler the Trainer hands over."""
 
-    def __init__(self, state: TrainerState, control: TrainerControl, kwargs: Mapping[str, Any]) -> None:
-        self.state, self.control, self.kwargs = state, control, kwargs
+    def __init__(
+        self, state: TrainerState, control: TrainerControl, kwargs: Mapping[str, Any], trainer: Trainer | None
+    ) -> None:
+        self.state, self.control, self.kwargs, self.trainer = state, control, kwargs, trainer
 
     def scale_learning_rate(self, factor: float) -> str:
         optimizer = self.kwargs.get("optimizer")
@@ -72,6 +74,32 @@ class _TrainerActuator:
 
     def save_checkpoint(self, tag: str) -> None:
         self.control.should_save = True  # the Trainer saves after this step's callbacks, the history included
+
+    def _parts(self) -> tuple[Any, list[Any], list[Any], Any]:
+        model, optimizer, scheduler = (self.kwargs.get(k) for k in ("model", "optimizer", "lr_scheduler"))
+        if model is None or optimizer is None:
+            raise InputError(f"`rollback` at step {self.state.global_step}: the Trainer passed no model or optimizer")
+        scaler = None if self.trainer is None else getattr(self.trainer.accelerator, "scaler", None)
+        # accelerate wraps the optimizer and scheduler; their state lives in the torch objects inside.
+        optimizers = [getattr(optimizer, "optimizer", optimizer)]
+        schedulers = [] if scheduler is None else [getattr(scheduler, "scheduler", scheduler)]
+        return model, optimizers, schedulers, scaler
+
+    def snapshot(self) -> dict[str, Any]:
+        return capture_state(*self._parts())
+
+    def restore(self, snapshot: Any) -> str:
+        model, optimizers, schedulers, scaler = self._parts()
+        restore_state(snapshot, model, optimizers, schedulers, scaler)
+        return f"model, optimizer and {len(schedulers)} scheduler(s) restored"
+
+    def save_snapshot(self, snapshot: Any, tag: str) -> str:
+        output_dir = "." if self.trainer is None else self.trainer.args.output_dir or "."
+        path = os.path.join(output_dir, tag + ".pt")
+        if self.state.is_world_process_zero:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            torch.save(snapshot, path)
+        return f"saved to {path}"
 
 
 class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
@@ -165,6 +193,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         self._restored: Mapping[str, Any] | None = None
         self._to_log: dict[str, float] = {}  # values for the next on_log
         self._placed = False  # before the `report_to` callbacks, so that on_log reaches them
+        self._trainer: Trainer | None = None  # found when training begins (rollback needs its grad scaler)
         self._created = next(_CREATED)
         _LIVE.add(self)
 
@@ -201,6 +230,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         if self not in trainer.callback_handler.callbacks:
             trainer.callback_handler.callbacks.append(self)
         self._place(trainer.callback_handler)
+        self._trainer = trainer
         return self
 
     @property
@@ -240,6 +270,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     ) -> TrainerControl:
         model = kwargs["model"]
         resolve_module(model, self.layer)  # unknown names fail here, with close matches
+        self._trainer = self._trainer or _caller(Trainer, depth=6)
         self._place(_calling_handler())
         self._warn_if_unplaced(args)
         # Resuming: Trainer rebuilds the callback from state() and sets `_restored` when
@@ -344,7 +375,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         scalars = scalars_of(record, self.prefix)
         state.log_history.append({**scalars, "step": record.step})  # at the step of the check
         self._to_log.update(scalars)
-        self.monitor.act(record, _TrainerActuator(state, control, kwargs))
+        self.monitor.act(record, _TrainerActuator(state, control, kwargs, self._trainer))
 
     def _place(self, handler: CallbackHandler | None) -> None:
         """Move this callback before the ``report_to`` callbacks of ``handler``, and name its metrics."""

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..check import CheckRecord
 from ..exceptions import InputError
-from ..interventions import current_learning_rates, scale_learning_rate
+from ..interventions import capture_state, current_learning_rates, restore_state, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture, is_fsdp1_wrapper, resolve_layer, resolve_module
@@ -56,6 +56,27 @@ class _LightningActuator:
 
     def save_checkpoint(self, tag: str) -> None:
         self.trainer.save_checkpoint(os.path.join(self.rescue_dir, tag + ".ckpt"))  # every rank calls it; rank 0 writes
+
+    def _parts(self) -> tuple[Any, list[Any], list[Any], Any]:
+        trainer = self.trainer
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # mixed precision's GradScaler, if any
+        return trainer.lightning_module, trainer.optimizers, schedulers, scaler
+
+    def snapshot(self) -> dict[str, Any]:
+        return capture_state(*self._parts())
+
+    def restore(self, snapshot: Any) -> str:
+        module, optimizers, schedulers, scaler = self._parts()
+        restore_state(snapshot, module, optimizers, schedulers, scaler)
+        return f"module, {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s) restored"
+
+    def save_snapshot(self, snapshot: Any, tag: str) -> str:
+        path = os.path.join(self.rescue_dir, tag + ".pt")
+        if self.trainer.is_global_zero:
+            os.makedirs(self.rescue_dir, exist_ok=True)
+            torch.save(snapshot, path)
+        return f"saved to {path}"
 
 
 class TopoCollapseCallback(Callback):
