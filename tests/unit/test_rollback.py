@@ -1,0 +1,354 @@
+"""Rollback in a plain PyTorch loop, the snapshot store, the training channels and the rule that cannot look away."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from topocallbacks import TopoMonitor
+from topocallbacks.check import CheckRecord, InterventionRecord
+from topocallbacks.exceptions import InputError
+from topocallbacks.interventions import LoopActuator, capture_state, current_learning_rates
+from topocallbacks.policy import Policy
+from topocallbacks.rollback import SnapshotStore
+
+DIGITS = load_digits()
+X = torch.tensor(DIGITS.data / 16.0, dtype=torch.float32)
+Y = torch.tensor(DIGITS.target)
+CHECK_EVERY = 5
+
+
+def healthy_features(step: int) -> np.ndarray:
+    """Real digits pixels with a little per-check jitter: a healthy, slowly moving cloud."""
+    rng = np.random.default_rng(step)
+    return DIGITS.data[:200] / 16.0 + 0.05 * rng.normal(size=(200, 64))
+
+
+def collapsed_features(step: int) -> np.ndarray:
+    """Every sample onto one point (plus a trace of noise): a total collapse."""
+    rng = np.random.default_rng(step)
+    return np.tile(DIGITS.data[:1] / 16.0, (200, 1)) + 1e-4 * rng.normal(size=(200, 64))
+
+
+class Loop:
+    """A real training loop (MLP on digits, SGD with momentum and a LambdaLR) whose checks see chosen features."""
+
+    def __init__(self, monitor: TopoMonitor, directory: str | None = None) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (1 + 0.01 * s))
+        self.monitor = monitor
+        self.actuator = LoopActuator(
+            self.optimizer,
+            self.scheduler,
+            model=self.model,
+            directory=directory,
+            state=None if directory is None else (lambda: {"model": self.model.state_dict()}),
+        )
+        self.states: dict[int, dict] = {}  # our own copy of the state after each step
+        self.batches: list[int] = []
+
+    def run(self, steps: range, features) -> list:
+        done = []
+        for step in steps:
+            batch = step % 20  # the data position moves on whatever happens to the weights
+            index = torch.arange(batch * 64, batch * 64 + 64) % len(X)
+            self.batches.append(batch)
+            loss = torch.nn.functional.cross_entropy(self.model(X[index]), Y[index])
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.states[step] = copy.deepcopy(capture_state(self.model, [self.optimizer], [self.scheduler]))
+            if step % CHECK_EVERY == 0:
+                record = self.monitor.process(features(step), step)
+                done.append(self.monitor.act(record, self.actuator))
+                if self.actuator.stop_requested:
+                    break
+        return [d for d in done if d is not None]
+
+
+def assert_state_equal(model, optimizer, scheduler, saved) -> None:
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved["model"][name]), name
+    state = optimizer.state_dict()
+    for key, entry in state["state"].items():
+        for name, value in entry.items():
+            expected = saved["optimizers"][0]["state"][key][name]
+            assert torch.equal(value, expected) if isinstance(value, torch.Tensor) else value == expected
+    assert state["param_groups"] == saved["optimizers"][0]["param_groups"]
+    assert scheduler.state_dict() == saved["schedulers"][0]
+
+
+def rollback_monitor(**policy) -> TopoMonitor:
+    rule = {"action": "rollback", "warmup": 3, **policy}
+    return TopoMonitor(check_every=CHECK_EVERY, policy=rule, summary=False)
+
+
+def fault_at(start: int, stop: int = 10**9):
+    return lambda step: collapsed_features(step) if start <= step < stop else healthy_features(step)
+
+
+def test_a_rollback_restores_the_newest_healthy_snapshot_bit_for_bit():
+    loop = Loop(rollback_monitor())
+    done = loop.run(range(0, 61), fault_at(50, 51))  # one collapsed check at step 50
+    assert [(d.step, d.action, d.snapshot_step, d.steps_lost) for d in done] == [(50, "rollback", 45, 5)]
+    assert "roll back to the newest healthy snapshot before step 50" in done[0].reason
+    assert "rolled back to the snapshot of step 45: the 5 updates since are undone" in done[0].detail
+    # Right after the rollback (step 50) the state was step 45's; check it against our own copy by replaying.
+    loop2 = Loop(rollback_monitor())
+    loop2.run(range(0, 50), fault_at(50, 51))
+    # Step 50 trains, then the check rolls back: the state equals the state after step 45.
+    record = None
+    step = 50
+    index = torch.arange(step % 20 * 64, step % 20 * 64 + 64) % len(X)
+    loss = torch.nn.functional.cross_entropy(loop2.model(X[index]), Y[index])
+    loop2.optimizer.zero_grad()
+    loss.backward()
+    loop2.optimizer.step()
+    loop2.scheduler.step()
+    record = loop2.monitor.process(collapsed_features(step), step)
+    intervention = loop2.monitor.act(record, loop2.actuator)
+    assert intervention is not None
+    assert intervention.snapshot_step == 45
+    assert_state_equal(loop2.model, loop2.optimizer, loop2.scheduler, loop2.states[45])
+    assert current_learning_rates([loop2.optimizer]) == [
+        g["lr"] for g in loop2.states[45]["optimizers"][0]["param_groups"]
+    ]
+
+
+def test_the_snapshot_stays_intact_for_a_second_rollback_and_the_data_moves_on():
+    loop = Loop(rollback_monitor(cooldown=0, max_rollbacks=5))
+    done = loop.run(range(0, 71), lambda s: collapsed_features(s) if s in (50, 60) else healthy_features(s))
+    assert [(d.step, d.snapshot_step) for d in done] == [(50, 45), (60, 55)]
+    # The batches are those of steps 0..70 in order: a rollback never replays data.
+    assert loop.batches == [s % 20 for s in range(71)]
+    # The snapshots after the first rollback were taken again from the restored run.
+    assert [s.step for s in loop.monitor.snapshots.snapshots] == [65, 70]
+
+
+def test_repeated_rollbacks_cut_the_rate_then_stop_and_keep_the_last_healthy_state(tmp_path):
+    loop = Loop(rollback_monitor(cooldown=0, max_rollbacks=2), directory=tmp_path)
+    done = loop.run(range(0, 100), fault_at(50))  # the collapse persists after every rollback
+    assert [(d.step, d.action) for d in done] == [(50, "rollback"), (55, "rollback"), (60, "stop")]
+    assert done[0].lr_factor == 1.0  # the first rollback keeps the rate
+    assert done[1].lr_factor == 0.5  # the second cuts it by lr_factor
+    assert "2 rollbacks made already, so stop" in done[2].reason
+    assert loop.actuator.stop_requested
+    kept = tmp_path / "topo-last-healthy-step45.pt"
+    assert f"last healthy state (step 45) saved to {kept}" in done[2].detail
+    saved = torch.load(kept, weights_only=True)
+    for name, tensor in saved["model"].items():
+        assert torch.equal(tensor, loop.states[45]["model"][name])
+    assert (tmp_path / "topo-stop-step60.pt").is_file()  # the stop checkpoint of checkpoint_on_stop
+
+
+def test_a_rollback_with_nothing_to_go_back_to_warns_and_says_why():
+    monitor = rollback_monitor()
+    loop = Loop(monitor)
+    for step in range(0, 40, CHECK_EVERY):
+        monitor.act(monitor.process(healthy_features(step), step), loop.actuator)
+    assert monitor.snapshots.snapshots
+    monitor.snapshots.clear()  # e.g. a run resumed from a checkpoint: the snapshots in memory are gone
+    with pytest.warns(RuntimeWarning, match="no healthy snapshot before step 40, so warn"):
+        done = monitor.act(monitor.process(collapsed_features(40), 40), loop.actuator)
+    assert done is not None
+    assert done.action == "warn"
+    assert "no healthy snapshot before step 40, so warn" in done.reason
+
+
+def test_diverged_features_roll_back_when_asked():
+    loop = Loop(rollback_monitor(on_diverged="rollback"))
+    nan = healthy_features(0)
+    nan[0, 0] = math.nan
+    done = loop.run(range(0, 31), lambda s: nan if s == 30 else healthy_features(s))
+    assert [(d.step, d.action, d.snapshot_step) for d in done] == [(30, "rollback", 25)]
+    assert "the features diverged" in done[0].reason
+
+
+def test_no_snapshots_are_taken_when_no_rule_can_roll_back():
+    loop = Loop(TopoMonitor(check_every=CHECK_EVERY, policy={"action": "warn", "warmup": 3}, summary=False))
+    loop.run(range(0, 30), healthy_features)
+    assert loop.monitor.snapshots.snapshots == []
+
+
+def test_an_actuator_without_snapshots_is_refused_clearly():
+    monitor = rollback_monitor()
+    record = monitor.process(healthy_features(0), 0)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(
+        InputError, match=r"`rollback` needs the model: LoopActuator\(optimizer, scheduler, model=model\)"
+    ):
+        monitor.act(record, LoopActuator(optimizer))
+
+    class Plain:
+        pass
+
+    with pytest.raises(InputError, match="Plain takes no snapshots"):
+        monitor.act(record, Plain())  # type: ignore[arg-type]
+
+
+def test_snapshots_on_disk_are_kept_to_their_number_and_summarised(tmp_path):
+    monitor = TopoMonitor(
+        check_every=CHECK_EVERY,
+        policy={"action": "rollback", "warmup": 3},
+        snapshots=2,
+        snapshot_dir=str(tmp_path / "snaps"),
+        summary=False,
+    )
+    loop = Loop(monitor)
+    loop.run(range(0, 21), healthy_features)
+    assert sorted(os.listdir(tmp_path / "snaps")) == ["topo-snapshot-step15.pt", "topo-snapshot-step20.pt"]
+    nbytes = monitor.snapshots.snapshots[-1].nbytes
+    parameters = sum(p.numel() for p in loop.model.parameters())
+    assert nbytes == 4 * 2 * parameters  # the float32 weights and SGD's momentum buffers
+    assert f"2 of 2 snapshot(s) of {nbytes / 2**20:.1f} MiB each in {tmp_path / 'snaps'}" in monitor.summary()
+
+
+def test_snapshot_store_keeps_the_newest_and_finds_the_one_before_an_onset():
+    store = SnapshotStore(keep=3)
+    for step in (0, 10, 20, 30):
+        store.add(step, {"w": torch.zeros(4)}, diagrams=None)
+    assert [s.step for s in store.snapshots] == [10, 20, 30]
+    assert store.newest_before(30).step == 20
+    assert store.newest_before(10) is None
+    store.drop_after(10)
+    assert [s.step for s in store.snapshots] == [10]
+    assert store.nbytes == 16
+
+
+# --- the rule that cannot look away ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("patience", [1, 3, 5, 12])
+def test_a_collapse_that_persists_is_flagged_whatever_the_patience(patience):
+    monitor = TopoMonitor(check_every=1, policy={"patience": patience, "warmup": 5}, summary=False)
+    fired = []
+    for step in range(40):
+        features = collapsed_features(step) if step >= 20 else healthy_features(step)
+        record = monitor.process(features, step)
+        if record.decision.fired:
+            fired.append(step)
+    # Every collapsed check stays flagged (drift is measured against the last healthy check), so the rule holds
+    # after `patience` of them; with drift against the previous check it would read 0 from step 21 on.
+    assert fired
+    assert fired[0] == 20 + patience - 1
+
+
+def test_drift_after_a_collapse_is_measured_against_the_last_healthy_check():
+    monitor = TopoMonitor(check_every=1, policy={"warmup": 5}, summary=False)
+    values = []
+    for step in range(30):
+        record = monitor.process(collapsed_features(step) if step >= 20 else healthy_features(step), step)
+        values.append(record.index_value)
+    assert min(values[21:25]) > 0.5 * values[20]  # still far from the healthy cloud, not 0
+
+
+@pytest.mark.parametrize("schedule", ["warmup", "restarts"])
+def test_ordinary_schedule_changes_stay_quiet(schedule):
+    """A healthy run with a LambdaLR warm-up, or cosine warm restarts, raises no alarm under the default rule."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if schedule == "warmup":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 200))
+    else:
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=100)
+    monitor = TopoMonitor(probe=X[:128], layer="1", check_every=10, summary=False)
+    generator = torch.Generator().manual_seed(0)
+    flagged = []
+    for step in range(400):
+        index = torch.randint(0, len(X), (64,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(X[index]), Y[index])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        for record in monitor.on_step(step, model=model, loss=loss.detach()):
+            if record.decision.flagged or record.decision.fired:
+                flagged.append((record.step, record.decision.reason))
+    assert flagged == []
+    assert len([r for r in monitor.history if isinstance(r, CheckRecord)]) == 40
+
+
+# --- training channels -----------------------------------------------------------------------------------------
+
+
+def feed(policy: Policy, losses, grads=None):
+    grads = grads if grads is not None else [None] * len(losses)
+    return [
+        policy.decide(i, 1.0, loss=loss, grad_norm=grad)
+        for i, (loss, grad) in enumerate(zip(losses, grads, strict=False))
+    ]
+
+
+def test_a_loss_spike_is_flagged_on_the_loss_channel():
+    policy = Policy(channels=["index", "loss"], warmup=5, action="warn")
+    losses = [2.0 - 0.01 * i + 0.01 * (-1) ** i for i in range(20)] + [6.0]
+    decisions = feed(policy, losses)
+    assert [d.step for d in decisions if d.fired] == [20]
+    assert decisions[-1].flagged == ("loss",)
+    assert decisions[-1].scores is not None
+    assert decisions[-1].scores["loss"] > 4.5
+    assert "loss 6 at z = " in decisions[-1].reason
+
+
+def test_require_two_channels_needs_both_to_hold():
+    base = [2.0 - 0.01 * i + 0.01 * (-1) ** i for i in range(20)]
+    grads = [1.0 + 0.02 * (-1) ** i for i in range(20)]
+    policy = Policy(channels=["loss", "grad_norm"], require=2, warmup=5)
+    decisions = feed(policy, [*base, 6.0], [*grads, 1.0])
+    assert not decisions[-1].fired
+    assert decisions[-1].flagged == ("loss",)
+    assert "(1 of the 2 channels required)" in decisions[-1].reason
+    policy = Policy(channels=["loss", "grad_norm"], require=2, warmup=5)
+    decisions = feed(policy, [*base, 6.0], [*grads, 9.0])
+    assert decisions[-1].fired
+    assert decisions[-1].flagged == ("loss", "grad_norm")
+
+
+def test_a_nan_loss_is_a_diverged_check():
+    policy = Policy(channels=["index", "loss"], warmup=5)
+    decision = policy.decide(0, 1.0, loss=math.nan)
+    assert decision.action.value == "stop"
+    assert decision.rule == "diverged"
+    assert "the training loss is nan" in decision.reason
+
+
+def test_the_monitor_averages_the_steps_dynamics_and_reads_tensors_once():
+    monitor = TopoMonitor(check_every=5, policy={"channels": ["index", "loss"], "warmup": 0}, summary=False)
+    for step in range(5):
+        monitor.record_dynamics(torch.tensor(float(step)), None)
+    record = monitor.process(healthy_features(0), 5)
+    assert record.decision.scores is None or "loss" in record.decision.scores
+    assert monitor._dynamics == []
+
+
+def test_channel_settings_are_validated():
+    with pytest.raises(InputError, match=r"`channels` has 'los'; did you mean `loss`\?"):
+        Policy(channels=["los"])
+    with pytest.raises(InputError, match=r"`require` must be at most the number of `channels` \(1"):
+        Policy(channels=["index"], require=2)
+    with pytest.raises(InputError, match="names a channel twice"):
+        Policy(channels=["loss", "loss"])
+
+
+def test_rollback_policy_state_round_trips():
+    policy = Policy(action="rollback", channels=["index", "grad_norm"], warmup=2)
+    for step in range(6):
+        policy.decide(step, 1.0 + 0.1 * step, grad_norm=2.0)
+    copy_ = Policy(action="rollback", channels=["index", "grad_norm"], warmup=2)
+    copy_.load_state_dict(policy.state_dict())
+    assert copy_ == policy
+    other = Policy(action="rollback")
+    with pytest.raises(InputError, match="watched channels"):
+        other.load_state_dict(policy.state_dict())
+    assert isinstance(InterventionRecord.from_dict({"kind": "intervention", "step": 1, "action": "warn", "reason": "r",
+                                                    "detail": "d", "lr_factor": 1.0}), InterventionRecord)  # fmt: skip
