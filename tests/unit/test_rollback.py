@@ -324,10 +324,10 @@ def test_a_nan_loss_is_a_diverged_check():
 
 def test_the_monitor_averages_the_steps_dynamics_and_reads_tensors_once():
     monitor = TopoMonitor(check_every=5, policy={"channels": ["index", "loss"], "warmup": 0}, summary=False)
-    for step in range(5):
+    for step in range(4):
         monitor.record_dynamics(torch.tensor(float(step)), None)
-    record = monitor.process(healthy_features(0), 5)
-    assert record.decision.scores is None or "loss" in record.decision.scores
+    monitor.process(healthy_features(0), 5, loss=4.0)  # this step's own value joins the four before it
+    assert monitor.policy.channels_["loss"].reference.values == [2.0]  # (0 + 1 + 2 + 3 + 4) / 5
     assert monitor._dynamics == []
 
 
