@@ -114,13 +114,14 @@ class TopoMonitor(Stateful):
     """
 
     _state = StateFields(
-        version=4,
+        version=5,
         fields={
             "probe_spec": "_probe_spec_state",
             "pipeline": "pipeline",
             "history": "history",
             "lr_factor": "lr_factor_",
             "last_checked_step": "last_checked_step_",
+            "last_rollback_step": "last_rollback_step_",
             "pending": "_pending_state",
         },
         encode={"history": lambda h: [r.as_dict() for r in h]},
@@ -156,6 +157,7 @@ class TopoMonitor(Stateful):
         self._dynamics: list[tuple[Any, Any]] = []  # (loss, gradient norm) of each step since the last check
         #: The healthy snapshots a ``rollback`` goes back to (kept only while a rule can roll back).
         self.snapshots = SnapshotStore(s.interventions.snapshots, s.interventions.snapshot_dir)
+        self.last_rollback_step_: int | None = None  # the latest rollback's step (the next one undoes updates since)
         self._worker: WorkerProcess | None = None
         self._background: bool | None = s.schedule.background
         self.autocast: AutocastFactory | None = None  # set by a training adapter: the trainer's precision
@@ -313,16 +315,15 @@ class TopoMonitor(Stateful):
             target = self.snapshots.newest_before(decision.step if decision.onset is None else decision.onset)
             if target is None:
                 decision = _no_snapshot(decision, self.settings.rule.after_max_rollbacks if not record.ok else "warn")
+        undone = None if target is None else self._undone(target, step)
         intervention: list[InterventionRecord] = []
 
         def write(detail: str) -> None:
             if decision.lr_factor is not None and decision.action in (Action.LOWER_LR, Action.ROLLBACK):
                 self.lr_factor_ *= decision.lr_factor
             since = None if target is None else target.step
-            entry = InterventionRecord(
-                step, decision.action.value, decision.reason, detail, self.lr_factor_, since,
-                None if since is None else step - since,
-            )  # fmt: skip
+            action = decision.action.value
+            entry = InterventionRecord(step, action, decision.reason, detail, self.lr_factor_, since, undone)
             intervention.append(entry)
             self._emit(entry)
 
@@ -349,8 +350,14 @@ class TopoMonitor(Stateful):
         rule = self.settings.rule
         return Action.ROLLBACK.value in (rule.action, rule.on_diverged)
 
+    def _undone(self, target: Snapshot, step: int) -> int:
+        """The updates a rollback to ``target`` at ``step`` undoes (since the snapshot, or since the last rollback)."""
+        last = self.last_rollback_step_
+        return step - (target.step if last is None or last < target.step else last)
+
     def _roll_back(self, actuator: Actuator, target: Snapshot, step: int) -> str:
         """Restore ``target`` in place (every rank) and rewind the checks to it; what was done, in words."""
+        undone = self._undone(target, step)
         # Checks still pending saw the abandoned steps: they reach the history, their decisions no longer act.
         self.finish()
         detail = actuator.restore(target.load())
@@ -358,10 +365,10 @@ class TopoMonitor(Stateful):
         self._stop_worker()  # the next check starts a worker from the rewound state
         self._dynamics, self._batches = [], []
         self.snapshots.drop_after(target.step)
+        self.last_rollback_step_ = step
         return (
-            f"rolled back to the snapshot of step {target.step}: the {step - target.step} updates since are undone "
-            f"and their batches not seen again (training goes on with the next batch); {detail}; "
-            f"{self.snapshots.describe()}"
+            f"rolled back to the snapshot of step {target.step}: {undone} updates undone and their batches not seen "
+            f"again (training goes on with the next batch); {detail}; {self.snapshots.describe()}"
         )
 
     def summary(self) -> str:

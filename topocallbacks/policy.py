@@ -326,7 +326,8 @@ class Policy(Stateful):
     ``after_max_rollbacks`` after ``max_rollbacks`` rollbacks (the second and later rollbacks also cut the learning
     rate). Within ``cooldown`` checks of an action, the *same* action is held back (the decision says so) unless
     the score is above the one that started the cooldown; a stronger action (``warn`` < ``lower_lr`` <
-    ``rollback`` < ``stop``) always goes through, so a warning never silences a stop. A diverged check (NaN or Inf
+    ``rollback`` < ``stop``) always goes through, so a warning never silences a stop, and so does a rollback (after
+    one, the state is the snapshot's: a new alarm is a new fault). A diverged check (NaN or Inf
     features, loss or gradient norm) returns ``on_diverged`` at once, warm-up or cooldown or not. After an action
     the patience count starts again.
 
@@ -562,8 +563,10 @@ class Policy(Stateful):
         if since > s.cooldown:
             return None
         last = Action(self.last_action_)
-        if action.level > last.level:
-            return None  # a stronger action is never held back
+        if action.level > last.level or action is Action.ROLLBACK:
+            # A stronger action is never held back; nor is a rollback: after one the state is the snapshot's, so a
+            # new alarm is a new fault (max_rollbacks bounds them).
+            return None
         started = self.last_action_score_
         if action.level == last.level and score is not None and (started is None or score > started):
             return None  # a bigger alarm than the one that started the cooldown

@@ -105,7 +105,7 @@ class SnapshotStore:
         """Where the snapshots live and what they cost, in words."""
         where = "host memory" if self.directory is None else self.directory
         each = self.snapshots[-1].nbytes if self.snapshots else 0
-        return f"{len(self.snapshots)} of {self.keep} snapshot(s) of {each / 2**20:.1f} MiB each in {where}"
+        return f"{len(self.snapshots)} of {self.keep} snapshot(s) of {_size(each)} each in {where}"
 
     def clear(self) -> None:
         """Forget every snapshot (and delete their files)."""
@@ -117,3 +117,11 @@ class SnapshotStore:
     def _drop(snapshot: Snapshot) -> None:
         if snapshot.path is not None and os.path.exists(snapshot.path):
             os.remove(snapshot.path)
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in words: ``1.5 MiB``, ``12.0 KiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

@@ -372,7 +372,8 @@ class PolicySettings(_Section):
         warmup: checks that only build the reference.
         zscore_window: checks in the z-score's level (its noise uses twice as many).
         cooldown: checks after an action during which the *same* action is held back, unless the score exceeds
-            the one that started the cooldown; a stronger action always goes through.
+            the one that started the cooldown; a stronger action always goes through, and so does a rollback
+            (``max_rollbacks`` bounds those).
         trend_window: checks in the rising-trend fit, or None for no trend rule.
         trend_slope: the slope per check that fires the trend rule; required with ``trend_window``.
         lr_factor: learning-rate multiplier of ``lower_lr``, in ``(0, 1)``.

@@ -101,7 +101,7 @@ def test_a_rollback_restores_the_newest_healthy_snapshot_bit_for_bit():
     done = loop.run(range(0, 61), fault_at(50, 51))  # one collapsed check at step 50
     assert [(d.step, d.action, d.snapshot_step, d.steps_lost) for d in done] == [(50, "rollback", 45, 5)]
     assert "roll back to the newest healthy snapshot before step 50" in done[0].reason
-    assert "rolled back to the snapshot of step 45: the 5 updates since are undone" in done[0].detail
+    assert "rolled back to the snapshot of step 45: 5 updates undone" in done[0].detail
     # Right after the rollback (step 50) the state was step 45's; check it against our own copy by replaying.
     loop2 = Loop(rollback_monitor())
     loop2.run(range(0, 50), fault_at(50, 51))
@@ -125,7 +125,7 @@ def test_a_rollback_restores_the_newest_healthy_snapshot_bit_for_bit():
 
 
 def test_the_snapshot_stays_intact_for_a_second_rollback_and_the_data_moves_on():
-    loop = Loop(rollback_monitor(cooldown=0, max_rollbacks=5))
+    loop = Loop(rollback_monitor(max_rollbacks=5))  # the default cooldown never holds a rollback back
     done = loop.run(range(0, 71), lambda s: collapsed_features(s) if s in (50, 60) else healthy_features(s))
     assert [(d.step, d.snapshot_step) for d in done] == [(50, 45), (60, 55)]
     # The batches are those of steps 0..70 in order: a rollback never replays data.
@@ -138,6 +138,8 @@ def test_repeated_rollbacks_cut_the_rate_then_stop_and_keep_the_last_healthy_sta
     loop = Loop(rollback_monitor(cooldown=0, max_rollbacks=2), directory=tmp_path)
     done = loop.run(range(0, 100), fault_at(50))  # the collapse persists after every rollback
     assert [(d.step, d.action) for d in done] == [(50, "rollback"), (55, "rollback"), (60, "stop")]
+    # The second rollback undoes only the 5 updates since the first one (the state was step 45's at step 50).
+    assert [(d.snapshot_step, d.steps_lost) for d in done[:2]] == [(45, 5), (45, 5)]
     assert done[0].lr_factor == 1.0  # the first rollback keeps the rate
     assert done[1].lr_factor == 0.5  # the second cuts it by lr_factor
     assert "2 rollbacks made already, so stop" in done[2].reason
@@ -209,7 +211,7 @@ def test_snapshots_on_disk_are_kept_to_their_number_and_summarised(tmp_path):
     nbytes = monitor.snapshots.snapshots[-1].nbytes
     parameters = sum(p.numel() for p in loop.model.parameters())
     assert nbytes == 4 * 2 * parameters  # the float32 weights and SGD's momentum buffers
-    assert f"2 of 2 snapshot(s) of {nbytes / 2**20:.1f} MiB each in {tmp_path / 'snaps'}" in monitor.summary()
+    assert f"2 of 2 snapshot(s) of {nbytes / 2**10:.1f} KiB each in {tmp_path / 'snaps'}" in monitor.summary()
 
 
 def test_snapshot_store_keeps_the_newest_and_finds_the_one_before_an_onset():
