@@ -5,6 +5,14 @@ It runs the monitor's checks during ``Trainer.train``, hands their values to the
 :class:`~topocallbacks.interventions.Actuator` that steers the loop only through ``TrainerControl`` flags and the
 optimizer and scheduler the Trainer hands to its callbacks; its state goes to ``trainer_state.json`` through
 ``ExportableState``. It holds no decision logic.
+
+The training channels (``policy={"channels": [...]}``) get each optimizer step's loss and gradient norm as the
+Trainer computes them, as device tensors read once per check: while training, the callback taps the return value
+of ``trainer.training_step`` (the loss of each micro-batch, already divided for gradient accumulation: their sum
+is the step's loss, the value the Trainer logs) and, when ``"grad_norm"`` is watched, of
+``trainer.accelerator.clip_grad_norm_`` (the norm before clipping, which the Trainer computes at every step; a
+step that mixed precision skipped on overflow gives none). Callback hooks alone cannot see them: the Trainer
+clips before ``on_pre_optimizer_step`` and keeps the loss in locals.
 """
 
 from __future__ import annotations
@@ -49,9 +57,15 @@ class _TrainerActuator:
     """Decisions carried out through ``TrainerControl`` and the optimizer and scheduler the Trainer hands over."""
 
     def __init__(
-        self, state: TrainerState, control: TrainerControl, kwargs: Mapping[str, Any], trainer: Trainer | None
+        self,
+        state: TrainerState,
+        control: TrainerControl,
+        kwargs: Mapping[str, Any],
+        trainer: Trainer | None,
+        output_dir: str | None = None,
     ) -> None:
         self.state, self.control, self.kwargs, self.trainer = state, control, kwargs, trainer
+        self.output_dir = output_dir or (None if trainer is None else trainer.args.output_dir) or "."
 
     def scale_learning_rate(self, factor: float) -> str:
         optimizer = self.kwargs.get("optimizer")
@@ -94,8 +108,7 @@ class _TrainerActuator:
         return f"model, optimizer and {len(schedulers)} scheduler(s) restored"
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
-        output_dir = "." if self.trainer is None else self.trainer.args.output_dir or "."
-        path = os.path.join(output_dir, tag + ".pt")
+        path = os.path.join(self.output_dir, tag + ".pt")
         if self.state.is_world_process_zero:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             torch.save(snapshot, path)
@@ -114,8 +127,16 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     * ``lower_lr``: the optimizer's param groups *and* the scheduler's base rates are scaled, so the cut survives
       the Trainer's ``LambdaLR`` schedules (linear, cosine, with warm-up);
     * ``stop``: ``control.should_training_stop``, with ``control.should_save`` (``checkpoint_on_stop``), so the
-      Trainer saves a checkpoint of that step, the intervention in its history, before it stops;
+      Trainer saves a checkpoint of that step, the intervention in its history, before it stops; while the rule
+      can roll back, the newest healthy snapshot is written to ``output_dir/topo-last-healthy-step<S>.pt`` too;
+    * ``rollback``: the model, the optimizer, the scheduler and the grad scaler are restored in place from the
+      newest snapshot taken at a healthy check before the warning's onset, and training goes on with the next
+      batch (``state.global_step`` goes on counting; the batches since the snapshot are not seen again);
     * ``control.should_save`` too when the policy asks for a rescue checkpoint.
+
+    Each optimizer step's training loss (the sum of its micro-batches' ``training_step`` losses, as the Trainer
+    logs it) goes to the monitor, and so does the gradient norm before clipping when the policy watches
+    ``"grad_norm"``: the ``"loss"`` and ``"grad_norm"`` channels, and a non-finite loss makes a check diverged.
 
     In streaming mode (``mode="stream"``) a forward hook keeps the watched layer's pooled output during training
     forwards, and the window is pushed once per optimizer step (all micro-batches of gradient accumulation).
@@ -194,6 +215,9 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         self._to_log: dict[str, float] = {}  # values for the next on_log
         self._placed = False  # before the `report_to` callbacks, so that on_log reaches them
         self._trainer: Trainer | None = None  # found when training begins (rollback needs its grad scaler)
+        self._taps: list[_Tap] = []  # on the Trainer while it trains: its loss and gradient norm come here
+        self._losses: list[Any] = []  # this optimizer step's micro-batch losses (device tensors)
+        self._grad_norm: Any = None  # this optimizer step's gradient norm before clipping
         self._created = next(_CREATED)
         _LIVE.add(self)
 
@@ -270,7 +294,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     ) -> TrainerControl:
         model = kwargs["model"]
         resolve_module(model, self.layer)  # unknown names fail here, with close matches
-        self._trainer = self._trainer or _caller(Trainer, depth=6)
+        self._trainer = _caller(Trainer, depth=6) or self._trainer  # the Trainer training now, else attach()'s
         self._place(_calling_handler())
         self._warn_if_unplaced(args)
         # Resuming: Trainer rebuilds the callback from state() and sets `_restored` when
@@ -303,7 +327,8 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         else:
             # A first check before any update calibrates ε and starts the warm-up on the initial features.
             for record in self.monitor.on_step(state.global_step, model=model):
-                self._act(state, control, record, kwargs)
+                self._act(args, state, control, record, kwargs)
+        self._tap_trainer()
         return control
 
     def _saved_state(self, state: TrainerState) -> Mapping[str, Any] | None:
@@ -335,12 +360,27 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
                 found = entry["attributes"]["_restored"]  # the last match is the newest save
         return found
 
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        # Without clipping the gradients are still those of the backward pass: when the Trainer computed no norm
+        # (transformers 4 without `max_grad_norm`, or no Trainer found), it is computed from them here. With
+        # clipping only the Trainer's own value is the norm before clipping.
+        if self._grad_norm is None and not args.max_grad_norm and self._watches_grad_norm:
+            model = kwargs.get("model")
+            self._grad_norm = None if model is None else _gradient_norm(model)
+        return control
+
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         features = self.capture.take() if self.streaming else None
-        for record in self.monitor.on_step(state.global_step, model=kwargs["model"], features=features):
-            self._act(state, control, record, kwargs)
+        loss, grad_norm = self._take_step_dynamics()
+        records = self.monitor.on_step(
+            state.global_step, model=kwargs["model"], features=features, loss=loss, grad_norm=grad_norm
+        )
+        for record in records:
+            self._act(args, state, control, record, kwargs)
         if self._to_log:
             control.should_log = True  # the Trainer logs this step: on_log carries the values to report_to
         return control
@@ -362,6 +402,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         self.capture.detach()
+        self._untap_trainer()
         for record in self.monitor.finish():  # pending checks reach the history; their decisions can no longer act
             state.log_history.append({**scalars_of(record, self.prefix), "step": record.step})
         self.monitor.close()
@@ -370,12 +411,86 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         return control
 
     def _act(
-        self, state: TrainerState, control: TrainerControl, record: CheckRecord, kwargs: Mapping[str, Any]
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        record: CheckRecord,
+        kwargs: Mapping[str, Any],
     ) -> None:
         scalars = scalars_of(record, self.prefix)
         state.log_history.append({**scalars, "step": record.step})  # at the step of the check
         self._to_log.update(scalars)
-        self.monitor.act(record, _TrainerActuator(state, control, kwargs, self._trainer))
+        output_dir = getattr(args, "output_dir", None)
+        self.monitor.act(record, _TrainerActuator(state, control, kwargs, self._trainer, output_dir))
+
+    # --- the training channels ------------------------------------------------------------------------------
+
+    @property
+    def _watches_grad_norm(self) -> bool:
+        return "grad_norm" in self.monitor.settings.rule.channels
+
+    def _tap_trainer(self) -> None:
+        """Tap the Trainer's loss and (when watched) gradient norm for this run (undone at ``on_train_end``)."""
+        self._untap_trainer()  # a run that raised left its taps; a new run taps its own Trainer
+        self._losses, self._grad_norm = [], None
+        trainer = self._trainer
+        if trainer is None:
+            watched = {"loss", "grad_norm"} & set(self.monitor.settings.rule.channels)
+            if watched:
+                warnings.warn(
+                    f"TopoCollapseTrainerCallback found no Trainer calling it: the policy's {sorted(watched)} "
+                    "channel(s) get no values (the gradient norm only without clipping); call "
+                    "callback.attach(trainer) before train()",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return
+        self._tap(trainer, "training_step", self._on_loss)
+        accelerator = getattr(trainer, "accelerator", None)
+        if self._watches_grad_norm and accelerator is not None:
+            self._tap(accelerator, "clip_grad_norm_", self._on_grad_norm)
+
+    def _tap(self, owner: Any, name: str, sink: Any) -> None:
+        original = getattr(owner, name, None)
+        if not callable(original) or not hasattr(owner, "__dict__"):
+            return
+        tap = _Tap(owner, name, original, sink)
+        setattr(owner, name, tap)
+        self._taps.append(tap)
+
+    def _untap_trainer(self) -> None:
+        for tap in reversed(self._taps):
+            tap.remove()
+        self._taps = []
+
+    def _on_loss(self, loss: Any) -> None:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach())
+        elif isinstance(loss, (int, float)):
+            self._losses.append(float(loss))
+
+    def _on_grad_norm(self, norm: Any) -> None:
+        if isinstance(norm, torch.Tensor) and norm.numel() == 1:
+            self._grad_norm = norm.detach()
+        elif isinstance(norm, (int, float)):
+            self._grad_norm = float(norm)
+
+    def _take_step_dynamics(self) -> tuple[Any, Any]:
+        """This optimizer step's loss (its micro-batches' sum) and gradient norm, or None each; then forgotten."""
+        losses, grad_norm = self._losses, self._grad_norm
+        self._losses, self._grad_norm = [], None
+        loss = None if not losses else losses[0] if len(losses) == 1 else sum(losses[1:], losses[0])
+        # Mixed precision skips a step whose gradients overflowed (and lowers the loss scale): a normal event,
+        # whose inf or NaN norm is no divergence.
+        accelerator = getattr(self._trainer, "accelerator", None)
+        if grad_norm is not None and getattr(accelerator, "optimizer_step_was_skipped", False):
+            grad_norm = None
+        return loss, grad_norm
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The Trainer does not pickle (nor do the taps on it); a run starts by finding its Trainer again.
+        return {**self.__dict__, "_trainer": None, "_taps": [], "_losses": [], "_grad_norm": None}
 
     def _place(self, handler: CallbackHandler | None) -> None:
         """Move this callback before the ``report_to`` callbacks of ``handler``, and name its metrics."""
@@ -402,6 +517,44 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+class _Tap:
+    """A method of one object, replaced while training by a call that hands its result to ``sink`` too.
+
+    Installed on the object (``trainer.training_step``, ``trainer.accelerator.clip_grad_norm_``), so the class and
+    other objects are untouched; :meth:`remove` puts back what was there, or only silences the tap when something
+    else has wrapped it since.
+    """
+
+    def __init__(self, owner: Any, name: str, original: Any, sink: Any) -> None:
+        self.owner, self.name, self.original, self.sink = owner, name, original, sink
+        self.shadowed = name in vars(owner)  # the object had its own attribute (someone else's wrapper)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.original(*args, **kwargs)
+        if self.sink is not None:
+            self.sink(result)
+        return result
+
+    def remove(self) -> None:
+        self.sink = None
+        if vars(self.owner).get(self.name) is self:
+            if self.shadowed:
+                setattr(self.owner, self.name, self.original)
+            else:
+                delattr(self.owner, self.name)
+
+
+def _gradient_norm(model: torch.nn.Module) -> torch.Tensor | None:
+    """The 2-norm of all of ``model``'s gradients (plain tensors only; None when there are none or others)."""
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if not grads or any(type(g) is not torch.Tensor for g in grads):
+        return None  # sharded (DTensor) gradients: their norm is a collective, the Trainer's business
+    device = grads[0].device
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    return total
 
 
 def _frames(skip: int, depth: int) -> list[types.FrameType]:
