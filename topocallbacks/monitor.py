@@ -308,13 +308,15 @@ class TopoMonitor(Stateful):
         step = record.applied_step
         if not decision.fired:
             if record.ok and decision.healthy and self.rolls_back:
-                self.snapshots.add(step, _snapshot(actuator), self.pipeline.reference_diagrams)
+                kept = self.snapshots.add(step, _snapshot(actuator), self.pipeline.reference_diagrams)
+                kept.lr_factor = self.lr_factor_
             return None
         target: Snapshot | None = None
         if decision.action is Action.ROLLBACK:
             target = self.snapshots.newest_before(decision.step if decision.onset is None else decision.onset)
             if target is None:
-                decision = _no_snapshot(decision, self.settings.rule.after_max_rollbacks if not record.ok else "warn")
+                diverged = decision.rule == "diverged"  # the features, or a NaN loss or gradient norm
+                decision = _no_snapshot(decision, self.settings.rule.after_max_rollbacks if diverged else "warn")
         undone = None if target is None else self._undone(target, step)
         intervention: list[InterventionRecord] = []
 
@@ -366,6 +368,7 @@ class TopoMonitor(Stateful):
         self._dynamics, self._batches = [], []
         self.snapshots.drop_after(target.step)
         self.last_rollback_step_ = step
+        self.lr_factor_ = target.lr_factor  # the rates are the snapshot's again (cuts since then are undone)
         return (
             f"rolled back to the snapshot of step {target.step}: {undone} updates undone and their batches not seen "
             f"again (training goes on with the next batch); {detail}; {self.snapshots.describe()}"

@@ -29,6 +29,7 @@ class Snapshot:
         diagrams: the check's persistence diagrams at that step (what drift compares with after a rollback).
         payload: the training state in host memory, or None when it lives in :attr:`path`.
         path: the file holding it (``snapshot_dir``), or None.
+        lr_factor: the monitor's cumulative learning-rate factor when it was taken.
     """
 
     step: int
@@ -36,6 +37,7 @@ class Snapshot:
     diagrams: Any = None
     payload: Any = None
     path: str | None = None
+    lr_factor: float = 1.0
 
     def load(self) -> Any:
         """The training state (read from :attr:`path` when it lives on disk)."""

@@ -354,3 +354,22 @@ def test_rollback_policy_state_round_trips():
         other.load_state_dict(policy.state_dict())
     assert isinstance(InterventionRecord.from_dict({"kind": "intervention", "step": 1, "action": "warn", "reason": "r",
                                                     "detail": "d", "lr_factor": 1.0}), InterventionRecord)  # fmt: skip
+
+
+def test_a_nan_loss_with_nothing_to_roll_back_to_escalates_like_diverged_features():
+    monitor = TopoMonitor(check_every=1, policy={"on_diverged": "rollback"}, summary=False)
+    loop = Loop(monitor)
+    done = monitor.act(monitor.process(healthy_features(0), 0, loss=math.nan), loop.actuator)
+    assert done is not None
+    assert done.action == "stop"
+    assert "no healthy snapshot before step 0, so stop" in done.reason
+
+
+def test_a_rollback_undoes_the_cuts_made_since_its_snapshot_in_the_lr_factor():
+    loop = Loop(rollback_monitor(max_rollbacks=5))
+    loop.run(range(0, 46), healthy_features)
+    monitor = loop.monitor
+    monitor.lr_factor_ = 0.25  # as if two cuts had been made since the snapshot of step 45
+    done = monitor.act(monitor.process(collapsed_features(50), 50), loop.actuator)
+    assert done is not None
+    assert (done.snapshot_step, done.lr_factor) == (45, 1.0)
