@@ -136,7 +136,10 @@ def test_decision_round_trip():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"action": "explode"}, r"`action` must be one of \['none', 'warn', 'lower_lr', 'rollback', 'stop'\], got 'explode'"),
+        (
+            {"action": "explode"},
+            r"`action` must be one of \['none', 'warn', 'lower_lr', 'rollback', 'stop'\], got 'explode'",
+        ),
         ({"threshold": math.nan}, "`threshold` must be a finite number, got nan"),
         ({"patience": 0}, "`patience` must be an integer >= 1, got 0"),
         ({"warmup": -1}, "`warmup` must be an integer >= 0, got -1"),
