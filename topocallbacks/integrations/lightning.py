@@ -2,9 +2,10 @@
 
 It translates Lightning's hooks into monitor calls, writes each record to the trainer's loggers at the step of its
 features and makes its values callback metrics (``pl_module.log``, for ``EarlyStopping``, ``ModelCheckpoint`` and
-the progress bar), and gives the monitor an :class:`~topocallbacks.interventions.Actuator` made of Lightning's own
-means (``trainer.save_checkpoint``, the trainer's optimizers and schedulers, ``trainer.should_stop``). It holds no
-decision logic.
+the progress bar), passes each optimizer step's training loss and gradient norm to the monitor (the policy's
+``"loss"`` and ``"grad_norm"`` channels), and gives the monitor an :class:`~topocallbacks.interventions.Actuator`
+made of Lightning's own means (``trainer.save_checkpoint``, the trainer's optimizers, schedulers and grad scaler,
+``trainer.should_stop``). It holds no decision logic.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..check import CheckRecord
@@ -64,6 +66,14 @@ class _LightningActuator:
         return trainer.lightning_module, trainer.optimizers, schedulers, scaler
 
     def snapshot(self) -> dict[str, Any]:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
+            # Their parameters and optimizer states are sharded (flat parameters, DTensors, ZeRO partitions): a
+            # state_dict of the LightningModule is not a copy that load_state_dict can put back in place.
+            raise InputError(
+                f"`rollback` does not support {type(strategy).__name__} (sharded parameters and optimizer states); "
+                "it runs on one device and with DDP. Use `stop` with `checkpoint_on_stop` and resume instead"
+            )
         return capture_state(*self._parts())
 
     def restore(self, snapshot: Any) -> str:
@@ -95,11 +105,22 @@ class TopoCollapseCallback(Callback):
     * ``warn``: a warning (rank 0);
     * ``lower_lr``: every optimizer's param groups *and* every scheduler's base rates are scaled, so the cut
       survives ``LambdaLR``-family, cosine, OneCycle and plateau schedulers;
+    * ``rollback``: the module, optimizers, schedulers and grad scaler go back, in place and on every rank, to the
+      newest healthy snapshot (taken at the checks judged healthy while the policy can roll back); training goes
+      on with the next batch, so the batches since the snapshot are not seen again (one device and DDP only);
     * ``stop``: ``trainer.should_stop`` is set (OR-ed, never cleared), then a checkpoint is saved
-      (``checkpoint_on_stop``);
+      (``checkpoint_on_stop``), and with snapshots kept the last healthy one as ``topo-last-healthy-step<S>.pt``;
     * a rescue checkpoint when the policy asks for one, saved after the intervention is in the history.
 
     Every decision that acts, and what was done, goes to the history (``callback.history``, and the JSONL file).
+
+    Each optimizer step's training loss (``outputs["loss"]`` of ``training_step``, or the tensor it returned; with
+    gradient accumulation the mean over the step's micro-batches) reaches the monitor for the policy's ``"loss"``
+    channel, and, when the policy watches ``"grad_norm"``, the total L2 norm of the gradients the optimizer steps
+    with, taken in ``on_before_optimizer_step``: after AMP unscaling and before Lightning's gradient clipping. Both
+    stay on the device (no synchronisation); the monitor reads them once per check. A step the grad scaler skips
+    (Inf or NaN gradients under 16-bit mixed precision) gives no gradient norm: that is the scaler's routine, not a
+    divergence.
 
     Args:
         probe: probe inputs (a tensor, Dataset, list of inputs, mapping of columns, or list of texts with
@@ -156,6 +177,13 @@ class TopoCollapseCallback(Callback):
         self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
         self._unlogged: CheckRecord | None = None  # the latest record, until it is a callback metric
         self._sharded_root: torch.nn.Module | None = None  # the strategy's FSDP/DeepSpeed root, if any
+        # The training channels of the optimizer step under way: the micro-batches' losses (summed on the device)
+        # and the gradient norm of each optimizer step since the last batch end; the global step last seen.
+        self._loss_sum: Any = None
+        self._loss_count = 0
+        self._grad_norms: list[torch.Tensor] = []
+        self._grad_skipped = False  # the grad scaler skipped an optimizer step of this batch
+        self._seen_step: int | None = None
 
     @classmethod
     def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseCallback:
@@ -223,6 +251,8 @@ class TopoCollapseCallback(Callback):
         # gathers through hooks on the modules themselves, a ModelParallelStrategy's fully_shard modules are the
         # LightningModule itself, and DDP's wrapper is not needed: those probe the LightningModule.
         self._sharded_root = root if is_fsdp1_wrapper(root) and root is not pl_module else None
+        self._loss_sum, self._loss_count, self._grad_norms, self._grad_skipped = None, 0, [], False
+        self._seen_step = trainer.global_step
         # A first check before any update calibrates ε and starts the warm-up on the initial features.
         if not self.streaming:
             for record in self.monitor.on_step(trainer.global_step, model=self._probed(pl_module)):
@@ -234,7 +264,10 @@ class TopoCollapseCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         features = self.capture.take() if self.streaming else None
-        for record in self.monitor.on_step(trainer.global_step, model=self._probed(pl_module), features=features):
+        loss, grad_norm = self._dynamics(trainer, outputs)
+        step = trainer.global_step
+        model = self._probed(pl_module)
+        for record in self.monitor.on_step(step, model=model, features=features, loss=loss, grad_norm=grad_norm):
             self._act(trainer, record)
         if self._unlogged is not None:
             record, self._unlogged = self._unlogged, None
@@ -244,6 +277,26 @@ class TopoCollapseCallback(Callback):
                 # again. The loggers got the record at its own step already.
                 pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == index, logger=False,
                               batch_size=1)  # fmt: skip
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # Lightning calls it after the backward pass (and AMP's unscaling) and before it clips the gradients.
+        if "grad_norm" not in self.monitor.settings.rule.channels:
+            return
+        norm = _grad_norm(optimizer, sharded=self._sharded_root is not None, strategy=trainer.strategy)
+        if norm is None:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            if getattr(optimizer, "_step_supports_amp_scaling", False) and isinstance(scaler._scale, torch.Tensor):
+                norm = norm / scaler._scale  # a fused optimizer unscales inside its step: these are still scaled
+            # The scaler skips a step with Inf or NaN gradients and lowers its scale: routine, not a divergence, so
+            # that step has no gradient norm. Reading it synchronises once per step, as the scaler's step does.
+            if not bool(torch.isfinite(norm)):
+                self._grad_skipped = True
+                return
+        self._grad_norms.append(norm)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Checks still pending reach the history and the loggers; their decisions can no longer act.
@@ -271,6 +324,42 @@ class TopoCollapseCallback(Callback):
 
     # --- checks ---------------------------------------------------------------------------------------------
 
+    def _dynamics(self, trainer: pl.Trainer, outputs: Any) -> tuple[Any, Any]:
+        """This batch's share of the training channels: its optimizer step's loss and gradient norm, or ``None``s.
+
+        ``(None, None)`` while gradients are still being accumulated (the batch's loss joins the step's). Detached
+        tensors, combined on their device: with ``accumulate_grad_batches`` the micro-batches' losses (which
+        automatic optimization divides by the number of micro-batches) are averaged, and the norms of the optimizer
+        steps taken in one batch (several optimizers) are combined into one total norm.
+        """
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+            loss = loss if loss.numel() == 1 else loss.float().mean()
+            if trainer.lightning_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
+                loss = loss * trainer.accumulate_grad_batches  # the micro-batch's own loss
+        elif not isinstance(loss, (int, float)) or isinstance(loss, bool):
+            loss = None
+        if loss is not None:
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._loss_count += 1
+        if trainer.global_step == self._seen_step:
+            return None, None  # no optimizer step in this batch: its loss joins the next step's
+        self._seen_step = trainer.global_step
+        step_loss = None
+        if self._loss_sum is not None:
+            step_loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
+        norms, self._grad_norms = self._grad_norms, []
+        grad_norm = None
+        if self._grad_skipped:
+            self._grad_skipped = False
+        elif len(norms) == 1:
+            grad_norm = norms[0]
+        elif norms:
+            grad_norm = torch.linalg.vector_norm(torch.stack(norms))
+        self._loss_sum, self._loss_count = None, 0
+        return step_loss, grad_norm
+
     def _act(self, trainer: pl.Trainer, record: CheckRecord) -> None:
         """Log a record (the same on every rank) and carry out its decision on every rank."""
         self._write_to_loggers(trainer, record)
@@ -283,6 +372,30 @@ class TopoCollapseCallback(Callback):
             scalars = scalars_of(record, self.prefix)
             for logger in trainer.loggers:
                 logger.log_metrics(scalars, step=record.step)
+
+
+def _grad_norm(optimizer: torch.optim.Optimizer, *, sharded: bool, strategy: Any) -> torch.Tensor | None:
+    """The total L2 norm of the gradients ``optimizer`` steps with, on their device (None: no gradients).
+
+    DTensor gradients (FSDP2, tensor parallelism) are reduced as their placements say; FSDP1's flat gradients
+    (``sharded``) are each rank's shard, whose squared norms are summed across ranks.
+    """
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return None
+    total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    norm: torch.Tensor
+    if total_norm is not None:
+        norm = total_norm(grads)
+    else:  # pragma: no cover - older torch
+        norms = torch._foreach_norm(grads)
+        norm = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    full_tensor = getattr(norm, "full_tensor", None)
+    if full_tensor is not None:  # a DTensor
+        norm = full_tensor()
+    elif sharded:
+        norm = strategy.reduce(norm.square(), reduce_op="sum").sqrt()
+    return norm.detach()
 
 
 def _prefix(callback: TopoCollapseCallback, model: pl.LightningModule, callbacks: list[Any]) -> str:
