@@ -313,7 +313,13 @@ class TopoMonitor(Stateful):
             return None
         target: Snapshot | None = None
         if decision.action is Action.ROLLBACK:
-            target = self.snapshots.newest_before(decision.step if decision.onset is None else decision.onset)
+            onset = decision.step if decision.onset is None else decision.onset
+            if step > record.step:
+                # In the background a healthy check's snapshot is taken when its decision is applied, `lag` steps
+                # after the check: go back to one taken before the last check before the onset, which that check
+                # saw healthy.
+                onset -= self.settings.schedule.check_every - 1
+            target = self.snapshots.newest_before(onset)
             if target is None:
                 diverged = decision.rule == "diverged"  # the features, or a NaN loss or gradient norm
                 decision = _no_snapshot(decision, self.settings.rule.after_max_rollbacks if diverged else "warn")
@@ -400,7 +406,7 @@ class TopoMonitor(Stateful):
             span = f"step {checks[0].step}" if len(checks) == 1 else f"steps {checks[0].step}-{checks[-1].step}"
             plural = "check" if len(checks) == 1 else "checks"
             head = f"topocallbacks: {len(checks)} {plural} ({span}){watched} of {self.settings.index.name}"
-        diverged = sum(1 for r in checks if not r.ok)
+        diverged = sum(1 for r in checks if not r.ok or r.decision.rule == "diverged")
         if diverged:
             head += f", {diverged} diverged"
         warned = [r for r in done if r.action == "warn"]

@@ -103,7 +103,7 @@ class CheckPipeline(Stateful):
         self.engine_: MMHM | None = None
         self._engine_saved: dict[str, Any] | None = None  # a loaded engine state, until the engine exists again
         self._diagrams: Diagrams | None = None  # the last check's
-        # The last healthy check's (no channel at its threshold): diagram drift is measured against them, so a
+        # The last check whose index stayed below its threshold: diagram drift is measured against them, so a
         # collapse that persists keeps its drift high instead of reading 0 once the features stop moving.
         self._reference: Diagrams | None = None
         self.checks_ = 0
@@ -123,7 +123,7 @@ class CheckPipeline(Stateful):
 
     @property
     def reference_diagrams(self) -> Diagrams | None:
-        """The last healthy check's diagrams: what the next check's drift is measured against."""
+        """What the next check's drift is measured against: the last check's whose index was not flagged."""
         return self._reference
 
     def rewind(self, diagrams: Diagrams | None) -> None:
@@ -254,7 +254,7 @@ class CheckPipeline(Stateful):
         loss, grad_norm = _channels(dynamics)
         oriented = None if value is None else ORIENTATION[s.index.name] * value
         decision = self.policy.decide(step, oriented, loss=loss, grad_norm=grad_norm)
-        if "index" not in decision.flagged:
+        if not {"index", "diverged"} & set(decision.flagged):  # a loss or gradient alarm leaves the features' reference
             self._reference = found.diagrams
         self.checks_ += 1
         record = CheckRecord(
