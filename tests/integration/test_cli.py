@@ -9,6 +9,30 @@ ROOT = Path(__file__).parents[2]
 
 
 @pytest.mark.slow
+def test_demo_command_writes_into_its_default_folder_only(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "topocallbacks", "demo", "--seed", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    folder = tmp_path / "topocallbacks-demo"
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    written = sorted(p.name for p in folder.iterdir())
+    assert written in (
+        ["curves.csv", "protected-history.jsonl", "rescue.png"],
+        ["curves.csv", "protected-history.jsonl"],
+    )
+    assert f"history: {folder / 'protected-history.jsonl'}" in result.stdout
+    assert "picture: " in result.stdout
+    protected = next(line for line in result.stdout.splitlines() if line.startswith("protected "))
+    assert "->" in protected  # rolled back
+    assert "rollback (rolled back to the snapshot of step" in result.stdout  # the summary
+
+
+@pytest.mark.slow
 def test_lightning_cli_configures_the_callback_from_yaml(tmp_path):
     pytest.importorskip("jsonargparse")
     (tmp_path / "config.yaml").write_text(
