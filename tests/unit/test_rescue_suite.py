@@ -1,0 +1,159 @@
+"""The rescue suite (benchmarks/rescue): its quick grid end to end, branching against live runs, the baselines."""
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).parents[2] / "benchmarks" / "rescue"
+MODULES = ("faults", "baselines", "engine", "detectors", "cache", "outputs", "run")
+
+
+@pytest.fixture(scope="module")
+def suite():
+    sys.path.insert(0, str(SUITE))
+    try:
+        yield {name: importlib.import_module(name) for name in MODULES}
+    finally:
+        sys.path.remove(str(SUITE))
+
+
+def fashion_mnist_installed():
+    return (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").exists()
+
+
+needs_data = pytest.mark.skipif(not fashion_mnist_installed(), reason="needs Debian's dataset-fashion-mnist")
+# The quick grid trains a tiny ViT (about a minute on one core, shared by the tests that use it).
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def quick(suite, tmp_path_factory):
+    """The quick grid (ViT, seed 0, 80 positions, fault at 50, checks every 5), computed once."""
+    root = tmp_path_factory.mktemp("rescue")
+    assert suite["run"].main(["--quick", "--cache", str(root / "cache"), "--out", str(root / "out")]) == 0
+    directory = suite["cache"].cache_dir(root / "cache", suite["faults"].QUICK)
+    payload = json.loads((root / "out" / "rescue.json").read_text())
+    return {"root": root, "directory": directory, "payload": payload}
+
+
+def _records(payload, **where):
+    return [r for r in payload["records"] if all(r[k] == v for k, v in where.items())]
+
+
+@slow
+@needs_data
+def test_quick_grid_writes_every_record_with_its_fields(quick, suite):
+    payload = quick["payload"]
+    keys = suite["run"].QUICK_DETECTORS
+    # 3 kinds (healthy twin, transient, structural) for each detector and for the unprotected run.
+    assert len(payload["records"]) == 3 * (len(keys) + 1)
+    fields = {
+        "scenario", "architecture", "fault", "seed", "detector", "action", "final_metric",
+        "healthy_twin_final_metric", "rescued", "steps_lost", "interventions",
+        "healthy_interventions_per_1000_steps", "healthy_final_metric_change",
+    }  # fmt: skip
+    for record in payload["records"]:
+        assert fields <= set(record)
+        assert (record["rescued"] is None) == (record["fault"] == "none")
+    assert {t["target"] for t in payload["targets"]} >= {"rescues >= 80 % of transient faults"}
+    markdown = (quick["root"] / "out" / "rescue.md").read_text()
+    assert "| **ours_default** | rollback |" in markdown  # the row the targets are about
+    assert "rescued transient" in markdown
+    assert sorted(p.name for p in (quick["root"] / "out" / "rescue").glob("*.png")) == [
+        "vit_structural.png",
+        "vit_transient.png",
+    ]
+
+
+@slow
+@needs_data
+def test_transient_fault_makes_the_unprotected_run_worse_than_its_healthy_twin(quick):
+    (unprotected,) = _records(quick["payload"], detector="none", fault="transient")
+    assert unprotected["final_metric"] < unprotected["healthy_twin_final_metric"] * 0.9
+    assert unprotected["rescued"] is False
+    (twin,) = _records(quick["payload"], detector="none", fault="none")
+    assert twin["final_metric"] == twin["healthy_twin_final_metric"]
+
+
+@slow
+@needs_data
+def test_rollback_records_count_the_updates_undone(quick, suite):
+    path = suite["cache"].runs_path(quick["directory"], "vit", 0, "ours_default+rollback")
+    runs = json.loads(path.read_text())["runs"]
+    rollbacks = [(kind, e) for kind, run in runs.items() for e in run["events"] if e["action"] == "rollback"]
+    assert rollbacks, "the quick grid's faults should make our detector roll back"
+    for kind, event in rollbacks:
+        run = runs[kind]
+        assert event["snapshot_step"] < event["position"]
+        # The library's record (updates since the snapshot, or since the last rollback) matches the trainee's
+        # update count before and after the restore.
+        assert event["updates_undone"] == event["steps_lost"] > 0
+        if event is run["events"][0]:  # nothing undone before it: updates undone = positions since the snapshot
+            assert event["updates_undone"] == event["position"] - event["snapshot_step"]
+        if run["stopped_at"] is None:
+            assert run["final_updates"] == suite["faults"].QUICK.steps - run["updates_undone"]
+        assert run["updates_undone"] == sum(e["updates_undone"] for e in run["events"] if e["action"] == "rollback")
+    (record,) = _records(quick["payload"], detector="ours_default", action="rollback", fault="transient")
+    assert record["steps_lost"] == runs["transient"]["updates_undone"]
+
+
+@slow
+@needs_data
+def test_a_branched_run_equals_a_live_run_from_scratch(quick, suite):
+    engine, faults, detectors = suite["engine"], suite["faults"], suite["detectors"]
+    arch, setup = faults.ARCHITECTURES["vit"], faults.QUICK
+    spec = detectors.DETECTORS["ours_default+rollback"]
+    runs = json.loads(suite["cache"].runs_path(quick["directory"], "vit", 0, spec.key).read_text())["runs"]
+    branched = runs["transient"]
+    assert branched["branched_at"] is not None
+    assert branched["branched_at"] > setup.fault
+    live = engine.run_live(arch, 0, setup, "transient", lambda: spec.make(arch, setup))
+    assert live.final == branched["final_metric"]  # bit for bit
+    assert live.final_updates == branched["final_updates"]
+    assert [(e["position"], e["action"], e["snapshot_step"]) for e in live.events] == [
+        (e["position"], e["action"], e["snapshot_step"]) for e in branched["events"]
+    ]
+
+
+def test_lightning_spike_detection_stops_at_three_times_the_running_mean(suite):
+    detector = suite["baselines"].LightningSpikeDetection()
+    assert all(detector.on_step(p, 1.0, 1.0) is None for p in range(12))
+    assert detector.on_step(12, 2.9, 1.0) is None  # below 3x the mean of the last 10
+    change = detector.on_step(13, 3.0 * float(sum(detector.losses)) / len(detector.losses) + 0.01, 1.0)
+    assert change is not None
+    assert change.stop
+    fresh = suite["baselines"].LightningSpikeDetection()
+    assert fresh.on_step(0, math.nan, 1.0) is None  # the first batch is its warm-up
+    assert fresh.on_step(1, math.nan, 1.0).stop  # non-finite
+
+
+def test_olmo_skip_step_skips_six_sigma_outliers_after_half_a_window(suite):
+    detector = suite["baselines"].OlmoSkipStep()
+    losses = [1.0 + 0.01 * (p % 5) for p in range(63)]
+    assert all(detector.on_step(p, loss, 1.0) is None for p, loss in enumerate(losses))  # fewer than 64 seen
+    assert detector.on_step(63, 1.02, 1.0) is None
+    change = detector.on_step(64, 1.5, 1.0)
+    assert change is not None
+    assert change.skip
+    assert detector.on_step(65, 1.02, 50.0).skip  # the gradient norm alone
+
+
+def test_foundry_kill_loss_spike_needs_five_outliers_in_a_row(suite):
+    detector = suite["baselines"].FoundryKillLossSpike()
+    assert all(detector.on_step(p, 1.0, 1.0) is None for p in range(100))
+    assert [detector.on_step(100 + i, 2.5, 1.0) is not None for i in range(5)] == [False] * 4 + [True]
+
+
+def test_zclip_clips_outliers_to_the_adaptive_threshold(suite):
+    zclip = suite["baselines"].ZClip()
+    for p in range(25):
+        assert zclip.on_step(p, 1.0, 1.0 + 0.1 * (p % 2)) is None
+    mean, std = zclip.mean, zclip.var**0.5
+    change = zclip.on_step(25, 1.0, 10.0)
+    z = (10.0 - mean) / (std + 1e-6)
+    assert change is not None
+    assert change.clip_to == pytest.approx(mean + 2.5 * std * 2.5 / z)
