@@ -31,6 +31,7 @@ __all__ = [
     "capture_state",
     "current_learning_rates",
     "restore_state",
+    "save_on_rank_zero",
     "scale_learning_rate",
     "state_nbytes",
 ]
@@ -144,13 +145,7 @@ class LoopActuator:
         """
         if self.directory is None or self.state is None:
             return
-        payload = self.state()
-        if rank_and_world()[0] != 0:
-            return
-        import torch
-
-        os.makedirs(self.directory, exist_ok=True)
-        torch.save(payload, self.checkpoint_location(tag))
+        save_on_rank_zero(self.state(), self.directory, f"{tag}.pt")
 
     def snapshot(self) -> dict[str, Any]:
         """:func:`capture_state` of the model, optimizers, schedulers and scaler.
@@ -173,13 +168,21 @@ class LoopActuator:
         """``torch.save`` it as ``<directory>/<tag>.pt`` (rank 0)."""
         if self.directory is None:
             return "not saved (LoopActuator has no `directory`)"
-        path = os.path.join(self.directory, f"{tag}.pt")
-        if rank_and_world()[0] == 0:
-            import torch
+        return save_on_rank_zero(snapshot, self.directory, f"{tag}.pt")
 
-            os.makedirs(self.directory, exist_ok=True)
-            torch.save(snapshot, path)
-        return f"saved to {path}"
+
+def save_on_rank_zero(payload: Any, directory: str | os.PathLike[str], name: str) -> str:
+    """``torch.save(payload, <directory>/<name>)`` on rank 0 (the directory made if needed); where, in words.
+
+    Every rank gets the same answer, so the history says the same everywhere.
+    """
+    path = os.path.join(directory, name)
+    if rank_and_world()[0] == 0:
+        import torch
+
+        os.makedirs(directory, exist_ok=True)
+        torch.save(payload, path)
+    return f"saved to {path}"
 
 
 def _host_copy(tree: Any) -> Any:

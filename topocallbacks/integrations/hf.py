@@ -34,7 +34,13 @@ from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from ..check import CheckRecord
 from ..exceptions import InputError
-from ..interventions import capture_state, current_learning_rates, restore_state, scale_learning_rate
+from ..interventions import (
+    capture_state,
+    current_learning_rates,
+    restore_state,
+    save_on_rank_zero,
+    scale_learning_rate,
+)
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture, autocast_for, resolve_module
@@ -108,11 +114,7 @@ class _TrainerActuator:
         return f"model, optimizer and {len(schedulers)} scheduler(s) restored"
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
-        path = os.path.join(self.output_dir, tag + ".pt")
-        if self.state.is_world_process_zero:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            torch.save(snapshot, path)
-        return f"saved to {path}"
+        return save_on_rank_zero(snapshot, self.output_dir, tag + ".pt")
 
 
 class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):

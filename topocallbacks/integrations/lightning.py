@@ -23,7 +23,13 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..check import CheckRecord
 from ..exceptions import InputError
-from ..interventions import capture_state, current_learning_rates, restore_state, scale_learning_rate
+from ..interventions import (
+    capture_state,
+    current_learning_rates,
+    restore_state,
+    save_on_rank_zero,
+    scale_learning_rate,
+)
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture, is_fsdp1_wrapper, resolve_layer, resolve_module
@@ -82,11 +88,7 @@ class _LightningActuator:
         return f"module, {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s) restored"
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
-        path = os.path.join(self.rescue_dir, tag + ".pt")
-        if self.trainer.is_global_zero:
-            os.makedirs(self.rescue_dir, exist_ok=True)
-            torch.save(snapshot, path)
-        return f"saved to {path}"
+        return save_on_rank_zero(snapshot, self.rescue_dir, tag + ".pt")
 
 
 class TopoCollapseCallback(Callback):
