@@ -1,7 +1,5 @@
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.integration.ranks import run_two_ranks
 from topocallbacks.distributed import broadcast_object, gather_probe_features, shard
 from topocallbacks.sinks import JsonlSink
-
-HERE = Path(__file__).parent
 
 
 def _gather_worker(rank, world, init_file, n, out):
@@ -62,16 +59,7 @@ def test_outside_distributed_training_everything_runs_locally():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["inline", "background"])
 def test_two_process_ddp_agrees_on_every_check_and_stops_together(tmp_path, mode):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, str(HERE / "ddp_fit.py"), str(tmp_path), "stop", "33", mode],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks, _ = run_two_ranks("ddp_fit.py", tmp_path, "stop", "33", mode)
     assert ranks[0]["global_step"] == ranks[1]["global_step"] < 200  # stopped, together, no hang
     assert ranks[0]["history"] == ranks[1]["history"]  # the same CI and the same decision at every check
     assert ranks[0]["logged_ci"] == ranks[1]["logged_ci"]
@@ -94,20 +82,9 @@ def test_two_process_ddp_agrees_on_every_check_and_stops_together(tmp_path, mode
     )
 
 
-def _torchrun(script, *args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    result = subprocess.run(
-        [*command, str(HERE / script), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    return result
-
-
 @pytest.mark.slow
 def test_two_process_hf_trainer_agrees_on_every_check_and_cuts_then_stops_together(tmp_path):
-    result = _torchrun("hf_ddp_train.py", tmp_path, "lower_lr")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks, result = run_two_ranks("hf_ddp_train.py", tmp_path, "lower_lr", torchrun=True)
     assert [rank["world"] for rank in ranks] == [2, 2]
     assert ranks[0]["history"] == ranks[1]["history"]
     actions = [(r["step"], r["action"]) for r in ranks[0]["history"] if r["kind"] == "intervention"]
@@ -127,8 +104,7 @@ def test_fsdp2_sharded_model_probe_pass_matches_the_unsharded_model_and_cuts_on_
     # FSDP needs every rank in every forward: a probe of 33 samples in batches of 8 gives rank 0 17 samples (3
     # passes) and rank 1 16 (2 passes) unless the shards are padded to the same length (a gloo collective
     # mismatch before).
-    _torchrun("fsdp_check.py", tmp_path)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks, _ = run_two_ranks("fsdp_check.py", tmp_path, torchrun=True)
     assert ranks[0]["model"] == "FSDPSequential"
     assert ranks[0]["watched"] == "2"
     assert ranks[0]["history"] == ranks[1]["history"]

@@ -7,11 +7,6 @@ place. The threshold of 4 sits between, so every check's verdict is known in adv
 """
 
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -21,9 +16,9 @@ from lightning.pytorch.plugins import MixedPrecision
 from sklearn.datasets import load_digits
 
 from tests.integration.models import quiet_trainer
+from tests.integration.ranks import run_two_ranks
 from topocallbacks.lightning import TopoCollapseCallback
 
-HERE = Path(__file__).parent
 _DIGITS = load_digits()
 IMAGES = torch.tensor(_DIGITS.data / 16.0, dtype=torch.float32)  # (1797, 64)
 LABELS = torch.tensor(_DIGITS.target)
@@ -368,16 +363,7 @@ def test_a_nan_loss_makes_a_diverged_check_that_takes_the_on_diverged_action(tmp
 
 @pytest.mark.slow
 def test_two_ddp_processes_roll_back_together_to_the_same_state(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, str(HERE / "ddp_rollback.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks, _ = run_two_ranks("ddp_rollback.py", tmp_path)
     assert [rank["world"] for rank in ranks] == [2, 2]
     assert ranks[0]["history"] == ranks[1]["history"]  # the same checks and decisions on both ranks
     done = [(r["action"], r["step"], r["snapshot_step"]) for r in ranks[0]["history"] if r["kind"] == "intervention"]

@@ -1,0 +1,26 @@
+"""Running a two-process script of this folder and reading what each rank wrote (``rank0.json``, ``rank1.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+
+
+def run_two_ranks(
+    script: str, directory: Path, *args: Any, torchrun: bool = False, timeout: int = 300
+) -> tuple[list[dict[str, Any]], subprocess.CompletedProcess[str]]:
+    """Run ``script`` (itself spawning two ranks, or under ``torchrun`` with two processes) writing into
+    ``directory``; each rank's JSON and the finished process. Fails with the output's tail if the script failed.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [*(launcher if torchrun else [sys.executable]), str(HERE / script), str(directory), *map(str, args)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return [json.loads((directory / f"rank{r}.json").read_text()) for r in (0, 1)], result
