@@ -60,7 +60,7 @@ class SnapshotStore:
     Example:
         >>> store = SnapshotStore(keep=2)
         >>> for step in (0, 10, 20):
-        ...     store.add(step, {"w": [1.0]}, diagrams=None)
+        ...     _ = store.add(step, {"w": [1.0]}, diagrams=None)
         >>> [s.step for s in store.snapshots], store.newest_before(15).step, store.newest_before(0)
         ([10, 20], 10, None)
     """
