@@ -16,7 +16,7 @@ from topocallbacks.functional.topology import (
     _collapse_until_stable,
     _persistence_diagrams,
     betti_numbers_of_graph,
-    without_dominated_vertices,
+    strong_collapse_core,
 )
 
 
@@ -47,7 +47,7 @@ def dense_graphs(draw):
 def test_removing_dominated_vertices_keeps_the_betti_numbers(graph):
     n, rows, cols = graph
     expected = gudhi_graph_betti(n, rows, cols)
-    smaller = without_dominated_vertices(n, rows, cols)
+    smaller = strong_collapse_core(n, rows, cols)
     assert smaller[0] <= n
     assert gudhi_graph_betti(*smaller) == expected
     assert tuple(betti_numbers_of_graph(n, rows, cols)) == expected
@@ -55,7 +55,7 @@ def test_removing_dominated_vertices_keeps_the_betti_numbers(graph):
 
 def test_a_complete_graph_is_one_vertex_and_a_collapsed_cloud_is_cheap():
     rows, cols = np.triu_indices(400, 1)
-    assert without_dominated_vertices(400, rows, cols)[0] == 1
+    assert strong_collapse_core(400, rows, cols)[0] == 1
     collapsed = 1.0 + 1e-6 * np.random.default_rng(0).normal(size=(600, 8))
     assert F.betti_numbers(collapsed, epsilon=1.0) == (1, 0)
 
@@ -65,6 +65,71 @@ def test_betti_numbers_with_the_reduction_match_gudhi_rips(data):
     cloud, epsilon = data
     rows, cols = epsilon_edges(cloud, epsilon)
     assert tuple(F.betti_numbers(cloud, epsilon)) == gudhi_graph_betti(cloud.shape[0], rows, cols)
+
+
+@st.composite
+def any_graphs(draw):
+    """Graphs of every density, sometimes several components and cycles (dominated vertices or none)."""
+    n = draw(st.integers(1, 40))
+    density = draw(st.sampled_from([0.0, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rows, cols = np.triu_indices(n, 1)
+    keep = rng.uniform(size=rows.size) < density
+    if draw(st.booleans()) and n >= 4:  # a chordless cycle through some vertices: nothing dominated on it
+        k = draw(st.integers(4, n))
+        ring = rng.permutation(n)[:k]
+        pairs = {(min(a, b), max(a, b)) for a, b in zip(ring, np.roll(ring, 1), strict=True)}
+        keep |= np.array([(int(a), int(b)) in pairs for a, b in zip(rows, cols, strict=True)], dtype=bool)
+    return n, rows[keep].astype(np.intp), cols[keep].astype(np.intp)
+
+
+def dominated_vertex(n, rows, cols):
+    """Some vertex whose closed neighbourhood lies in a neighbour's, by brute force (None when there is none)."""
+    closed = np.eye(n, dtype=bool)
+    closed[rows, cols] = closed[cols, rows] = True
+    for v in range(n):
+        for u in np.flatnonzero(closed[v]):
+            if u != v and not (closed[v] & ~closed[u]).any():
+                return v
+    return None
+
+
+@given(any_graphs())
+def test_the_strong_collapse_core_keeps_the_betti_numbers_and_dominates_nothing(graph):
+    n, rows, cols = graph
+    expected = gudhi_graph_betti(n, rows, cols)
+    core = strong_collapse_core(n, rows, cols)
+    assert 1 <= core[0] <= n
+    assert core[1].size == core[2].size
+    assert np.all(core[1] < core[2])
+    assert gudhi_graph_betti(*core) == expected
+    assert dominated_vertex(*core) is None  # collapsed until stable: a core
+    assert tuple(betti_numbers_of_graph(n, rows, cols)) == expected
+
+
+def test_strong_collapse_of_known_graphs():
+    rows, cols = np.triu_indices(300, 1)  # complete: one vertex
+    assert strong_collapse_core(300, rows, cols)[0] == 1
+    ring = np.arange(12)  # a 12-cycle: no vertex dominated, a loop
+    rows, cols = np.minimum(ring, (ring + 1) % 12), np.maximum(ring, (ring + 1) % 12)
+    core = strong_collapse_core(12, rows, cols)
+    assert core[0] == 12
+    assert core[1].size == 12
+    assert betti_numbers_of_graph(12, rows, cols) == (1, 1)
+    path = np.arange(9)  # a path and three isolated vertices: four points
+    assert strong_collapse_core(12, path[:-1], path[1:])[0] == 4
+    assert betti_numbers_of_graph(12, path[:-1], path[1:]) == (4, 0)
+    assert strong_collapse_core(0, np.zeros(0, np.intp), np.zeros(0, np.intp))[0] == 0
+
+
+def test_betti_numbers_of_real_features_match_gudhi_at_every_density():
+    rng = np.random.default_rng(3)
+    centres = rng.normal(scale=2.0, size=(6, 16))
+    cloud = centres[rng.integers(0, 6, 300)] + rng.normal(size=(300, 16)) * rng.uniform(0.3, 1.2, (300, 1))
+    distances = pairwise_distances(cloud)[np.triu_indices(300, 1)]
+    for quantile in (0.002, 0.02, 0.1, 0.3, 0.6):
+        rows, cols = epsilon_edges(cloud, float(np.quantile(distances, quantile)))
+        assert tuple(betti_numbers_of_graph(300, rows, cols)) == gudhi_graph_betti(300, rows, cols)
 
 
 def kruskal(distances):

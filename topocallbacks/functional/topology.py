@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 
 from .._validation import as_points, check_int, check_positive_float, check_seed
 from ..exceptions import InputError
-from ._distances import epsilon_edges, power_of_two_scale
+from ._distances import epsilon_graph, power_of_two_scale
 
 __all__ = [
     "BettiNumbers",
@@ -22,7 +22,7 @@ __all__ = [
     "betti_numbers_of_graph",
     "persistence_diagrams",
     "persistence_entropy",
-    "without_dominated_vertices",
+    "strong_collapse_core",
 ]
 
 
@@ -47,63 +47,159 @@ def _collapse_until_stable(tree: Any) -> None:
         size = new_size
 
 
-#: Edge density from which dominated vertices are removed before GUDHI's edge collapse (see
-#: :func:`without_dominated_vertices`): near-complete graphs, a collapsed cloud's, collapse to a point at once.
-DENSE_GRAPH = 0.2
-#: Candidate dominating vertices tried (highest degree first).
-_DOMINATION_CANDIDATES = 64
+#: Edges whose two closed neighbourhoods are compared at once in :func:`strong_collapse_core` (bounds the
+#: temporaries to about this x n / 4 bytes).
+DOMINATION_CHUNK = 4096
 
 
-def without_dominated_vertices(
-    n_vertices: int, rows: NDArray[np.intp], cols: NDArray[np.intp], candidates: int = _DOMINATION_CANDIDATES
+#: Rows per block when the edges of an adjacency are listed (bounds the temporaries to this x n bytes).
+_EDGE_BLOCK_ROWS = 256
+
+
+def _upper_edges(adjacency: NDArray[np.bool_]) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
+    """The edges ``(rows[k], cols[k])``, ``rows < cols``, of a symmetric adjacency, in row-major order."""
+    n = adjacency.shape[0]
+    row_parts, col_parts = [], []
+    for start in range(0, n, _EDGE_BLOCK_ROWS):
+        rows, cols = np.nonzero(np.triu(adjacency[start : start + _EDGE_BLOCK_ROWS, start:], 1))
+        row_parts.append(rows + start)
+        col_parts.append(cols + start)
+    if not row_parts:
+        return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
+    return np.concatenate(row_parts).astype(np.intp), np.concatenate(col_parts).astype(np.intp)
+
+
+def _packed_closed_rows(adjacency: NDArray[np.bool_]) -> NDArray[np.uint64]:
+    """The closed neighbourhoods ``N[v]`` as bit rows, 64 vertices per word."""
+    n = adjacency.shape[0]
+    words = max((n + 63) // 64, 1)
+    packed = np.zeros((n, words * 8), dtype=np.uint8)
+    packed[:, : (n + 7) // 8] = np.packbits(adjacency, axis=1, bitorder="little")
+    vertices = np.arange(n)
+    packed[vertices, vertices // 8] |= (1 << (vertices % 8)).astype(np.uint8)
+    return packed.view(np.uint64)
+
+
+#: Words of the bit rows compared first: most pairs fail there, and only the rest are compared in full.
+_PREFILTER_WORDS = 4
+
+
+def _dominated_set(adjacency: NDArray[np.bool_], changed: NDArray[np.bool_] | None = None) -> NDArray[np.bool_]:
+    """Vertices ``v`` with a neighbour ``u`` such that ``N[v] ⊆ N[u]`` and ``(deg u, u) > (deg v, v)``.
+
+    All of them can go at once: following such dominators upwards ends at a vertex with none, which dominates
+    every vertex of the chain (``N[v] ⊆ N[u] ⊆ N[w]``) and stays, so the set is removable one vertex at a time.
+    ``N[v] ⊆ N[u]`` needs ``deg v <= deg u``, so each edge is tested one way only: its lower-ranked end in the
+    higher-ranked one's. With ``changed`` (the vertices whose neighbourhood shrank since the last round, when no
+    vertex was left dominated), only edges at a changed vertex are tested: the others cannot have become
+    dominated.
+    """
+    n = adjacency.shape[0]
+    rows, cols = _upper_edges(adjacency)
+    if changed is not None:
+        touched = changed[rows] | changed[cols]
+        rows, cols = rows[touched], cols[touched]
+    dominated = np.zeros(n, dtype=bool)
+    if rows.size == 0:
+        return dominated
+    degree = adjacency.sum(axis=1)
+    # rows < cols, so the row ranks above the column exactly when its degree is larger.
+    swap = degree[rows] > degree[cols]
+    low, high = np.where(swap, cols, rows), np.where(swap, rows, cols)
+    packed = _packed_closed_rows(adjacency)
+    words = packed.shape[1]
+    first = min(_PREFILTER_WORDS, words)
+    for begin in range(0, low.size, DOMINATION_CHUNK):
+        lo, hi = low[begin : begin + DOMINATION_CHUNK], high[begin : begin + DOMINATION_CHUNK]
+        head_lo, head_hi = packed[lo, :first], packed[hi, :first]
+        alive = ~(head_lo & ~head_hi).any(axis=1)
+        lo, hi = lo[alive], hi[alive]
+        if lo.size and words > first:
+            rest_lo, rest_hi = packed[lo, first:], packed[hi, first:]
+            lo = lo[~(rest_lo & ~rest_hi).any(axis=1)]
+        dominated[lo] = True
+    return dominated
+
+
+def strong_collapse_core(
+    n_vertices: int, rows: NDArray[np.intp], cols: NDArray[np.intp]
 ) -> tuple[int, NDArray[np.intp], NDArray[np.intp]]:
-    """A smaller graph whose flag complex has the homotopy type of this one's: dominated vertices removed.
+    """The core of a graph under strong collapses: dominated vertices removed until none is left.
 
     A vertex ``v`` is dominated by a neighbour ``u`` when its closed neighbourhood lies in ``u``'s
     (``N[v] ⊆ N[u]``); the flag complex then deformation-retracts onto the graph without ``v`` (a strong
-    collapse), so β0 and β1 are unchanged. Every neighbour that ``u`` dominates is removed at once (``u`` stays,
-    so each remains dominated while the others go), for up to ``candidates`` vertices ``u`` of highest degree. A
-    complete graph becomes one vertex after the first.
+    collapse, Barmak and Minian 2012; Boissonnat and Pritam 2020), so every Betti number and the components are
+    unchanged. Each round removes every dominated vertex whose dominator outranks it (by degree, then index: the
+    highest-ranked vertex of a chain stays and dominates the rest), found for all edges at once with bit-packed
+    neighbourhoods; rounds go on until none is left. A complete graph becomes one vertex, a tree one vertex per
+    component, a clustered cloud's ε-graph a handful of vertices; a chordless cycle stays as it is.
 
     Returns:
-        The remaining vertex count and the edges between the remaining vertices, relabelled ``0..n'-1``.
+        The remaining vertex count and the edges between the remaining vertices, relabelled ``0..n'-1`` in their
+        original order, ``rows < cols``.
 
     Example:
         >>> import numpy as np
         >>> rows, cols = np.triu_indices(5, 1)  # a complete graph on 5 vertices
-        >>> without_dominated_vertices(5, rows, cols)[0]
+        >>> strong_collapse_core(5, rows, cols)[0]
         1
     """
     adjacency = np.zeros((n_vertices, n_vertices), dtype=bool)
     adjacency[rows, cols] = True
     adjacency[cols, rows] = True
-    np.fill_diagonal(adjacency, True)  # closed neighbourhoods
-    alive = np.ones(n_vertices, dtype=bool)
-    for u in np.argsort(-adjacency.sum(axis=1), kind="stable")[:candidates]:
+    core = _strong_collapse(adjacency)
+    kept_rows, kept_cols = _upper_edges(core)
+    return int(core.shape[0]), kept_rows, kept_cols
+
+
+#: Highest-degree vertices whose dominated neighbours are removed in one sweep before the rounds (see
+#: :func:`_sweep_from_hubs`).
+_HUBS = 64
+
+
+def _sweep_from_hubs(adjacency: NDArray[np.bool_], hubs: int = _HUBS) -> NDArray[np.bool_]:
+    """Remove, for each of the ``hubs`` highest-degree vertices ``u`` in turn, every neighbour that ``u`` dominates.
+
+    ``u`` stays, so each removed neighbour is still dominated when it goes (strong collapses one at a time). The
+    bit rows are packed once: a test against rows that still hold removed vertices is conservative
+    (``N[v] ⊆ N[u]`` stays true once the same vertices leave both). A near-complete graph (a collapsed cloud's)
+    loses all but a vertex per clique in the first few sweeps. Returns the vertices kept.
+    """
+    n = adjacency.shape[0]
+    alive = np.ones(n, dtype=bool)
+    if n < 3:
+        return alive
+    packed = _packed_closed_rows(adjacency)
+    degree = adjacency.sum(axis=1)
+    for u in np.argsort(-degree, kind="stable")[:hubs]:
         if not alive[u]:
             continue
         neighbours = np.flatnonzero(adjacency[u] & alive)
-        neighbours = neighbours[neighbours != u]
-        outside = np.flatnonzero(alive & ~adjacency[u])
-        dominated = (
-            ~adjacency[np.ix_(neighbours, outside)].any(axis=1) if outside.size else np.ones(neighbours.size, bool)
-        )
-        alive[neighbours[dominated]] = False
-    keep = np.flatnonzero(alive)
-    kept_rows, kept_cols = np.nonzero(np.triu(adjacency[np.ix_(keep, keep)], 1))
-    return int(keep.size), kept_rows.astype(np.intp), kept_cols.astype(np.intp)
+        if neighbours.size == 0:
+            continue
+        inside = ~(packed[neighbours] & ~packed[u]).any(axis=1)
+        alive[neighbours[inside]] = False
+    return alive
 
 
-def betti_numbers_of_graph(n_vertices: int, rows: NDArray[np.intp], cols: NDArray[np.intp]) -> BettiNumbers:
-    """β0 and β1 of the flag complex of a graph on ``n_vertices`` vertices with edges ``(rows[k], cols[k])``.
+def _strong_collapse(adjacency: NDArray[np.bool_]) -> NDArray[np.bool_]:
+    """:func:`strong_collapse_core` of a symmetric boolean adjacency (false diagonal): the core's adjacency."""
+    keep = np.flatnonzero(_sweep_from_hubs(adjacency))
+    if keep.size < adjacency.shape[0]:
+        adjacency = adjacency[np.ix_(keep, keep)]
+    changed: NDArray[np.bool_] | None = None
+    while adjacency.shape[0] > 1:
+        dominated = _dominated_set(adjacency, changed)
+        if not dominated.any():
+            break
+        keep = np.flatnonzero(~dominated)
+        changed = np.asarray(adjacency[np.ix_(keep, np.flatnonzero(dominated))].any(axis=1))
+        adjacency = adjacency[np.ix_(keep, keep)]
+    return adjacency
 
-    GUDHI's edge collapse shrinks the graph to one whose flag complex has the same homology before the
-    2-skeleton is built, so a dense graph never has its triangles enumerated; a graph of density at least
-    :data:`DENSE_GRAPH` first loses its dominated vertices (:func:`without_dominated_vertices`), which turns the
-    near-complete graphs of a collapsed cloud into a point in milliseconds where the edge collapse takes seconds.
-    """
-    if n_vertices > 2 and rows.size >= DENSE_GRAPH * n_vertices * (n_vertices - 1) / 2:
-        n_vertices, rows, cols = without_dominated_vertices(n_vertices, rows, cols)
+
+def _gudhi_betti(n_vertices: int, rows: NDArray[np.intp], cols: NDArray[np.intp]) -> BettiNumbers:
+    """β0, β1 by GUDHI: edge collapse until stable, expansion to the 2-skeleton, persistence."""
     tree = gudhi.SimplexTree()
     tree.insert_batch(np.arange(n_vertices, dtype=np.int64)[None, :], np.zeros(n_vertices))
     if rows.size:
@@ -114,6 +210,29 @@ def betti_numbers_of_graph(n_vertices: int, rows: NDArray[np.intp], cols: NDArra
     tree.compute_persistence(homology_coeff_field=2, persistence_dim_max=True)
     betti = tree.betti_numbers()
     return BettiNumbers(int(betti[0]), int(betti[1]) if len(betti) > 1 else 0)
+
+
+def betti_numbers_of_graph(n_vertices: int, rows: NDArray[np.intp], cols: NDArray[np.intp]) -> BettiNumbers:
+    """β0 and β1 of the flag complex of a graph on ``n_vertices`` vertices with edges ``(rows[k], cols[k])``.
+
+    The graph is first reduced to its strong-collapse core (:func:`strong_collapse_core`: dominated vertices
+    removed until none is left, which keeps the homotopy type), then GUDHI edge-collapses the core and expands
+    it to dimension 2. The core of a feature cloud's ε-graph is a few vertices per component, so the triangles
+    of a dense graph are never enumerated and GUDHI's edge collapse, cubic on dense graphs, runs on almost
+    nothing; a collapsed cloud's near-complete graph becomes a point.
+    """
+    adjacency = np.zeros((n_vertices, n_vertices), dtype=bool)
+    adjacency[rows, cols] = True
+    adjacency[cols, rows] = True
+    return _betti_numbers_of_adjacency(adjacency)
+
+
+def _betti_numbers_of_adjacency(adjacency: NDArray[np.bool_]) -> BettiNumbers:
+    """:func:`betti_numbers_of_graph` of a symmetric boolean adjacency with a false diagonal."""
+    if adjacency.shape[0] == 0:
+        return BettiNumbers(0, 0)
+    core = _strong_collapse(adjacency)
+    return _gudhi_betti(core.shape[0], *_upper_edges(core))
 
 
 def betti_numbers(points: Any, epsilon: float) -> BettiNumbers:
@@ -154,8 +273,7 @@ def betti_numbers(points: Any, epsilon: float) -> BettiNumbers:
 
 def _betti_numbers(cloud: NDArray[np.float64], epsilon: float) -> BettiNumbers:
     """:func:`betti_numbers` on a validated cloud and ε."""
-    rows, cols = epsilon_edges(cloud, epsilon)
-    return betti_numbers_of_graph(cloud.shape[0], rows, cols)
+    return _betti_numbers_of_adjacency(epsilon_graph(cloud, epsilon)[0])
 
 
 def _subsample(cloud: NDArray[np.float64], max_points: int, seed: int) -> NDArray[np.float64]:

@@ -14,6 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..functional._distances import ADJACENCY_BLOCK_ROWS
+from ..functional.topology import DOMINATION_CHUNK
 
 __all__ = [
     "PATHS",
@@ -68,9 +69,9 @@ class CostEstimate:
         seconds: predicted wall time.
         bytes: predicted peak of the new arrays the update allocates (the new adjacency, float64 blocks, edge
             lists), what ``tracemalloc`` measures; never anything proportional to the triangles.
-        gudhi_bytes: a rough estimate (80 bytes per edge handed over) of the simplex tree GUDHI builds in C++
-            before its edge collapse, which ``tracemalloc`` cannot see; 0 for paths that do not call GUDHI on the
-            whole graph.
+        gudhi_bytes: a rough upper bound (80 bytes per edge) of the simplex tree GUDHI builds in C++, which
+            ``tracemalloc`` cannot see; GUDHI only receives the graph's strong-collapse core, usually a few
+            vertices, so the real figure is far lower; 0 for paths that do not call GUDHI on the whole graph.
     """
 
     path: str
@@ -107,8 +108,8 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe:
     """Peak bytes of the new arrays an update along ``path`` allocates (what ``tracemalloc`` sees).
 
     Derived from the code: the ε-graph pass allocates the new n x n boolean adjacency, float64 blocks of
-    ``ADJACENCY_BLOCK_ROWS x n`` and 16 bytes per edge (twice while the block parts are joined); handing the edges
-    to GUDHI adds 24 bytes per edge; a probe update also holds the n x n mask of flipped edges.
+    ``ADJACENCY_BLOCK_ROWS x n`` and 16 bytes per edge (twice while the block parts are joined); a rebuild's strong
+    collapse a reduced copy of the adjacency and 48 bytes per edge; an edge update holds the masks of flipped edges.
 
     Args:
         path: one of :data:`PATHS`.
@@ -129,11 +130,15 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe:
         # The new rows' float64 products and masks, scaled and centred copies of the points (the scale's |x| copy
         # is freed before they exist), and the new points' own copies.
         return moved * n * 11 + 2 * points + 2 * moved * d * 8
-    flip_masks = {"rebuild": 1 if probe else 0, "edge": 2}[path]
-    # After the pass: the adjacency, the flip mask(s), the joined edge lists (32 bytes per edge), and for a rebuild
-    # GUDHI's input arrays (another 24 bytes per edge, the lists still alive).
-    handoff = pairs * (1 + flip_masks) + 32 * edges + (24 * edges if path == "rebuild" else 0)
-    return max(graph_pass, handoff)
+    if path == "rebuild":
+        # The adjacency and, in the strong collapse (topocallbacks.functional.topology), a reduced copy of it, the
+        # edge list and the edges' two ends by rank (48 bytes per edge), and the bit rows of a chunk of edges being
+        # compared (four uint64 temporaries of a row each); measured, the flip mask of a probe update and the
+        # graph pass's joined edge lists are gone by then.
+        words = (n + 63) // 64
+        return max(graph_pass, 2 * pairs + 48 * edges + 4 * min(edges, DOMINATION_CHUNK) * words * 8)
+    # After the pass: the adjacency, the two flip masks and the joined edge lists (32 bytes per edge).
+    return max(graph_pass, pairs * 3 + 32 * edges)
 
 
 def predict_module_build_bytes(n: int, edges: int) -> int:

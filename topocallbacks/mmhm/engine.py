@@ -45,7 +45,7 @@ from scipy.sparse.csgraph import connected_components
 from .._validation import as_points, check_int, check_positive_float, check_state
 from ..exceptions import InputError
 from ..functional._distances import epsilon_block, epsilon_graph, power_of_two_scale
-from ..functional.topology import BettiNumbers, betti_numbers_of_graph
+from ..functional.topology import BettiNumbers, _betti_numbers_of_adjacency
 from .cost import PATHS, CostEstimate, CostModel, path_features, predict_module_build_bytes
 
 __all__ = ["MMHM", "UpdateStats"]
@@ -503,7 +503,7 @@ class MMHM:
             # The slots now hold other points (or there were none): everything old went, everything new came.
             added, removed = new_edges, old_edges
         # Totals from the compact graph (indices 0..n-1), as from scratch.
-        totals = betti_numbers_of_graph(n, rows, cols)
+        totals = _betti_numbers_of_adjacency(adjacency)
         if alive.size == self._adjacency.shape[0]:
             self._adjacency = adjacency
         else:
@@ -800,10 +800,9 @@ class MMHM:
         if not self.link_certificates:
             return False
         sub = self._adjacency[np.ix_(neighbours, neighbours)]
-        rows, cols = np.nonzero(np.triu(sub, 1))
-        if rows.size < neighbours.size - 1:
+        if np.count_nonzero(sub) < 2 * (neighbours.size - 1):
             return False  # too few edges to connect it
-        return betti_numbers_of_graph(neighbours.size, rows, cols) == (1, 0)
+        return _betti_numbers_of_adjacency(sub) == (1, 0)
 
     def _vertex_certified(self, neighbours: NDArray[np.intp]) -> bool:
         return self._dominator(neighbours) or self._link_is_acyclic_and_connected(neighbours)
@@ -909,13 +908,9 @@ class MMHM:
         b1 = dict.fromkeys(range(base, base + int(count)), 0)
         cyclic = np.flatnonzero(edge_counts > sizes - 1)
         if cyclic.size:
-            local = np.empty(members.size, dtype=np.intp)
-            edge_component = component[rows]
             for c in cyclic:
                 vertices = np.flatnonzero(component == c)
-                local[vertices] = np.arange(vertices.size)
-                mask = edge_component == c
-                b1[base + int(c)] = betti_numbers_of_graph(vertices.size, local[rows[mask]], local[cols[mask]]).b1
+                b1[base + int(c)] = _betti_numbers_of_adjacency(sub[np.ix_(vertices, vertices)]).b1
         self._module_b1.update(b1)
         return int(count)
 
