@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
-from ._validation import check_number
+from ._validation import check_int, check_number
 from .distributed import rank_and_world
 from .exceptions import InputError
 from .policy import Decision
@@ -33,7 +33,9 @@ __all__ = [
     "restore_state",
     "save_on_rank_zero",
     "scale_learning_rate",
+    "skip_updates",
     "state_nbytes",
+    "updates_left_to_skip",
 ]
 
 
@@ -63,6 +65,9 @@ class Actuator(Protocol):
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
         """Write a snapshot to a file named by ``tag`` (rank 0) and say where, so a stop keeps the last good state."""
+
+    def skip_updates(self, count: int) -> str:
+        """Skip the next ``count`` optimizer updates (:func:`skip_updates`), for ``rollback_skip``."""
 
 
 class LoopActuator:
@@ -121,6 +126,8 @@ class LoopActuator:
         self.state = state
         #: Set by a stop decision; the loop breaks on it.
         self.stop_requested = False
+        #: The last healthy snapshot a stop handed over, when there is no ``directory`` to save it to.
+        self.last_healthy: Any = None
 
     def scale_learning_rate(self, factor: float) -> str:
         """Cut the rate of every optimizer and scheduler by ``factor``."""
@@ -165,10 +172,82 @@ class LoopActuator:
         return "model, optimizer and scheduler state restored"
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
-        """``torch.save`` it as ``<directory>/<tag>.pt`` (rank 0)."""
+        """``torch.save`` it as ``<directory>/<tag>.pt`` (rank 0); without a directory, keep it in memory.
+
+        Nothing is dropped: without ``directory`` the snapshot stays in :attr:`last_healthy`.
+        """
         if self.directory is None:
-            return "not saved (LoopActuator has no `directory`)"
+            self.last_healthy = snapshot
+            return "kept in memory as LoopActuator.last_healthy (no `directory` to save it to)"
         return save_on_rank_zero(snapshot, self.directory, f"{tag}.pt")
+
+    def skip_updates(self, count: int) -> str:
+        """:func:`skip_updates` of the optimizers."""
+        return skip_updates(self.optimizers, count)
+
+
+def skip_updates(optimizers: Iterable[Any], count: int) -> str:
+    """Make each optimizer's next ``count`` ``step()`` calls skip the update; what was done, in words.
+
+    A skipped ``step(closure)`` still runs the closure it is given (Lightning's forward and backward) and returns
+    its loss; no parameter and no optimizer state changes. The training loop is unaware: the grad scaler and the
+    schedulers step as usual, and the gradients are zeroed by the next ``zero_grad``. The optimizer's own ``step``
+    is back after the count. Asking again while skipping starts the count again. The count lives on the optimizer
+    object (a checkpoint does not hold it).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> skip_updates([optimizer], 1)
+        'the next 1 optimizer update(s) skipped'
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> before = model.weight.detach().clone()
+        >>> optimizer.step(); torch.equal(model.weight, before), updates_left_to_skip(optimizer)
+        (True, 0)
+        >>> optimizer.step(); torch.equal(model.weight, before)
+        False
+    """
+    count = check_int(count, "count", minimum=1)
+    for optimizer in optimizers:
+        _skip(optimizer, count)
+    return f"the next {count} optimizer update(s) skipped"
+
+
+def updates_left_to_skip(optimizer: Any) -> int:
+    """How many more of ``optimizer``'s updates :func:`skip_updates` will skip."""
+    pending = optimizer.__dict__.get("_topo_skip")
+    return 0 if pending is None else int(pending["left"])
+
+
+def _skip(optimizer: Any, count: int) -> None:
+    pending = optimizer.__dict__.get("_topo_skip")
+    if pending is not None:
+        pending["left"] = count
+        return
+    had_own = "step" in optimizer.__dict__  # e.g. an LR scheduler's or accelerate's wrapper of the class method
+    own = optimizer.__dict__.get("step")
+    pending = {"left": count}
+
+    def step(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        pending["left"] -= 1
+        if pending["left"] <= 0:
+            del optimizer._topo_skip
+            if had_own:
+                optimizer.step = own
+            else:
+                del optimizer.step
+        if closure is None:
+            return None
+        import torch
+
+        with torch.enable_grad():
+            return closure()
+
+    # A scheduler whose count was restored to its first step checks that the step it sees is its own wrapper.
+    step._wrapped_by_lr_sched = getattr(optimizer.step, "_wrapped_by_lr_sched", False)  # type: ignore[attr-defined]
+    optimizer._topo_skip = pending
+    optimizer.step = step
 
 
 def save_on_rank_zero(payload: Any, directory: str | os.PathLike[str], name: str) -> str:

@@ -114,7 +114,7 @@ class TopoMonitor(Stateful):
     """
 
     _state = StateFields(
-        version=5,
+        version=6,
         fields={
             "probe_spec": "_probe_spec_state",
             "pipeline": "pipeline",
@@ -122,6 +122,7 @@ class TopoMonitor(Stateful):
             "lr_factor": "lr_factor_",
             "last_checked_step": "last_checked_step_",
             "last_rollback_step": "last_rollback_step_",
+            "rollback_cut": "rollback_cut_",
             "pending": "_pending_state",
         },
         encode={"history": lambda h: [r.as_dict() for r in h]},
@@ -158,6 +159,7 @@ class TopoMonitor(Stateful):
         #: The healthy snapshots a ``rollback`` goes back to (kept only while a rule can roll back).
         self.snapshots = SnapshotStore(s.interventions.snapshots, s.interventions.snapshot_dir)
         self.last_rollback_step_: int | None = None  # the latest rollback's step (the next one undoes updates since)
+        self.rollback_cut_ = 1.0  # the product of the rollbacks' learning-rate cuts (they compound)
         self._worker: WorkerProcess | None = None
         self._background: bool | None = s.schedule.background
         self.autocast: AutocastFactory | None = None  # set by a training adapter: the trainer's precision
@@ -323,6 +325,8 @@ class TopoMonitor(Stateful):
             if target is None:
                 diverged = decision.rule == "diverged"  # the features, or a NaN loss or gradient norm
                 decision = _no_snapshot(decision, self.settings.rule.after_max_rollbacks if diverged else "warn")
+            elif decision.lr_factor is not None or self.rollback_cut_ != 1.0:
+                decision = self._compound(decision)
         undone = None if target is None else self._undone(target, step)
         intervention: list[InterventionRecord] = []
 
@@ -358,6 +362,15 @@ class TopoMonitor(Stateful):
         rule = self.settings.rule
         return Action.ROLLBACK.value in (rule.action, rule.on_diverged)
 
+    def _compound(self, decision: Decision) -> Decision:
+        """A rollback's cut times the earlier rollbacks' (the snapshot's rates know none of them)."""
+        factor = self.rollback_cut_ * (1.0 if decision.lr_factor is None else decision.lr_factor)
+        reason = decision.reason
+        if factor != decision.lr_factor:
+            reason += f"; with the earlier rollbacks' cuts, x {factor:.4g} of the snapshot's learning rate"
+        self.rollback_cut_ = factor
+        return dataclasses.replace(decision, lr_factor=factor, reason=reason)
+
     def _undone(self, target: Snapshot, step: int) -> int:
         """The updates a rollback to ``target`` at ``step`` undoes (since the snapshot, or since the last rollback)."""
         last = self.last_rollback_step_
@@ -375,9 +388,11 @@ class TopoMonitor(Stateful):
         self.snapshots.drop_after(target.step)
         self.last_rollback_step_ = step
         self.lr_factor_ = target.lr_factor  # the rates are the snapshot's again (cuts since then are undone)
+        skip = self.settings.rule.rollback_skip
+        skipped = "" if not skip else f"; {_skip_updates(actuator, skip)}"
         return (
             f"rolled back to the snapshot of step {target.step}: {undone} updates undone and their batches not seen "
-            f"again (training goes on with the next batch); {detail}; {self.snapshots.describe()}"
+            f"again (training goes on with the next batch); {detail}{skipped}; {self.snapshots.describe()}"
         )
 
     def summary(self) -> str:
@@ -708,6 +723,17 @@ def _snapshot(actuator: Actuator) -> Any:
             "`restore()` (LoopActuator(..., model=model) has them)"
         )
     return take()
+
+
+def _skip_updates(actuator: Actuator, count: int) -> str:
+    """``actuator.skip_updates(count)``, with a clear error for an actuator that cannot skip."""
+    skip = getattr(actuator, "skip_updates", None)
+    if skip is None:
+        raise InputError(
+            f"`rollback_skip` is {count}, but {type(actuator).__name__} cannot skip updates: give it "
+            "`skip_updates(count)` (LoopActuator has it: topocallbacks.interventions.skip_updates)"
+        )
+    return str(skip(count))
 
 
 def _no_snapshot(decision: Decision, instead: str) -> Decision:

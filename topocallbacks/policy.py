@@ -31,6 +31,9 @@ from ._validation import check_int
 from .exceptions import InputError
 from .settings import Action, PolicySettings
 
+#: The training channels the adapters pass beside the probe's index.
+_TRAINING = ("loss", "grad_norm")
+
 __all__ = [
     "Action",
     "Decision",
@@ -63,6 +66,10 @@ class Decision:
         onset: the step of the first check of the run of flagged checks that made the rule hold (a rollback goes
             to the newest snapshot before it), or None.
         scores: each watched channel's score when the rule watches more than the index, else None.
+        unsettled: the training channels (``"loss"``, ``"grad_norm"``) the rule does not watch that spiked at this
+            check (a z-score against their recent checks at the default rule's threshold, whatever the index's
+            score). Nothing acts on them, but the check is not healthy: a rollback snapshot is never taken while
+            the training loss or gradient norm is spiking, whatever the rule watches.
     """
 
     action: Action
@@ -77,6 +84,7 @@ class Decision:
     flagged: tuple[str, ...] = ()
     onset: int | None = None
     scores: dict[str, float | None] | None = None
+    unsettled: tuple[str, ...] = ()
 
     @property
     def fired(self) -> bool:
@@ -85,8 +93,8 @@ class Decision:
 
     @property
     def healthy(self) -> bool:
-        """No action and no channel at its threshold: a state worth a rollback snapshot."""
-        return self.action is Action.NONE and not self.flagged and self.held_back is None
+        """No action and no channel at its threshold, watched or not: a state worth a rollback snapshot."""
+        return self.action is Action.NONE and not self.flagged and not self.unsettled and self.held_back is None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -94,6 +102,7 @@ class Decision:
         result["action"] = self.action.value
         result["held_back"] = None if self.held_back is None else self.held_back.value
         result["flagged"] = list(self.flagged)
+        result["unsettled"] = list(self.unsettled)
         return result
 
     @classmethod
@@ -106,6 +115,7 @@ class Decision:
                 "action": Action(data["action"]),
                 "held_back": None if held is None else Action(held),
                 "flagged": tuple(data.get("flagged", ())),
+                "unsettled": tuple(data.get("unsettled", ())),
             }
         )
 
@@ -346,10 +356,11 @@ class Policy(Stateful):
     """
 
     _state = StateFields(
-        version=5,
+        version=6,
         fields={
             "checks": "checks_",
             "channels": "_channel_state",
+            "sentinels": "_sentinel_state",
             "recent": "recent_",
             "last_action_check": "last_action_check_",
             "last_action": "last_action_",
@@ -370,6 +381,11 @@ class Policy(Stateful):
         """Forget the history, the baselines and the counters."""
         self.checks_ = 0
         self.channels_ = {name: _Channel(self.settings) for name in self.settings.channels}
+        # The training channels the rule does not watch are still scored, by the default rule's z-score (whatever
+        # the index's score): a check where one of them spikes is not healthy (no rollback snapshot), though nothing
+        # acts on it (Decision.unsettled).
+        self._spike = PolicySettings(zscore_window=self.settings.zscore_window, patience=self.settings.patience)
+        self.sentinels_ = {name: _Channel(self._spike) for name in _TRAINING if name not in self.channels_}
         self.recent_: list[float] = []  # the last trend_window index values, for the trend rule
         self.last_action_check_: int | None = None
         self.last_action_: str | None = None
@@ -389,6 +405,16 @@ class Policy(Stateful):
             )
         for name, saved in state.items():
             self.channels_[name].load(saved)
+
+    @property
+    def _sentinel_state(self) -> dict[str, dict[str, Any]]:
+        return {name: channel.state() for name, channel in self.sentinels_.items()}
+
+    @_sentinel_state.setter
+    def _sentinel_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        for name, saved in state.items():
+            if name in self.sentinels_:
+                self.sentinels_[name].load(saved)
 
     @property
     def reference_(self) -> Reference:
@@ -435,7 +461,7 @@ class Policy(Stateful):
         s = self.settings
         self.checks_ += 1
         observed = {"index": value, "loss": loss, "grad_norm": grad_norm}
-        broken = [name for name in ("loss", "grad_norm") if not _finite_or_none(observed[name])]
+        broken = [name for name in _TRAINING if not _finite_or_none(observed[name])]
         if diverged or (value is not None and not math.isfinite(value)) or broken:
             what = (
                 f"the training {broken[0].replace('_', ' ')} is {observed[broken[0]]}"
@@ -445,12 +471,23 @@ class Policy(Stateful):
             action, reason = self._escalate(Action(s.on_diverged), what)
             return self._act(action, step, None, None, "diverged", reason, ("diverged",), step, None)
         if self.checks_ <= s.warmup:
-            for name, channel in self.channels_.items():
+            for name, channel in [*self.channels_.items(), *self.sentinels_.items()]:
                 seen = observed[name]
                 if seen is not None:
                     channel.warmup.append(seen)
                     channel.reference.add(seen, flagged=False)
             return Decision(Action.NONE, f"warm-up check {self.checks_} of {s.warmup}", step, value)
+        unsettled = tuple(
+            name
+            for name, channel in self.sentinels_.items()
+            if _flagged(self._score(channel, observed[name], step, self._spike), self._spike.threshold)
+        )
+        decision = self._judge(step, value, observed)
+        return dataclasses.replace(decision, unsettled=unsettled) if unsettled else decision
+
+    def _judge(self, step: int, value: float | None, observed: Mapping[str, float | None]) -> Decision:
+        """The watched channels' decision at a check after the warm-up."""
+        s = self.settings
         scores: dict[str, float | None] = {}
         for name, channel in self.channels_.items():
             scores[name] = self._score(channel, observed[name], step)
@@ -495,9 +532,11 @@ class Policy(Stateful):
             )  # fmt: skip
         return self._act(action, step, value, score, rule, reason, flagged, onset, shown)
 
-    def _score(self, channel: _Channel, value: float | None, step: int) -> float | None:
+    def _score(
+        self, channel: _Channel, value: float | None, step: int, settings: PolicySettings | None = None
+    ) -> float | None:
         """A channel's score at this check (None: no value or no score yet); updates its reference and run."""
-        s = self.settings
+        s = self.settings if settings is None else settings
         if value is None:
             channel.over, channel.onset = 0, None
             return None

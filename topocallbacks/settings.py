@@ -383,7 +383,12 @@ class PolicySettings(_Section):
         on_diverged: the action for a diverged check (NaN or Inf features, loss or gradient norm), at once, warm-up
             or not.
         rollback_lr_factor: ``rollback`` also multiplies the learning rate by this factor (None: the first rollback
-            keeps the rate; every later one cuts it by ``rollback_lr_factor`` or else ``lr_factor``).
+            keeps the rate; every later one cuts it by ``rollback_lr_factor`` or else ``lr_factor``). The cuts
+            compound: after the k-th cutting rollback the rates are the snapshot's times the product of the k cuts
+            (restoring a snapshot would otherwise undo the earlier ones).
+        rollback_skip: after a rollback, the next this many optimizer updates are skipped (their batches are
+            seen, their gradients dropped, the schedulers step as usual), so training also moves past a burst of
+            bad data longer than the steps a rollback undoes (PaLM skipped 200-500 batches after its rollbacks).
         max_rollbacks: rollbacks before ``rollback`` escalates to ``after_max_rollbacks``.
         after_max_rollbacks: ``"stop"``, ``"warn"`` or ``"none"``.
         channels: what the rule watches: ``"index"`` (the probe's index), ``"loss"`` and ``"grad_norm"`` (the
@@ -407,6 +412,7 @@ class PolicySettings(_Section):
     checkpoint: bool = _option(False, _boolean)
     on_diverged: str = _option("stop", _choice(tuple(a.value for a in Action)))
     rollback_lr_factor: float | None = _option(None, _optional(_number(0.0, 1.0)))
+    rollback_skip: int = _option(0, _integer(0))
     max_rollbacks: int = _option(2, _integer(0))
     after_max_rollbacks: str = _option("stop", _choice(("warn", "stop", "none")))
     channels: tuple[str, ...] = _option(("index",), _channels)

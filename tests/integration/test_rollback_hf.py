@@ -198,6 +198,30 @@ def test_the_data_stream_moves_on_after_a_rollback(rolled_back, tmp_path):
     assert seen == plain.model.seen
 
 
+def test_rollback_skip_skips_the_next_updates_while_the_data_moves_on(tmp_path):
+    topo = callback(rule(rollback_skip=2))
+    trainer, recorder = train(tmp_path, topo, Fault(scale_at=[7]))
+    (rollback,) = interventions(topo)
+    assert (rollback.step, rollback.snapshot_step) == (8, 6)
+    assert "the next 2 optimizer update(s) skipped" in rollback.detail
+    restored = recorder.after[8]
+    assert_same_state(restored, recorder.after[6])
+    for step in (9, 10):  # the Trainer counted the steps and its scheduler stepped; nothing else moved
+        after = recorder.after[step]
+        for name, tensor in restored["model"].items():
+            assert torch.equal(after["model"][name], tensor), (step, name)
+        assert after["optimizer"]["state"].keys() == restored["optimizer"]["state"].keys()
+        for index, slots in restored["optimizer"]["state"].items():
+            for slot, value in slots.items():
+                assert torch.equal(after["optimizer"]["state"][index][slot], value), (step, index, slot)
+        assert after["scheduler"]["last_epoch"] == 6 + step - 8
+    assert differs(recorder.after[11], restored)
+    assert float(recorder.after[11]["optimizer"]["state"][0]["step"]) == 7.0
+    ids = [i for batch in trainer.model.seen for i in batch]
+    assert len(ids) == len(set(ids)) == 12 * BATCH  # every batch went by once, the skipped ones too
+    assert not hasattr(trainer.optimizer.optimizer, "_topo_skip")
+
+
 def test_once_the_rollbacks_are_spent_the_run_stops_with_the_last_healthy_state_saved(tmp_path):
     topo = callback(rule(max_rollbacks=1, after_max_rollbacks="stop"))
     trainer, recorder = train(tmp_path, topo, Fault(scale_at=[7, 11]), max_steps=20)

@@ -218,6 +218,30 @@ def test_after_a_rollback_the_data_stream_moves_on_without_repeating_a_batch(one
     assert firsts == [BATCH * i for i in range(25)]  # each sample seen once
 
 
+def test_rollback_skip_skips_the_next_updates_but_runs_their_training_steps(tmp_path):
+    callback = watcher(policy={"rollback_skip": 3})
+    recorder = Recorder(watched=callback)
+    trainer = quiet_trainer(tmp_path, [callback, recorder], max_steps=25)
+    trainer.fit(CollapsingMLP(collapse_at={12}), loader())
+    (rollback,) = interventions(callback)
+    assert (rollback.step, rollback.snapshot_step) == (15, 10)
+    assert "the next 3 optimizer update(s) skipped" in rollback.detail
+    restored = recorder.states[15]
+    assert_same(restored, recorder.states[10])
+    for step in (16, 17, 18):  # Lightning counted the steps and stepped the scheduler; nothing else moved
+        state = recorder.states[step]
+        assert_same(state["module"], restored["module"], f"module at {step}")
+        assert_same(state["optimizer"]["state"], restored["optimizer"]["state"], f"optimizer at {step}")
+        assert state["scheduler"]["last_epoch"] == 10 + step - 15
+    moved = recorder.states[19]["module"]
+    assert any(not torch.equal(moved[k], restored["module"][k]) for k in moved)
+    assert float(recorder.states[19]["optimizer"]["state"][0]["step"]) == 11.0
+    # Their training steps ran (the closure): a loss for every batch, each batch once, the channel fed.
+    assert [step for step, _, _ in recorder.batches] == list(range(1, 26))
+    assert len(recorder.losses) == 25
+    assert not hasattr(trainer.optimizers[0], "_topo_skip")
+
+
 def test_repeated_faults_roll_back_twice_then_stop_with_the_last_healthy_state_saved(tmp_path):
     callback = watcher(policy={"lr_factor": 0.5})
     recorder = Recorder()

@@ -160,8 +160,8 @@ def test_bad_arguments(kwargs, match):
 
 def test_load_state_errors():
     with pytest.raises(InputError, match=r"missing key\(s\)"):
-        Policy().load_state_dict({"version": 5})
-    with pytest.raises(InputError, match=r"`state\['version'\]` must be 5, got 1"):
+        Policy().load_state_dict({"version": 6})
+    with pytest.raises(InputError, match=r"`state\['version'\]` must be 6, got 1"):
         Policy().load_state_dict({**Policy().state_dict(), "version": 1})
 
 

@@ -14,8 +14,8 @@ from sklearn.datasets import load_digits
 from topocallbacks import TopoMonitor
 from topocallbacks.check import CheckRecord, InterventionRecord
 from topocallbacks.exceptions import InputError
-from topocallbacks.interventions import LoopActuator, capture_state, current_learning_rates
-from topocallbacks.policy import Policy
+from topocallbacks.interventions import LoopActuator, capture_state, current_learning_rates, skip_updates
+from topocallbacks.policy import Decision, Policy
 from topocallbacks.rollback import SnapshotStore
 
 DIGITS = load_digits()
@@ -373,3 +373,115 @@ def test_a_rollback_undoes_the_cuts_made_since_its_snapshot_in_the_lr_factor():
     done = monitor.act(monitor.process(collapsed_features(50), 50), loop.actuator)
     assert done is not None
     assert (done.snapshot_step, done.lr_factor) == (45, 1.0)
+
+
+# --- what the rescue suite asked for: clean snapshots, compounding cuts, skipping past a burst ---------------------
+
+
+def test_a_spiking_training_loss_the_rule_does_not_watch_keeps_the_check_from_being_healthy():
+    policy = Policy(channels=["index"], warmup=5, action="rollback")
+    losses = [2.0 - 0.01 * i + 0.01 * (-1) ** i for i in range(20)] + [6.0, 1.78]
+    decisions = feed(policy, losses)
+    assert [d.fired for d in decisions] == [False] * 22  # nothing acts on an unwatched channel
+    assert decisions[20].unsettled == ("loss",)
+    assert not decisions[20].healthy
+    assert all(d.healthy and d.unsettled == () for d in decisions[:20])
+    assert decisions[21].healthy  # the spike entered no reference: the next ordinary loss is quiet again
+    assert Decision.from_dict(decisions[20].as_dict()) == decisions[20]
+    copy_ = Policy(channels=["index"], warmup=5, action="rollback")
+    copy_.load_state_dict(policy.state_dict())
+    assert copy_ == policy
+    assert copy_.sentinels_["loss"].reference.values == policy.sentinels_["loss"].reference.values
+    assert set(policy.sentinels_) == {"loss", "grad_norm"}
+    assert set(Policy(channels=["index", "grad_norm"]).sentinels_) == {"loss"}
+
+
+def test_no_snapshot_is_taken_while_the_training_loss_spikes_so_a_rollback_goes_to_the_one_before():
+    monitor = rollback_monitor()
+    loop = Loop(monitor)
+    loss = [2.0 - 0.01 * i + 0.01 * (-1) ** i for i in range(12)]
+    for i, step in enumerate(range(0, 60, CHECK_EVERY)):
+        monitor.act(monitor.process(healthy_features(step), step, loss=loss[i]), loop.actuator)
+    assert [s.step for s in monitor.snapshots.snapshots] == [50, 55]
+    spiking = monitor.process(healthy_features(60), 60, loss=9.0)  # the index is quiet, the loss is not
+    assert spiking.decision.unsettled == ("loss",)
+    assert not spiking.decision.fired
+    assert monitor.act(spiking, loop.actuator) is None
+    assert [s.step for s in monitor.snapshots.snapshots] == [50, 55]  # step 60's state is not kept
+    done = monitor.act(monitor.process(collapsed_features(65), 65, loss=2.0), loop.actuator)
+    assert done is not None
+    assert (done.action, done.snapshot_step) == ("rollback", 55)
+
+
+def test_the_cuts_of_repeated_rollbacks_compound_on_the_snapshots_rates():
+    loop = Loop(rollback_monitor(max_rollbacks=4, rollback_lr_factor=0.5))
+    done = loop.run(range(0, 81), fault_at(50, 66))  # the checks of steps 50-65 see a collapse
+    assert [(d.step, d.action, d.snapshot_step) for d in done] == [(s, "rollback", 45) for s in (50, 55, 60, 65)]
+    assert [d.lr_factor for d in done] == [0.5, 0.25, 0.125, 0.0625]
+    assert done[0].reason.endswith("(rollback 1 of 4)")  # nothing earlier to compound with
+    assert "with the earlier rollbacks' cuts, x 0.0625 of the snapshot's learning rate" in done[3].reason
+    # Every restore put back the snapshot's rates; the rates in effect are theirs times the product of the cuts.
+    assert loop.scheduler.base_lrs == [0.1 * 0.0625]
+    snapshot_lr = loop.states[45]["optimizers"][0]["param_groups"][0]["lr"]
+    after = loop.states[66]["optimizers"][0]["param_groups"][0]["lr"]
+    assert after == pytest.approx(0.1 * 0.0625 / (1 + 0.01 * 47))  # step 45 was the 46th scheduler step
+    assert after < snapshot_lr
+    assert loop.monitor.rollback_cut_ == 0.0625
+    restored = rollback_monitor(max_rollbacks=4, rollback_lr_factor=0.5)
+    restored.load_state_dict(loop.monitor.state_dict())
+    assert restored.rollback_cut_ == 0.0625
+
+
+def test_rollback_skip_drops_the_next_updates_while_the_data_moves_on():
+    loop = Loop(rollback_monitor(rollback_skip=3))
+    done = loop.run(range(0, 61), fault_at(50, 51))
+    assert [(d.step, d.action, d.snapshot_step) for d in done] == [(50, "rollback", 45)]
+    assert "; the next 3 optimizer update(s) skipped;" in done[0].detail
+    assert loop.batches == [s % 20 for s in range(61)]  # the batches of the skipped steps went by
+    restored = loop.states[45]
+    for step in (51, 52, 53):  # no parameter and no optimizer state moved; the scheduler stepped
+        assert_state_equal_but_schedule(loop.states[step], restored, last_epoch=46 + step - 50)
+    moved = loop.states[54]["model"]
+    assert any(not torch.equal(moved[name], restored["model"][name]) for name in moved)
+    assert "step" not in vars(loop.optimizer) or getattr(loop.optimizer.step, "_wrapped_by_lr_sched", False)
+    assert not hasattr(loop.optimizer, "_topo_skip")
+
+
+def assert_state_equal_but_schedule(state, expected, last_epoch):
+    for name, tensor in expected["model"].items():
+        assert torch.equal(state["model"][name], tensor), name
+    for key, entry in expected["optimizers"][0]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(state["optimizers"][0]["state"][key][name], value)
+    assert state["schedulers"][0]["last_epoch"] == last_epoch
+
+
+def test_an_actuator_that_cannot_skip_is_refused_clearly_and_counts_are_checked():
+    class NoSkip:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            if name == "skip_updates":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    monitor = rollback_monitor(rollback_skip=2)
+    loop = Loop(monitor)
+    for step in range(0, 50, CHECK_EVERY):
+        monitor.act(monitor.process(healthy_features(step), step), loop.actuator)
+    with pytest.raises(InputError, match=r"`rollback_skip` is 2, but NoSkip cannot skip updates"):
+        monitor.act(monitor.process(collapsed_features(50), 50), NoSkip(loop.actuator))
+    with pytest.raises(InputError, match=r"`count` must be an integer >= 1, got 0"):
+        skip_updates([loop.optimizer], 0)
+    with pytest.raises(InputError, match="rollback_skip"):
+        Policy(rollback_skip=-1)
+
+
+def test_a_stop_without_a_directory_keeps_the_last_healthy_state_in_memory():
+    loop = Loop(rollback_monitor(cooldown=0, max_rollbacks=1))
+    done = loop.run(range(0, 100), fault_at(50))
+    assert [(d.step, d.action) for d in done] == [(50, "rollback"), (55, "stop")]
+    assert "kept in memory as LoopActuator.last_healthy" in done[1].detail
+    for name, tensor in loop.actuator.last_healthy["model"].items():
+        assert torch.equal(tensor, loop.states[45]["model"][name])

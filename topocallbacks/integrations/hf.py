@@ -40,6 +40,7 @@ from ..interventions import (
     restore_state,
     save_on_rank_zero,
     scale_learning_rate,
+    skip_updates,
 )
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
@@ -115,6 +116,10 @@ class _TrainerActuator:
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
         return save_on_rank_zero(snapshot, self.output_dir, tag + ".pt")
+
+    def skip_updates(self, count: int) -> str:
+        # The torch optimizer inside accelerate's wrapper: its step() is what accelerate (and the scaler) call.
+        return skip_updates(self._parts()[1], count)
 
 
 class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):

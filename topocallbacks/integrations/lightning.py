@@ -29,6 +29,7 @@ from ..interventions import (
     restore_state,
     save_on_rank_zero,
     scale_learning_rate,
+    skip_updates,
 )
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
@@ -89,6 +90,10 @@ class _LightningActuator:
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
         return save_on_rank_zero(snapshot, self.rescue_dir, tag + ".pt")
+
+    def skip_updates(self, count: int) -> str:
+        # A skipped step still runs Lightning's closure (training_step and backward): the loop sees its loss.
+        return skip_updates(self.trainer.optimizers, count)
 
 
 class TopoCollapseCallback(Callback):
