@@ -32,6 +32,8 @@ def _ours(policy: dict[str, Any]) -> Callable[[Architecture, Setup], Any]:
 
 ROLLBACK = {"action": "rollback", "on_diverged": "rollback"}
 ROLLBACK_CUT = {**ROLLBACK, "rollback_lr_factor": 0.5}
+# Skip the updates of two check intervals after a rollback (PaLM skipped 200-500 batches after ~100-step rollbacks).
+SKIP = {"rollback_skip": 20}
 GRAD_NORM = {"channels": ["grad_norm"]}
 COMBINATION = {"channels": ["index", "grad_norm", "loss"], "require": 1}
 
@@ -44,6 +46,12 @@ DETECTORS: dict[str, DetectorSpec] = {
                      _ours(ROLLBACK_CUT)),
         DetectorSpec("ours_default", "rollback_max4", "ours", "default rule; rollback, max_rollbacks 4 (not 2)",
                      _ours({**ROLLBACK, "max_rollbacks": 4})),
+        DetectorSpec("ours_default", "rollback_skip", "ours",
+                     "default rule; rollback, rollback_skip 20, max_rollbacks 4",
+                     _ours({**ROLLBACK, **SKIP, "max_rollbacks": 4})),
+        DetectorSpec("ours_default", "rollback_cut_skip", "ours",
+                     "default rule; rollback, rollback_lr_factor 0.5, rollback_skip 20, max_rollbacks 4",
+                     _ours({**ROLLBACK_CUT, **SKIP, "max_rollbacks": 4})),
         DetectorSpec("ours_default", "lower_lr", "ours", "default rule; lower_lr (x0.5, 3 cuts, then stop)",
                      _ours({"action": "lower_lr"})),
         DetectorSpec("ours_default", "stop", "ours", "default rule; stop", _ours({"action": "stop"})),

@@ -27,7 +27,7 @@ import numpy as np
 from faults import KINDS, Architecture, RescueTrainee, Setup, StepChange
 
 from topocallbacks import TopoMonitor
-from topocallbacks.interventions import LoopActuator
+from topocallbacks.interventions import LoopActuator, skip_updates, updates_left_to_skip
 
 #: Detectors that need no check (per-step baselines) are evaluated live every this many positions (for the curves)
 #: and at the end, not at every check.
@@ -180,6 +180,9 @@ class BranchActuator:
 
     def scale_learning_rate(self, factor: float) -> str:
         return self._live().scale_learning_rate(factor)
+
+    def skip_updates(self, count: int) -> str:
+        return self._live().skip_updates(count)  # the library's skip: the trainee's optimizer.step() does nothing
 
     def request_stop(self) -> str:
         self._live()
@@ -346,6 +349,9 @@ class Run:
             if self.trainee is not None:
                 twin.trainee = RescueTrainee(self.arch, self.seed, kind, self.setup)
                 twin.trainee.restore(self.trainee.state())
+                left = updates_left_to_skip(self.trainee.optimizer)  # a rollback's skip still under way
+                if left:
+                    skip_updates([twin.trainee.optimizer], left)
             twins[kind] = twin
         return twins
 

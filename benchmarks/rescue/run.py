@@ -45,6 +45,7 @@ SEEDS = (0, 1, 2)
 QUICK_ARCH = ("vit",)
 QUICK_DETECTORS = (
     "ours_default+rollback",
+    "ours_default+rollback_cut_skip",
     "olmo_skip+skip",
     "zclip+clip",
     "metric+rollback_cut",

@@ -103,10 +103,11 @@ def test_rollback_records_count_the_updates_undone(quick, suite):
 
 @slow
 @needs_data
-def test_a_branched_run_equals_a_live_run_from_scratch(quick, suite):
+@pytest.mark.parametrize("key", ["ours_default+rollback", "ours_default+rollback_cut_skip"])
+def test_a_branched_run_equals_a_live_run_from_scratch(quick, suite, key):
     engine, faults, detectors = suite["engine"], suite["faults"], suite["detectors"]
     arch, setup = faults.ARCHITECTURES["vit"], faults.QUICK
-    spec = detectors.DETECTORS["ours_default+rollback"]
+    spec = detectors.DETECTORS[key]
     runs = json.loads(suite["cache"].runs_path(quick["directory"], "vit", 0, spec.key).read_text())["runs"]
     branched = runs["transient"]
     assert branched["branched_at"] is not None
