@@ -158,3 +158,25 @@ def test_zclip_clips_outliers_to_the_adaptive_threshold(suite):
     z = (10.0 - mean) / (std + 1e-6)
     assert change is not None
     assert change.clip_to == pytest.approx(mean + 2.5 * std * 2.5 / z)
+
+
+def test_the_presets_default_is_the_row_rescuing_most_within_the_healthy_targets(suite):
+    choose = suite["outputs"].choose_default
+
+    def row(rescued, change, rate):
+        return {"rescued": rescued, "healthy_change": change, "healthy_rate": rate}
+
+    rows = {
+        "ours_default+rollback": row(9, -0.0166, 2.2),  # rescues most, but hurts healthy runs: not eligible
+        "ours_grad_norm+rollback_cut": row(2, 0.0024, 0.83),
+        "ours_grad_norm+rollback_cut_skip": row(2, -0.001, 0.5),  # a tie on rescues: fewer interventions wins
+        "ours_default+lower_lr": row(0, 0.0076, 0.2),
+        "metric+rollback_cut": row(7, 0.009, 0.1),  # a baseline is never the presets' default
+    }
+    key, why = choose(rows)
+    assert key == "ours_grad_norm+rollback_cut_skip"
+    assert why.startswith("ours_grad_norm+rollback_cut_skip: 2 faulted runs rescued within the healthy targets")
+    rows = {k: v for k, v in rows.items() if k in ("ours_default+rollback", "ours_default+lower_lr")}
+    key, why = choose(rows)
+    assert key is None
+    assert "ours_default+lower_lr 0" in why
