@@ -6,9 +6,11 @@ READ_FD WRITE_FD`` (a fresh interpreter that imports no torch and never re-runs 
 requests over two pipes and reads one reply per evaluation, in order:
 
 * ``("init", settings_dict, state_or_None)``: create the pipeline (from a saved state when resuming);
-* ``("evaluate", step, features, dynamics)``: a probe check; ``("window", step, batches, dynamics)``: push
+* ``("evaluate", step, features, dynamics)``: a probe check (``features``: an array, or ``{layer: array}`` when
+  several layers are watched); ``("window", step, batches, dynamics)``: push
   streaming batches, then check the window (``dynamics``: the training loss and gradient norm since the last
-  check, or None); each answered with ``("ok", record_dict_or_None, shared_state, figures_or_None)`` or
+  check, or None); each answered with ``("ok", record_dict_or_None, shared_state, figures_or_None,
+  other_layers_record_dicts)`` or
   ``("error", traceback_text)``;
 * ``("stop",)``, or the pipes closing: exit.
 """
@@ -33,10 +35,10 @@ _STOP_GRACE = 5.0
 
 
 def _serve(receive: Connection, send: Connection) -> int:
-    from .pipeline import CheckPipeline
+    from .pipeline import CheckPipeline, LayeredPipeline, make_pipeline
     from .settings import MonitorSettings
 
-    pipeline: CheckPipeline | None = None
+    pipeline: CheckPipeline | LayeredPipeline | None = None
     while True:
         try:
             message = receive.recv()
@@ -47,7 +49,7 @@ def _serve(receive: Connection, send: Connection) -> int:
             return 0
         try:
             if kind == "init":
-                pipeline = CheckPipeline(MonitorSettings.from_dict(message[1]))
+                pipeline = make_pipeline(MonitorSettings.from_dict(message[1]))
                 if message[2] is not None:
                     pipeline.load_state_dict(message[2])
                 continue
@@ -56,13 +58,14 @@ def _serve(receive: Connection, send: Connection) -> int:
             dynamics = message[3] if len(message) > 3 else None
             if kind == "evaluate":
                 evaluation = pipeline.evaluate(message[2], message[1], dynamics)
-            elif kind == "window":
+            elif kind == "window" and isinstance(pipeline, CheckPipeline):
                 pipeline.push(message[2])
                 evaluation = pipeline.evaluate_window(message[1], dynamics)
             else:
                 raise RuntimeError(f"unknown request {kind!r}")
             record = None if evaluation.record is None else evaluation.record.as_dict()
-            reply: tuple[Any, ...] = ("ok", record, evaluation.shared, evaluation.figures)
+            others = [r.as_dict() for r in evaluation.others]
+            reply: tuple[Any, ...] = ("ok", record, evaluation.shared, evaluation.figures, others)
         except Exception:  # any failure goes back to the training process, with its traceback
             reply = ("error", traceback.format_exc())
         try:
@@ -139,12 +142,13 @@ class WorkerProcess:
         except OSError as exc:
             raise self._died() from exc
 
-    def reply(self) -> tuple[dict[str, Any] | None, dict[str, Any], Any, float]:
+    def reply(self) -> tuple[dict[str, Any] | None, dict[str, Any], Any, float, list[dict[str, Any]]]:
         """The next reply, waiting for it if needed.
 
         Returns:
-            The record (as a dict, or None), the pipeline's shared state, the figure diagrams, and the seconds
-            spent waiting.
+            The record (as a dict, or None), the pipeline's shared state, the figure diagrams, the seconds spent
+            waiting, and the other layers' records when several layers are watched (the record is the primary
+            layer's).
 
         Raises:
             RuntimeError: the evaluation failed in the worker (with its traceback), or the worker died.
@@ -157,7 +161,7 @@ class WorkerProcess:
         waited = time.perf_counter() - start
         if answer[0] == "error":
             raise RuntimeError(f"a topocallbacks check failed in the background worker:\n{answer[1]}")
-        return answer[1], answer[2], answer[3], waited
+        return answer[1], answer[2], answer[3], waited, answer[4]
 
     def close(self) -> None:
         """Stop the worker (it finishes the request in hand, if any; killed after a grace period)."""

@@ -36,7 +36,7 @@ from .check import CheckRecord, InterventionRecord, record_from_dict
 from .distributed import broadcast_object, gather_probe_features, rank_and_world
 from .exceptions import InputError
 from .interventions import Actuator, apply
-from .pipeline import CheckPipeline, Evaluation
+from .pipeline import CheckPipeline, Evaluation, LayeredPipeline, make_pipeline
 from .policy import Decision, Policy
 from .probe import AutocastFactory, FeatureExtractor, Probe, ProbeSpec
 from .rollback import Snapshot, SnapshotStore
@@ -65,13 +65,16 @@ class _Pending:
             "apply_at": self.apply_at,
             "probe_ms": self.probe_ms,
             "record": None if evaluation is None or evaluation.record is None else evaluation.record.as_dict(),
+            "others": [] if evaluation is None else [r.as_dict() for r in evaluation.others],
             "done": evaluation is not None,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], shared: dict[str, Any]) -> _Pending:
         record = None if data["record"] is None else CheckRecord.from_dict(data["record"])
-        return cls(int(data["step"]), int(data["apply_at"]), float(data["probe_ms"]), Evaluation(record, shared))
+        others = [CheckRecord.from_dict(r) for r in data.get("others", [])]
+        evaluation = Evaluation(record, shared, None, others)
+        return cls(int(data["step"]), int(data["apply_at"]), float(data["probe_ms"]), evaluation)
 
 
 def _host_batches(batches: list[tuple[int, Any]]) -> list[tuple[int, NDArray[np.float32]]]:
@@ -137,7 +140,8 @@ class TopoMonitor(Stateful):
         base = MonitorSettings() if settings is None else settings
         self.settings = base.merged(overrides) if overrides else base
         s = self.settings
-        self.extractor = None if s.probe.layer is None else FeatureExtractor(s.probe)
+        several = s.probe.layers is not None
+        self.extractor = None if s.probe.layer is None and not several else FeatureExtractor(s.probe)
         self._loaded_probe_spec: ProbeSpec | None = None
         self.probe: Probe | None = None
         if probe is not None:
@@ -147,7 +151,7 @@ class TopoMonitor(Stateful):
         if self.probe is not None and self.extractor is None:
             raise InputError("`layer` is required with a `probe`: name the module whose output to watch")
         # The pipeline evaluates checks here, or mirrors the background worker's after each result.
-        self.pipeline = CheckPipeline(s)
+        self.pipeline: CheckPipeline | LayeredPipeline = make_pipeline(s)
         self._history_sink = None if s.output.history_path is None else JsonlSink(s.output.history_path)
         self._tensorboard: TensorBoardSink | None = None  # created at the first check (writers do not pickle)
         self.history: list[Record] = []
@@ -248,12 +252,17 @@ class TopoMonitor(Stateful):
 
         NaN or Inf features give a ``"diverged"`` record and the policy's ``on_diverged`` action; they never reach
         GUDHI. ``loss`` and ``grad_norm`` join the steps' values recorded since the last check
-        (:meth:`record_dynamics`) for the training channels.
+        (:meth:`record_dynamics`) for the training channels. With several layers, ``features`` is a mapping
+        ``{layer: (n, d_layer)}`` (the primary layer: ``layer`` when it is a key, else the first), and the record
+        returned is the primary layer's (the others are in :attr:`history`).
 
         Raises:
             InputError: features of the wrong shape, or whose dimension changed since the first check.
         """
         self._decide_background(features)
+        primary = self.settings.probe.layer
+        if self.several and isinstance(features, Mapping) and primary and primary[0] in features:
+            features = {primary[0]: features[primary[0]], **features}  # the primary layer first
         self.last_checked_step_ = step
         self.record_dynamics(loss, grad_norm)
         self._submit(("evaluate", step, features, self._take_dynamics()), step, lag=0)
@@ -307,6 +316,8 @@ class TopoMonitor(Stateful):
         decision = record.decision
         if record.applied_step is None:
             return None
+        if isinstance(self.pipeline, LayeredPipeline) and record.layer != self.pipeline.primary:
+            return None  # a check acts once, on the primary layer's record, whatever the number of layers
         step = record.applied_step
         if not decision.fired:
             if record.ok and decision.healthy and self.rolls_back:
@@ -415,6 +426,10 @@ class TopoMonitor(Stateful):
         if resolved is not None:
             layer = (resolved,)
         watched = f" at layer {layer[0] if len(layer) == 1 else list(layer)}" if layer else ""
+        if isinstance(self.pipeline, LayeredPipeline) and self.pipeline.layers:
+            names = self.pipeline.layers
+            watched = f" at {len(names)} layers ({', '.join(names)}; primary {names[0]})"
+            checks = [r for r in checks if r.layer == names[0]]
         if not checks:
             head = f"topocallbacks: no check ran{watched}"
         else:
@@ -460,6 +475,15 @@ class TopoMonitor(Stateful):
         return write_report(self.history, out_dir, diagrams=drawn, title=title)
 
     @property
+    def last_records(self) -> list[CheckRecord]:
+        """The latest check's records: one, or one per layer when several are watched (the primary layer's last)."""
+        last = self.last_record
+        if last is None:
+            return []
+        same = [r for r in self.history if isinstance(r, CheckRecord) and r.step == last.step]
+        return same[-len(self.pipeline.layers) :] if isinstance(self.pipeline, LayeredPipeline) else [last]
+
+    @property
     def last_record(self) -> CheckRecord | None:
         """The latest check record."""
         return next((r for r in reversed(self.history) if isinstance(r, CheckRecord)), None)
@@ -481,15 +505,62 @@ class TopoMonitor(Stateful):
         s = self.settings
         return Probe(source, tokenizer=tokenizer, max_length=s.probe.max_length, max_samples=s.probe.size, seed=s.seed)
 
-    def features(self, model: Any, indices: Any = None) -> NDArray[np.float32]:
-        """The probe's features at the watched layer (all samples, or ``indices``).
+    @property
+    def several(self) -> bool:
+        """Whether several layers are watched (``layers=[...]``)."""
+        return isinstance(self.pipeline, LayeredPipeline)
+
+    def resolve_layers(self, model: Any) -> list[str]:
+        """The module names this monitor watches in ``model`` (the primary layer first).
+
+        Raises:
+            InputError: no layer, a name that designates no module (with the closest ones), an empty list or two
+                entries for one module, a number of layers for ``policy.layer_rule`` larger than those watched, or
+                other layers than a loaded state's.
+        """
+        if self.extractor is None:
+            raise InputError("this monitor has no layer: pass `layer=` (or `layers=[...]`)")
+        names = self.extractor.resolve(model)
+        if isinstance(self.pipeline, LayeredPipeline):
+            if len(names) < 2:
+                raise InputError(f"`layers` must designate at least 2 layers to watch several, got {names}")
+            self.pipeline.required(len(names))
+            known = self.pipeline.layers
+            if known and known != names:
+                raise InputError(f"the layers {names} of {type(model).__name__} differ from the watched {known}")
+        return names
+
+    def features(self, model: Any, indices: Any = None) -> Any:
+        """The probe's features at the watched layer (all samples, or ``indices``): an ``(n, d)`` array.
+
+        With several layers, a dict of them by layer name (the primary layer first), from one probe pass.
 
         Raises:
             InputError: no probe or no layer was given.
         """
         if self.probe is None or self.extractor is None:
             raise InputError("this monitor has no probe (and layer): pass features to process() instead")
+        if self.several:
+            return self.extractor.extract(model, self.probe, indices, autocast=self.autocast)
         return self.extractor(model, self.probe, indices, autocast=self.autocast)
+
+    def _gathered(self, model: Any) -> Any:
+        """Every rank's share of the probe's features, reassembled (several layers travel as one array)."""
+        if self.probe is None:  # pragma: no cover - checked by the caller
+            raise InputError("this monitor has no probe")
+        if not self.several:
+            return gather_probe_features(lambda idx: self.features(model, idx), len(self.probe))
+        widths: dict[str, int] = {}
+
+        def joined(indices: Any) -> NDArray[np.float32]:
+            parts = self.features(model, indices)
+            widths.clear()
+            widths.update({name: part.shape[1] for name, part in parts.items()})
+            return np.concatenate(list(parts.values()), axis=1)
+
+        together = gather_probe_features(joined, len(self.probe))
+        bounds = np.cumsum(list(widths.values()))[:-1]
+        return dict(zip(widths, np.split(together, bounds, axis=1), strict=True))
 
     # --- internals: submitting ------------------------------------------------------------------------------
 
@@ -514,9 +585,11 @@ class TopoMonitor(Stateful):
         self._decide_background(model)
         start = time.perf_counter()
         try:
-            features = gather_probe_features(lambda idx: self.features(model, idx), len(self.probe))
+            if self.several:
+                self.resolve_layers(model)
+            features = self._gathered(model)
         except InputError as exc:
-            layer = None if self.extractor is None else list(self.extractor.layer)
+            layer = None if self.extractor is None else list(self.extractor.settings.layers or self.extractor.layer)
             raise InputError(f"{exc} (model {type(model).__name__}, layer {layer!r}, step {step})") from exc
         self.last_checked_step_ = step
         request = ("evaluate", step, features, self._take_dynamics())
@@ -549,6 +622,8 @@ class TopoMonitor(Stateful):
                 kind, _, payload, dynamics = request
                 if kind == "evaluate":
                     pending.evaluation = self.pipeline.evaluate(payload, step, dynamics)
+                elif isinstance(self.pipeline, LayeredPipeline):  # pragma: no cover - settings refuse it
+                    raise InputError("streaming watches one layer: `layers` works in probe mode only")
                 else:
                     self.pipeline.push(payload)
                     pending.evaluation = self.pipeline.evaluate_window(step, dynamics)
@@ -572,9 +647,14 @@ class TopoMonitor(Stateful):
                 continue
             if self._worker is None:  # pragma: no cover - a background check always has a worker
                 raise RuntimeError("a background check is pending without a worker")
-            record, shared, figures, seconds = self._worker.reply()
+            record, shared, figures, seconds, others = self._worker.reply()
             self.pipeline.receive(shared)  # the mirror follows the worker at once
-            item.evaluation = Evaluation(None if record is None else CheckRecord.from_dict(record), shared, figures)
+            item.evaluation = Evaluation(
+                None if record is None else CheckRecord.from_dict(record),
+                shared,
+                figures,
+                [CheckRecord.from_dict(r) for r in others],
+            )
             if item is pending:
                 waited = seconds
                 break
@@ -588,38 +668,71 @@ class TopoMonitor(Stateful):
             pending = self._pending[0]
             waited_ms = self._receive(pending) * 1e3 + pending.eval_ms if rank == 0 else 0.0
             self._pending.popleft()
-            record = None
+            found: list[CheckRecord] = []
             figures = None
             if rank == 0:
                 evaluation = pending.evaluation
                 if evaluation is not None and evaluation.record is not None:
-                    record = dataclasses.replace(
-                        evaluation.record,
-                        applied_step=None if final else step,
-                        wait_ms=waited_ms,
-                        probe_ms=pending.probe_ms,
-                    )
+                    # The other layers' records first, then the primary layer's, which carries the decision.
+                    found = [
+                        dataclasses.replace(
+                            record, applied_step=None if final else step, wait_ms=waited_ms, probe_ms=pending.probe_ms
+                        )
+                        for record in [*evaluation.others, evaluation.record]
+                    ]
+                    found[-1] = self._moved_first(found)
                     figures = evaluation.figures
-            record = self._adopt(record)
-            if record is not None:
-                self._emit(record, figures)
+            adopted = self._adopt(found)
+            for i, record in enumerate(adopted):
+                self._emit(record, figures if i == len(adopted) - 1 else None)
                 records.append(record)
         return records
 
-    def _adopt(self, record: CheckRecord | None) -> CheckRecord | None:
-        """Broadcast rank 0's record and pipeline state (None: nothing) and adopt them on the other ranks."""
+    def _moved_first(self, records: list[CheckRecord]) -> CheckRecord:
+        """The deciding record (the last), its reason completed with the layers' moves when several are watched.
+
+        Each layer's watched index against its own past checks (:mod:`topocallbacks.report`'s diagnosis), the one
+        that moved most first: which layer moved first, and by how much.
+        """
+        decision = records[-1]
+        if len(records) < 2 or not (decision.decision.fired or decision.decision.held_back is not None):
+            return decision
+        from .report import _layer_moves  # the report's diagnosis, not a second copy of it
+
+        past = [r for r in self.history if isinstance(r, CheckRecord)]
+        moves = _layer_moves(decision.step, [*past, *records])
+        if not moves:
+            return decision
+
+        def described(move: Any) -> str:
+            z = "" if move.z is None else f", z = {move.z:.2f}"
+            return f"{move.name} {move.before:.4g} -> {move.after:.4g} ({move.change:+.4g}{z})"
+
+        text = f"; layer that moved first: {described(moves[0])}"
+        if len(moves) > 1:
+            text += "; then " + ", ".join(described(move) for move in moves[1:])
+        return dataclasses.replace(
+            decision, decision=dataclasses.replace(decision.decision, reason=decision.decision.reason + text)
+        )
+
+    def _adopt(self, records: list[CheckRecord]) -> list[CheckRecord]:
+        """Broadcast rank 0's records and pipeline state (none: nothing) and adopt them on the other ranks."""
         rank, world = rank_and_world()
         if world == 1:
-            return record
+            return records
         payload = None
-        if rank == 0 and record is not None:
-            payload = {"record": record.as_dict(), "pipeline": self.pipeline.share(), "lr_factor": self.lr_factor_}
+        if rank == 0 and records:
+            payload = {
+                "records": [r.as_dict() for r in records],
+                "pipeline": self.pipeline.share(),
+                "lr_factor": self.lr_factor_,
+            }
         shared: dict[str, Any] | None = broadcast_object(payload)
         if shared is None or rank == 0:
-            return record
+            return records
         self.pipeline.receive(shared["pipeline"])
         self.lr_factor_ = float(shared["lr_factor"])
-        return CheckRecord.from_dict(shared["record"])
+        return [CheckRecord.from_dict(r) for r in shared["records"]]
 
     @staticmethod
     def _only(records: list[CheckRecord], step: int) -> CheckRecord:

@@ -8,6 +8,7 @@ adopts rank 0's state.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,11 +23,11 @@ from .exceptions import InputError, NonFiniteError
 from .functional.collapse import calibrate_epsilon
 from .functional.topology import _persistence_diagrams, _subsample
 from .mmhm import MMHM
-from .policy import Policy
+from .policy import Decision, Policy
 from .settings import MonitorSettings
 from .transform import FeatureTransform
 
-__all__ = ["CheckPipeline", "Evaluation"]
+__all__ = ["CheckPipeline", "Evaluation", "LayeredPipeline", "make_pipeline"]
 
 Diagrams = list[NDArray[np.float64]]
 
@@ -53,15 +54,24 @@ class Evaluation:
     """What one evaluation produced.
 
     The record (None: a streaming window too small to check), the pipeline's state after it
-    (:meth:`CheckPipeline.share`), and the diagrams of a TensorBoard figure when one is due.
+    (:meth:`CheckPipeline.share`), and the diagrams of a TensorBoard figure when one is due. With several layers
+    (:class:`LayeredPipeline`) ``record`` is the primary layer's, which carries the check's decision, and
+    ``others`` the other layers' records.
     """
 
-    __slots__ = ("figures", "record", "shared")
+    __slots__ = ("figures", "others", "record", "shared")
 
-    def __init__(self, record: CheckRecord | None, shared: dict[str, Any], figures: Diagrams | None = None) -> None:
+    def __init__(
+        self,
+        record: CheckRecord | None,
+        shared: dict[str, Any],
+        figures: Diagrams | None = None,
+        others: Sequence[CheckRecord] = (),
+    ) -> None:
         self.record = record
         self.shared = shared
         self.figures = figures
+        self.others = list(others)
 
 
 class CheckPipeline(Stateful):
@@ -303,3 +313,199 @@ class CheckPipeline(Stateful):
     def _engine_state(self, value: Mapping[str, Any] | None) -> None:
         self.engine_ = None
         self._engine_saved = None if value is None else dict(value)
+
+
+class LayeredPipeline(Stateful):
+    """Several watched layers: one :class:`CheckPipeline` per layer, and the policy's rule over them.
+
+    Each layer has its own ε, transform, index and history; its records name it (``CheckRecord.layer``). The
+    first layer of the first check is the *primary* one (the monitor puts the preset's or the user's ``layer``
+    first). With ``policy.layer_rule`` ``"primary"`` the policy is the primary layer's own, exactly as if it were
+    watched alone, and the other layers are judged by the same rule without acting (their decisions say whether it
+    held). With ``"any"``, ``"all"`` or a number k, every layer is judged by the rule on its own history, and one
+    policy decides on the number of layers where it holds (at least k: cooldown, escalation and the learning-rate
+    cut budget are counted once per check, not per layer). The check's decision is on the primary layer's record.
+
+    Args:
+        settings: the monitor's settings (``probe.layers`` set).
+
+    Example:
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> pipeline = LayeredPipeline(MonitorSettings().merged({"layers": ["a", "b"]}))
+        >>> evaluation = pipeline.evaluate({"a": rng.normal(size=(40, 4)), "b": rng.normal(size=(40, 6))}, step=0)
+        >>> evaluation.record.layer, [record.layer for record in evaluation.others]
+        ('a', ['b'])
+    """
+
+    _state = StateFields(version=1, fields={"layers": "_layer_state", "policy": "policy"})
+
+    def __init__(self, settings: MonitorSettings) -> None:
+        self.settings = settings
+        rule = settings.rule
+        self.layer_rule = rule.layer_rule
+        #: The layers' pipelines, the primary layer first (created at the first check, or by a loaded state).
+        self.pipelines: dict[str, CheckPipeline] = {}
+        counting = rule.replace(
+            score="value", threshold=1.0, patience=1, warmup=0, trend_window=None, trend_slope=None,
+            channels=("index",), require=1,
+        )  # fmt: skip
+        #: The policy that decides: the primary layer's own, or one over the number of layers where the rule holds.
+        self.policy = Policy(rule if self.layer_rule == "primary" else counting)
+
+    @property
+    def layers(self) -> list[str]:
+        """The watched layers' names, the primary one first (empty before the first check)."""
+        return list(self.pipelines)
+
+    @property
+    def primary(self) -> str | None:
+        """The primary layer's name (None before the first check)."""
+        return next(iter(self.pipelines), None)
+
+    def required(self, n_layers: int) -> int:
+        """How many layers the rule must hold on for the check to act (``layer_rule`` "any": 1, "all": all).
+
+        Raises:
+            InputError: a number of layers larger than the number watched.
+        """
+        rule = self.layer_rule
+        if rule == "all":
+            return n_layers
+        k = 1 if rule in ("any", "primary") else int(rule)
+        if k > n_layers:
+            raise InputError(
+                f"`policy.layer_rule` is {k}, but {n_layers} layers are watched; it must be at most {n_layers}"
+            )
+        return k
+
+    def _create(self, names: Sequence[str]) -> None:
+        rule = self.settings.rule
+        observing = rule.replace(action="none", on_diverged="none")
+        for i, name in enumerate(names):
+            acting = i == 0 and self.layer_rule == "primary"
+            pipeline = CheckPipeline(dataclasses.replace(self.settings, policy=rule if acting else observing))
+            if acting:
+                pipeline.policy = self.policy  # the primary layer's policy is the one that decides
+            self.pipelines[name] = pipeline
+        self.required(len(names))
+
+    def _cloud_of(self, features: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(features, Mapping) or not features:
+            raise InputError(
+                f"several layers are watched: pass the features as a mapping {{layer: (n, d) array}}, got "
+                f"{type(features).__name__}"
+            )
+        names = [str(name) for name in features]
+        if not self.pipelines:
+            if len(names) < 2:
+                raise InputError(f"`layers` must resolve to at least 2 layers to watch several, got {names}")
+            self._create(names)
+        elif set(names) != set(self.pipelines):
+            raise InputError(f"the features are of layers {names}, but this monitor watches {self.layers}")
+        return {name: features[name] for name in self.pipelines}
+
+    # --- evaluation ---------------------------------------------------------------------------------------
+
+    def evaluate(
+        self, features: Mapping[str, Any], step: int, dynamics: Mapping[str, float | None] | None = None
+    ) -> Evaluation:
+        """Evaluate one check of every layer's features ``{layer: (n, d_layer)}``; the primary layer's first.
+
+        Raises:
+            InputError: not a mapping, other layers than the first check's, or features of the wrong shape.
+        """
+        clouds = self._cloud_of(features)
+        evaluations = {name: self.pipelines[name].evaluate(cloud, step, dynamics) for name, cloud in clouds.items()}
+        records = {}
+        for name, evaluation in evaluations.items():
+            if evaluation.record is None:  # pragma: no cover - a probe check always has a record
+                raise RuntimeError(f"layer {name!r} gave no record at step {step}")
+            records[name] = dataclasses.replace(evaluation.record, layer=name)
+        primary = next(iter(records))
+        if self.layer_rule != "primary":
+            records[primary] = dataclasses.replace(records[primary], decision=self._decide(records, step, dynamics))
+        first = records.pop(primary)
+        return Evaluation(first, self.share(), evaluations[primary].figures, list(records.values()))
+
+    def _decide(self, records: Mapping[str, CheckRecord], step: int, dynamics: Any) -> Decision:
+        """The check's decision under ``layer_rule`` "any", "all" or k, from each layer's own verdict."""
+        holding = {name: r.decision for name, r in records.items() if r.decision.rule is not None}
+        k = self.required(len(records))
+        diverged = any(d.rule == "diverged" for d in holding.values())
+        loss, grad_norm = _channels(dynamics)
+        counted = self.policy.decide(step, float(len(holding)) / k, diverged=diverged, loss=loss, grad_norm=grad_norm)
+        flagged = tuple(sorted({f for d in (counted, *holding.values()) for f in d.flagged}))
+        which = ", ".join(holding) or "none"
+        head = f"the rule holds on {len(holding)} of {len(records)} layers ({which}; layer_rule {self.layer_rule!r})"
+        if not holding:
+            return dataclasses.replace(counted, reason=head, flagged=flagged, value=None, score=None)
+        first = next(iter(holding.values()))
+        why = "; ".join(f"{name}: {d.reason.removesuffix(' (action: none)')}" for name, d in holding.items())
+        # The counting policy's own words end with what it did (a cut, an escalation, a cooldown): keep those.
+        tail = counted.reason.split("consecutive checks", 1)[1] if "consecutive checks" in counted.reason else ""
+        if counted.rule == "diverged":
+            tail = f"; {counted.reason}"
+        if len(holding) < k:
+            tail = f" ({k} required)"
+        onsets = [d.onset for d in holding.values() if d.onset is not None]
+        return dataclasses.replace(
+            counted,
+            reason=f"{head}: {why}{tail}",
+            value=first.value,
+            score=first.score,
+            rule=counted.rule if counted.rule is None or counted.rule == "diverged" else first.rule,
+            flagged=flagged,
+            onset=min(onsets) if onsets and counted.fired else counted.onset,
+        )
+
+    # --- what the monitor asks of a pipeline -------------------------------------------------------------
+
+    @property
+    def epsilon_(self) -> float | None:
+        """The primary layer's ε (None before the first check)."""
+        primary = self.primary
+        return None if primary is None else self.pipelines[primary].epsilon_
+
+    @property
+    def last_diagrams(self) -> Diagrams | None:
+        """The primary layer's last diagrams."""
+        primary = self.primary
+        return None if primary is None else self.pipelines[primary].last_diagrams
+
+    @property
+    def reference_diagrams(self) -> dict[str, Diagrams | None]:
+        """Each layer's reference diagrams (a rollback snapshot keeps them all)."""
+        return {name: pipeline.reference_diagrams for name, pipeline in self.pipelines.items()}
+
+    def rewind(self, diagrams: Mapping[str, Diagrams | None] | None) -> None:
+        """After a rollback: every layer measures drift against its diagrams of the snapshot."""
+        for name, pipeline in self.pipelines.items():
+            pipeline.rewind(None if diagrams is None else diagrams.get(name))
+
+    def share(self) -> dict[str, Any]:
+        """The state another copy needs to continue from this one."""
+        return self.state_dict()
+
+    def receive(self, shared: Mapping[str, Any]) -> None:
+        """Adopt :meth:`share` from another copy."""
+        self.load_state_dict(shared)
+
+    @property
+    def _layer_state(self) -> dict[str, Any]:
+        return {"names": self.layers, "states": {name: p.state_dict() for name, p in self.pipelines.items()}}
+
+    @_layer_state.setter
+    def _layer_state(self, value: Mapping[str, Any]) -> None:
+        names = list(value["names"])
+        if self.pipelines and names and names != self.layers:
+            raise InputError(f"the saved state watched layers {names}, this monitor watches {self.layers}")
+        if not self.pipelines and names:
+            self._create(names)
+        for name in names:
+            self.pipelines[name].load_state_dict(value["states"][name])
+
+
+def make_pipeline(settings: MonitorSettings) -> CheckPipeline | LayeredPipeline:
+    """The pipeline ``settings`` call for: one layer's, or several layers' (``probe.layers``)."""
+    return CheckPipeline(settings) if settings.probe.layers is None else LayeredPipeline(settings)

@@ -30,6 +30,7 @@ __all__ = [
     "StreamCapture",
     "autocast_for",
     "resolve_layer",
+    "resolve_layers",
     "resolve_module",
 ]
 
@@ -326,11 +327,7 @@ def resolve_layer(model: torch.nn.Module, layer: str | Sequence[str]) -> str:
         InputError: nothing matches; the message lists the patterns and the closest module names.
     """
     patterns: list[str] = [layer] if isinstance(layer, str) else [str(p) for p in layer]
-    full: dict[str, str] = {}  # the name without wrapper segments -> the outermost module's name
-    for name, _ in model.named_modules():
-        plain = ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
-        if plain:
-            full.setdefault(plain, name)
+    full = _plain_names(model)
     names = list(full)
     for pattern in patterns:
         if pattern in full:
@@ -342,6 +339,99 @@ def resolve_layer(model: torch.nn.Module, layer: str | Sequence[str]) -> str:
     hint = f"; closest: {close}" if close else f"; some names: {names[:8]}"
     shown = patterns[0] if len(patterns) == 1 else patterns
     raise InputError(f"`layer` {shown!r} is not a module of {type(model).__name__}{hint}")
+
+
+def _plain_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each module's name without wrapper segments -> the outermost module's name (``named_modules`` order)."""
+    full: dict[str, str] = {}
+    for name, _ in model.named_modules():
+        plain = ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+        if plain:
+            full.setdefault(plain, name)
+    return full
+
+
+def _outermost(names: Sequence[str], pattern: str) -> list[str]:
+    """The names ``pattern`` matches that are not inside another match (``"h.*"``: ``h.0``, not ``h.0.attn``)."""
+    matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    return [n for n in matches if not any(n.startswith(m + ".") for m in matches)]
+
+
+def resolve_layers(
+    model: torch.nn.Module,
+    layers: Sequence[str],
+    *,
+    primary: str | Sequence[str] | None = None,
+    shortcuts: Mapping[str, Sequence[str]] | None = None,
+) -> list[str]:
+    """The module names several watched layers designate in ``model``, the primary one first.
+
+    Each entry of ``layers`` is a shortcut of ``shortcuts`` (name patterns tried in order: the first that matches
+    any module gives all its matches), a module name, or an ``fnmatch`` pattern that stands for every module it
+    matches that is not inside another match (``"h.*"``: the blocks ``h.0``, ``h.1``..., not their sublayers).
+    Names are compared without wrapper segments, as in :func:`resolve_layer`. ``primary`` (a name or patterns,
+    resolved by :func:`resolve_layer`) comes first, whether ``layers`` names it or not; without it the first layer
+    found is the primary one.
+
+    Raises:
+        InputError: an empty list, an entry that designates no module (with the closest names and the shortcuts),
+            or two entries that designate one module.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        >>> resolve_layers(model, ["all_linear"], primary="1", shortcuts={"all_linear": ["[02]"]})
+        ['1', '0', '2']
+    """
+    if isinstance(layers, str) or not layers:
+        raise InputError(f"`layers` must be a non-empty list of module names, patterns or shortcuts, got {layers!r}")
+    shortcuts = shortcuts or {}
+    full = _plain_names(model)
+    names = list(full)
+    resolved: list[str] = []
+    origin: dict[str, str] = {}  # module -> the entry that designated it
+    if primary is not None:
+        first = resolve_layer(model, primary)
+        resolved.append(first)
+        origin[first] = "`layer`"
+    for entry in layers:
+        if entry in shortcuts:
+            patterns = list(shortcuts[entry])
+            found = next((m for m in (_outermost(names, p) for p in patterns) if m), [])
+            if not found:
+                raise InputError(
+                    f"`layers` shortcut {entry!r} (patterns {patterns}) matches no module of {type(model).__name__}"
+                )
+        elif entry in full:
+            found = [entry]
+        elif any(char in entry for char in "*?["):
+            found = _outermost(names, entry)
+            if not found:
+                close = difflib.get_close_matches(entry.replace("*", ""), names, n=5, cutoff=0.4)
+                raise InputError(
+                    f"`layers` pattern {entry!r} matches no module of {type(model).__name__}"
+                    + (f"; closest: {close}" if close else f"; some names: {names[:8]}")
+                )
+        else:
+            close = difflib.get_close_matches(entry, names, n=5, cutoff=0.4)
+            known = f"; shortcuts: {sorted(shortcuts)}" if shortcuts else ""
+            raise InputError(
+                f"`layers` entry {entry!r} is not a module of {type(model).__name__}"
+                + (f"; closest: {close}" if close else f"; some names: {names[:8]}")
+                + known
+            )
+        for plain in found:
+            name = full[plain]
+            if name in origin:
+                if origin[name] == "`layer`":
+                    continue  # the primary layer listed again
+                raise InputError(
+                    f"`layers` entries {origin[name]!r} and {entry!r} both designate module {name!r}; name each "
+                    "layer once"
+                )
+            origin[name] = entry
+            resolved.append(name)
+    return resolved
 
 
 def resolve_module(model: torch.nn.Module, name: str | Sequence[str]) -> torch.nn.Module:
@@ -497,10 +587,26 @@ class FeatureExtractor:
     def __init__(self, settings: ProbeSettings | None = None, /, **overrides: Any) -> None:
         base = ProbeSettings() if settings is None else settings
         self.settings: ProbeSettings = base.replace(**overrides) if overrides else base
-        if self.settings.layer is None:
+        if self.settings.layer is None and self.settings.layers is None:
             raise InputError("`layer` is required with a `probe`: name the module whose output to watch")
-        self.layer: tuple[str, ...] = self.settings.layer
+        self.layer: tuple[str, ...] = self.settings.layer or ()
         self._cache: dict[Any, list[Any]] = {}
+
+    @property
+    def several(self) -> bool:
+        """Whether several layers are watched (``settings.layers``)."""
+        return self.settings.layers is not None
+
+    def resolve(self, model: torch.nn.Module) -> list[str]:
+        """The module names watched in ``model``: the one layer, or the primary layer first and then the others.
+
+        Raises:
+            InputError: a name that designates no module (with the closest ones), or two entries for one module.
+        """
+        s = self.settings
+        if s.layers is None:
+            return [resolve_layer(model, self.layer)]
+        return resolve_layers(model, s.layers, primary=s.layer, shortcuts=s.shortcuts)
 
     def __call__(
         self,
@@ -522,26 +628,65 @@ class FeatureExtractor:
         Raises:
             InputError: the layer is not a module of ``model``, or was never called by its forward pass.
         """
-        self.resolved_layer_ = resolve_layer(model, self.layer)
-        module = dict(model.named_modules())[self.resolved_layer_]
+        if self.several:
+            raise InputError("this extractor watches several layers: call extract() for their features")
+        self.resolved_layer_ = self.resolve(model)[0]
+        return self._run(model, probe, indices, autocast, [self.resolved_layer_])[self.resolved_layer_]
+
+    def extract(
+        self,
+        model: torch.nn.Module,
+        probe: Probe,
+        indices: Sequence[int] | None = None,
+        *,
+        autocast: AutocastFactory | None = None,
+    ) -> dict[str, NDArray[np.float32]]:
+        """Features ``(n, d_layer)`` of every watched layer, by module name (the primary layer first), in one pass.
+
+        One forward pass per probe batch, one hook per layer; with ``stop_at_layer`` the pass ends as soon as every
+        watched layer has run (at the deepest one).
+
+        Raises:
+            InputError: a layer is not a module of ``model``, or was never called by its forward pass.
+        """
+        self.resolved_layers_ = self.resolve(model)
+        self.resolved_layer_ = self.resolved_layers_[0]
+        return self._run(model, probe, indices, autocast, self.resolved_layers_)
+
+    def _run(
+        self,
+        model: torch.nn.Module,
+        probe: Probe,
+        indices: Sequence[int] | None,
+        autocast: AutocastFactory | None,
+        names: list[str],
+    ) -> dict[str, NDArray[np.float32]]:
+        modules = dict(model.named_modules())
         device = _device_of(model)
         context = autocast or autocast_for(self.settings.precision, device)
-        captured: list[torch.Tensor] = []
+        captured: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        seen: set[str] = set()  # the layers that ran in the current batch's forward
         current_mask: list[torch.Tensor | None] = [None]
         pooling, stop = self.settings.pooling, self.settings.stop_at_layer and not is_sharded(model)
 
-        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            captured.append(_pooled(output, pooling, current_mask[0]))
-            if stop:
-                raise _StopForward
+        def hook_for(name: str) -> Callable[..., None]:
+            def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+                if name in seen:  # a layer called twice per forward: its first call counts
+                    return
+                seen.add(name)
+                captured[name].append(_pooled(output, pooling, current_mask[0]))
+                if stop and len(seen) == len(names):  # the deepest watched layer has run: nothing after it counts
+                    raise _StopForward
+
+            return hook
 
         modes = {m: m.training for m in model.modules()}
-        handle = register_forward_hook(module, hook)
+        handles = [register_forward_hook(modules[name], hook_for(name)) for name in names]
         try:
             model.eval()
             with torch.no_grad(), context():
                 for batch in self._batches(probe, indices, device):
-                    before = len(captured)
+                    seen.clear()
                     try:
                         if isinstance(batch, dict):
                             current_mask[0] = batch.get("attention_mask")
@@ -551,17 +696,23 @@ class FeatureExtractor:
                             model(batch)
                     except _StopForward:
                         pass
-                    if len(captured) > before + 1:  # a layer called twice per forward: its first call counts
-                        del captured[before + 1 :]
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
             for submodule, training in modes.items():
                 submodule.training = training
-        if not captured:
-            shown = self.layer[0] if len(self.layer) == 1 else list(self.layer)
-            raise InputError(f"`layer` {shown!r} was never called during the forward pass of the probe")
-        features: NDArray[np.float32] = torch.cat(captured).cpu().numpy()  # the one synchronisation
-        return features
+        missing = [name for name in names if not captured[name]]
+        if missing:
+            if len(names) == 1:
+                shown = self.layer[0] if len(self.layer) == 1 else list(self.layer)
+                raise InputError(f"`layer` {shown!r} was never called during the forward pass of the probe")
+            raise InputError(f"`layers` {missing} were never called during the forward pass of the probe")
+        # One synchronisation: every layer's features leave the device together.
+        pooled = [torch.cat(captured[name]) for name in names]
+        host = torch.cat(pooled, dim=1).cpu().numpy() if len(pooled) > 1 else pooled[0].cpu().numpy()
+        sizes = np.cumsum([p.shape[1] for p in pooled])[:-1]
+        parts = np.split(host, sizes, axis=1) if len(pooled) > 1 else [host]
+        return {name: np.ascontiguousarray(part) for name, part in zip(names, parts, strict=True)}
 
     def _batches(self, probe: Probe, indices: Sequence[int] | None, device: torch.device) -> list[Any]:
         """The probe's batches on ``device`` (kept there between checks), or pinned on the host, copied each pass."""

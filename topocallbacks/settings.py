@@ -34,6 +34,7 @@ __all__ = [
     "COMPONENTS",
     "DEFAULT_RULES",
     "INDEX_NAMES",
+    "LAYER_RULES",
     "MODES",
     "PAPER_WEIGHTS",
     "POOLINGS",
@@ -188,6 +189,36 @@ def _layers(value: Any, name: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _layer_list(value: Any, name: str) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if not items or not all(isinstance(item, str) and item for item in items):
+        raise InputError(
+            f"`{name}` must be a non-empty list of module names, name patterns or preset shortcuts, got {value!r}"
+        )
+    twice = next((item for item in items if items.count(item) > 1), None)
+    if twice is not None:
+        raise InputError(f"`{name}` names {twice!r} twice: {items!r}")
+    return tuple(items)
+
+
+def _shortcuts(value: Any, name: str) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, Mapping):
+        raise InputError(f"`{name}` must be a mapping from a shortcut name to name patterns, got {value!r}")
+    return {str(key): _layers(patterns, f"{name}.{key}") for key, patterns in value.items()}
+
+
+#: How the policy combines several watched layers (besides a number k: k of them).
+LAYER_RULES = ("primary", "any", "all")
+
+
+def _layer_rule(value: Any, name: str) -> str | int:
+    if isinstance(value, str) and value in LAYER_RULES:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise InputError(f"`{name}` must be one of {list(LAYER_RULES)} or a number of layers >= 1, got {value!r}")
+
+
 def _weights(value: Any, name: str) -> str | dict[str, float]:
     resolve_weights(value, name)
     return "paper" if value is None or value == "paper" else {str(k): float(v) for k, v in value.items()}
@@ -259,6 +290,14 @@ class ProbeSettings(_Section):
             its forward. Off by itself for sharded models (FSDP), whose forward must run to its end on every rank.
         max_length: a text probe (a list of strings with ``tokenizer=``) is truncated to this many tokens (None:
             the tokenizer's ``model_max_length``, at most 512).
+        layers: several layers watched in one probe pass, each with its own ε, transform, index and history
+            (probe mode only): module names, ``fnmatch`` patterns (each stands for every module it matches that is
+            not inside another match: ``"transformer.h.*"`` is the GPT blocks) or a shortcut of ``shortcuts``
+            (``"all_blocks"``). ``layer``, when given, is watched too and is the *primary* layer the policy acts
+            on by default (``policy.layer_rule``); else the first layer found is. None: ``layer`` alone.
+        shortcuts: names for groups of layers a preset defines for its architecture, each a list of patterns tried
+            in order (the first that matches any module gives all its matches), e.g.
+            ``{"all_blocks": ["transformer.h.*", "*.transformer.h.*"]}``.
     """
 
     layer: tuple[str, ...] | None = _option(None, _optional(_layers))
@@ -268,6 +307,8 @@ class ProbeSettings(_Section):
     precision: str = _option("auto", _choice(PRECISIONS))
     stop_at_layer: bool = _option(True, _boolean)
     max_length: int | None = _option(None, _optional(_integer(1)))
+    layers: tuple[str, ...] | None = _option(None, _optional(_layer_list))
+    shortcuts: dict[str, tuple[str, ...]] | None = _option(None, _optional(_shortcuts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +436,10 @@ class PolicySettings(_Section):
             training loss and gradient norm the adapters pass, averaged over the steps since the last check; each
             scored like the index, as a rise). Non-finite loss or gradient norm makes the check a diverged one.
         require: how many channels must hold at one check (1: any of them; ``len(channels)``: all).
+        layer_rule: with several layers (``probe.layers``): ``"primary"`` (the rule watches the primary layer;
+            the others are scored and logged only), ``"any"`` (acts when the rule holds on any layer), ``"all"``,
+            or a number k (on at least k layers). Every layer is judged by this rule on its own history; a check
+            acts once, whatever the number of layers, and its reason says which layer moved first and by how much.
     """
 
     action: str = _option("warn", _choice(tuple(a.value for a in Action)))
@@ -417,6 +462,7 @@ class PolicySettings(_Section):
     after_max_rollbacks: str = _option("stop", _choice(("warn", "stop", "none")))
     channels: tuple[str, ...] = _option(("index",), _channels)
     require: int = _option(1, _integer(1))
+    layer_rule: str | int = _option("primary", _layer_rule)
 
     @classmethod
     def _check_together(cls, values: Mapping[str, Any], prefix: str) -> None:
@@ -550,6 +596,14 @@ class MonitorSettings:
             if not (value is None and name == "policy") and not isinstance(value, kind):
                 raise InputError(f"`{name}` must be a {kind.__name__}, got {type(value).__name__}")
         object.__setattr__(self, "seed", check_int(self.seed, "seed", minimum=0))
+        layers, rule = self.probe.layers, self.rule.layer_rule
+        if layers is not None and self.schedule.mode == "stream":
+            raise InputError(
+                f"`layers` ({list(layers)}) works in probe mode only, got mode='stream': streaming several layers "
+                "would copy each one's features at every training step; watch one `layer` in streaming mode"
+            )
+        if layers is None and rule != "primary":
+            raise InputError(f"`policy.layer_rule` {rule!r} needs several layers: pass `layers=[...]`")
 
     @property
     def rule(self) -> PolicySettings:
@@ -629,6 +683,12 @@ class MonitorSettings:
         result = dataclasses.asdict(self)
         layer = result["probe"]["layer"]
         result["probe"]["layer"] = None if layer is None else list(layer)
+        for key in ("layers",):
+            value = result["probe"][key]
+            result["probe"][key] = None if value is None else list(value)
+        shortcuts = result["probe"]["shortcuts"]
+        if shortcuts is not None:
+            result["probe"]["shortcuts"] = {name: list(patterns) for name, patterns in shortcuts.items()}
         if result["policy"] is not None:
             result["policy"]["channels"] = list(result["policy"]["channels"])
         return result

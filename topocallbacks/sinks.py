@@ -16,7 +16,7 @@ import numpy as np
 
 from .check import CheckRecord
 
-__all__ = ["JsonlSink", "TensorBoardSink", "scalars_of"]
+__all__ = ["JsonlSink", "TensorBoardSink", "prefix_of", "scalars_of"]
 
 
 def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
@@ -25,7 +25,8 @@ def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
     ``topo/index`` is the value the policy watches (``TopoMonitor(index=...)``, diagram drift by default; logged as
     0 at the first check, where the drift has nothing to drift from and the record holds None), ``topo/ci`` the
     paper's composite, logged beside its components. ``prefix`` replaces ``topo`` (e.g. ``topo/encoder`` when
-    several layers are watched).
+    several callbacks are attached to one trainer). A record of one of several layers watched together
+    (``record.layer`` set) is logged under ``<prefix>/<layer>/...``.
 
     Example:
         >>> import numpy as np
@@ -33,7 +34,11 @@ def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
         >>> record = TopoMonitor().process(np.random.default_rng(0).normal(size=(40, 3)), step=0)
         >>> scalars_of(record, prefix="topo/encoder")["topo/encoder/index"]
         0.0
+        >>> import dataclasses
+        >>> sorted(scalars_of(dataclasses.replace(record, layer="h.0")))[0]
+        'topo/h.0/anisotropy'
     """
+    prefix = prefix_of(record, prefix)
     if not record.ok or record.report is None:
         return {f"{prefix}/diverged": 1.0}
     report = record.report
@@ -55,6 +60,11 @@ def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
     for name, value in report.components.items():
         scalars[f"{name}_term"] = value
     return {f"{prefix}/{key}": float(value) for key, value in scalars.items()}
+
+
+def prefix_of(record: CheckRecord, prefix: str = "topo") -> str:
+    """Where a record's values are logged: ``prefix``, or ``prefix/<layer>`` for one of several layers."""
+    return prefix if record.layer is None else f"{prefix}/{record.layer}"
 
 
 class JsonlSink:
@@ -113,10 +123,10 @@ class TensorBoardSink:
         for name, value in scalars_of(record, self.prefix).items():
             self.writer.add_scalar(name, value, global_step=step)
         if diagrams is not None:
-            self._figure(diagrams, step)
+            self._figure(diagrams, step, prefix_of(record, self.prefix))
         self.writer.flush()
 
-    def _figure(self, diagrams: list[np.ndarray], step: int) -> None:
+    def _figure(self, diagrams: list[np.ndarray], step: int, prefix: str) -> None:
         try:
             import matplotlib
 
@@ -136,7 +146,7 @@ class TensorBoardSink:
         axis.set_xlabel("birth")
         axis.set_ylabel("death")
         axis.legend(loc="lower right")
-        self.writer.add_figure(f"{self.prefix}/persistence_diagram", figure, global_step=step, close=True)
+        self.writer.add_figure(f"{prefix}/persistence_diagram", figure, global_step=step, close=True)
 
     def close(self) -> None:
         """Flush and close the writer."""

@@ -44,7 +44,7 @@ from ..interventions import (
 )
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
-from ..probe import StreamCapture, autocast_for, resolve_module
+from ..probe import StreamCapture, autocast_for
 from ..settings import MonitorSettings
 from ..sinks import scalars_of
 
@@ -190,7 +190,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         **overrides: Any,
     ) -> None:
         resolved = resolve_settings(preset, settings, overrides)
-        if resolved.probe.layer is None:
+        if resolved.probe.layer is None and resolved.probe.layers is None:
             raise InputError("`layer` is required: the name of the module whose output to watch (or a `preset`)")
         if restoring or probe_hash is not None:
             live = _live_callback(resolved, probe_hash)
@@ -300,7 +300,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         model = kwargs["model"]
-        resolve_module(model, self.layer)  # unknown names fail here, with close matches
+        self.monitor.resolve_layers(model)  # unknown names fail here, with close matches
         self._trainer = _caller(Trainer, depth=6) or self._trainer  # the Trainer training now, else attach()'s
         self._place(_calling_handler())
         self._warn_if_unplaced(args)
@@ -353,11 +353,13 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         for entry in saved if isinstance(saved, list) else [] if saved is None else [saved]:
             settings = entry.get("args", {}).get("settings", {})
             layer = settings.get("probe", {}).get("layer")
+            layers = settings.get("probe", {}).get("layers")
             mode = settings.get("schedule", {}).get("mode", mine.schedule.mode)
             prefix = settings.get("output", {}).get("prefix")
             if (
-                layer is not None
-                and tuple(layer) == self.layer
+                (layer is not None or layers is not None)
+                and tuple(layer or ()) == self.layer
+                and tuple(layers or ()) == (mine.probe.layers or ())
                 and (mode, prefix)
                 == (
                     mine.schedule.mode,
@@ -609,7 +611,11 @@ def _live_callback(settings: MonitorSettings, probe_hash: str | None) -> TopoCol
     first = [] if replaced is None else [replaced]
     for callback in first + ours + sorted(_LIVE, key=lambda c: -c._created):
         mine = callback.monitor.settings
-        if mine.probe.layer != settings.probe.layer or mine.schedule.mode != settings.schedule.mode:
+        if (mine.probe.layer, mine.probe.layers, mine.schedule.mode) != (
+            settings.probe.layer,
+            settings.probe.layers,
+            settings.schedule.mode,
+        ):
             continue
         probe = callback.monitor.probe
         if probe_hash is None or (probe is not None and probe.spec.content_hash == probe_hash):
@@ -621,7 +627,7 @@ def _live_callback(settings: MonitorSettings, probe_hash: str | None) -> TopoCol
 
 def _prefix(callback: TopoCollapseTrainerCallback, callbacks: list[TopoCollapseTrainerCallback]) -> str:
     """``topo/<layer>`` of ``callback`` among ``callbacks`` (then the mode, then a number if shared)."""
-    names = [",".join(c.layer) for c in callbacks]
+    names = [",".join(c.layer or c.monitor.settings.probe.layers or ()) for c in callbacks]
     modes = [c.monitor.settings.schedule.mode for c in callbacks]
     named = [f"{n}/{m}" if names.count(n) > 1 else n for n, m in zip(names, modes, strict=True)]
     named = [f"{n}/{i}" if named.count(n) > 1 else n for i, n in enumerate(named)]

@@ -33,9 +33,9 @@ from ..interventions import (
 )
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
-from ..probe import StreamCapture, is_fsdp1_wrapper, resolve_layer, resolve_module
+from ..probe import StreamCapture, is_fsdp1_wrapper, resolve_layer
 from ..settings import MonitorSettings
-from ..sinks import scalars_of
+from ..sinks import prefix_of, scalars_of
 
 __all__ = ["TopoCollapseCallback"]
 
@@ -170,7 +170,7 @@ class TopoCollapseCallback(Callback):
         **overrides: Any,
     ) -> None:
         resolved = resolve_settings(preset, settings, overrides)
-        if resolved.probe.layer is None:
+        if resolved.probe.layer is None and resolved.probe.layers is None:
             raise InputError("`layer` is required: the name of the module whose output to watch (or a `preset`)")
         self.preset = preset
         self._probe_source = probe if isinstance(probe, str) else None
@@ -182,7 +182,7 @@ class TopoCollapseCallback(Callback):
         self.monitor = TopoMonitor(resolved, probe=None if self._probe_source else probe, tokenizer=tokenizer)
         self.check_on_validation_end = bool(check_on_validation_end)
         self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
-        self._unlogged: CheckRecord | None = None  # the latest record, until it is a callback metric
+        self._unlogged: list[CheckRecord] = []  # the latest check's records, until they are callback metrics
         self._sharded_root: torch.nn.Module | None = None  # the strategy's FSDP/DeepSpeed root, if any
         # The training channels of the optimizer step under way: the micro-batches' losses (summed on the device)
         # and the gradient norm of each optimizer step since the last batch end; the global step last seen.
@@ -210,9 +210,16 @@ class TopoCollapseCallback(Callback):
         return self.monitor.settings.probe.layer or ()
 
     @property
+    def layers(self) -> tuple[str, ...]:
+        """The several watched layers' names, patterns or shortcuts (empty: ``layer`` alone)."""
+        return self.monitor.settings.probe.layers or ()
+
+    @property
     def state_key(self) -> str:
-        """Unique per watched layer and mode (and ``prefix`` when given, to watch one layer twice)."""
+        """Unique per watched layer(s) and mode (and ``prefix`` when given, to watch one layer twice)."""
         key: dict[str, str] = {"layer": ",".join(self.layer), "mode": self.monitor.settings.schedule.mode}
+        if self.layers:
+            key["layers"] = ",".join(self.layers)
         if self.monitor.settings.output.prefix is not None:
             key["prefix"] = self.monitor.settings.output.prefix
         return self._generate_state_key(**key)
@@ -234,7 +241,7 @@ class TopoCollapseCallback(Callback):
         return self.monitor.prefix
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        resolve_module(pl_module, self.layer)  # unknown names fail here, with close matches
+        self.monitor.resolve_layers(pl_module)  # unknown names fail here, with close matches
         if self.monitor.settings.output.prefix is None:
             ours = [c for c in trainer.callbacks if isinstance(c, TopoCollapseCallback)]  # type: ignore[attr-defined]
             if len(ours) > 1:  # beside others: each under its layer (those with their own prefix left out)
@@ -264,8 +271,8 @@ class TopoCollapseCallback(Callback):
         if not self.streaming:
             for record in self.monitor.on_step(trainer.global_step, model=self._probed(pl_module)):
                 self._act(trainer, record)
-        if self._unlogged is None:
-            self._unlogged = self.monitor.last_record  # resumed: the latest values are callback metrics again
+        if not self._unlogged:  # resumed: the latest values are callback metrics again
+            self._unlogged = self.monitor.last_records
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -276,9 +283,9 @@ class TopoCollapseCallback(Callback):
         model = self._probed(pl_module)
         for record in self.monitor.on_step(step, model=model, features=features, loss=loss, grad_norm=grad_norm):
             self._act(trainer, record)
-        if self._unlogged is not None:
-            record, self._unlogged = self._unlogged, None
-            index = f"{self.prefix}/index"
+        unlogged, self._unlogged = self._unlogged, []
+        for record in unlogged:
+            index = f"{prefix_of(unlogged[-1], self.prefix)}/index"  # the deciding (primary) layer's, on the bar
             for name, value in scalars_of(record, self.prefix).items():
                 # Callback metrics (EarlyStopping, ModelCheckpoint, the progress bar): they stay until logged
                 # again. The loggers got the record at its own step already.
@@ -370,7 +377,9 @@ class TopoCollapseCallback(Callback):
     def _act(self, trainer: pl.Trainer, record: CheckRecord) -> None:
         """Log a record (the same on every rank) and carry out its decision on every rank."""
         self._write_to_loggers(trainer, record)
-        self._unlogged = record
+        if self._unlogged and self._unlogged[-1].step != record.step:
+            self._unlogged = []  # an older check's records: this one's replace them
+        self._unlogged.append(record)
         self.monitor.act(record, _LightningActuator(trainer, self.monitor.settings.interventions.rescue_dir))
 
     def _write_to_loggers(self, trainer: pl.Trainer, record: CheckRecord) -> None:
@@ -407,7 +416,7 @@ def _grad_norm(optimizer: torch.optim.Optimizer, *, sharded: bool, strategy: Any
 
 def _prefix(callback: TopoCollapseCallback, model: pl.LightningModule, callbacks: list[Any]) -> str:
     """``topo/<watched module>`` of ``callback`` among ``callbacks`` (then the mode, then a number if shared)."""
-    names = [resolve_layer(model, c.layer) for c in callbacks]
+    names = [resolve_layer(model, c.layer) if c.layer else ",".join(c.layers) for c in callbacks]
     named = [
         f"{n}/{c.monitor.settings.schedule.mode}" if names.count(n) > 1 else n
         for n, c in zip(names, callbacks, strict=True)
