@@ -3,7 +3,7 @@
 import gudhi
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.strategies import clouds_with_epsilon, point_clouds
@@ -94,8 +94,18 @@ def dominated_vertex(n, rows, cols):
     return None
 
 
-@given(any_graphs())
-def test_the_strong_collapse_core_keeps_the_betti_numbers_and_dominates_nothing(graph):
+@pytest.fixture(params=["numba", "numpy"])
+def kernels(request, monkeypatch):
+    """Both implementations of the strong collapse: the compiled kernel (when numba is installed) and numpy."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1" if request.param == "numba" else "0")
+    return request.param
+
+
+@given(graph=any_graphs())
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_strong_collapse_core_keeps_the_betti_numbers_and_dominates_nothing(kernels, graph):
     n, rows, cols = graph
     expected = gudhi_graph_betti(n, rows, cols)
     core = strong_collapse_core(n, rows, cols)
@@ -107,7 +117,7 @@ def test_the_strong_collapse_core_keeps_the_betti_numbers_and_dominates_nothing(
     assert tuple(betti_numbers_of_graph(n, rows, cols)) == expected
 
 
-def test_strong_collapse_of_known_graphs():
+def test_strong_collapse_of_known_graphs(kernels):
     rows, cols = np.triu_indices(300, 1)  # complete: one vertex
     assert strong_collapse_core(300, rows, cols)[0] == 1
     ring = np.arange(12)  # a 12-cycle: no vertex dominated, a loop
@@ -122,7 +132,7 @@ def test_strong_collapse_of_known_graphs():
     assert strong_collapse_core(0, np.zeros(0, np.intp), np.zeros(0, np.intp))[0] == 0
 
 
-def test_betti_numbers_of_real_features_match_gudhi_at_every_density():
+def test_betti_numbers_of_real_features_match_gudhi_at_every_density(kernels):
     rng = np.random.default_rng(3)
     centres = rng.normal(scale=2.0, size=(6, 16))
     cloud = centres[rng.integers(0, 6, 300)] + rng.normal(size=(300, 16)) * rng.uniform(0.3, 1.2, (300, 1))

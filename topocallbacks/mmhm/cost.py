@@ -14,6 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..functional._distances import ADJACENCY_BLOCK_ROWS
+from ..functional._jit import core_kernel
 from ..functional.topology import DOMINATION_CHUNK
 
 __all__ = [
@@ -50,6 +51,8 @@ _PRIORS: Mapping[str, Mapping[str, float]] = {
     "vertex": {"const": 2e-4, "row_dims": 2e-10, "ops": 5e-6, "ops_degree_sq": 7e-10},
     "edge": {"const": 5e-4, "ops": 2.3e-5, "ops_degree_sq": 2e-9},
 }
+# Seconds per edge of a rebuild with the compiled strong collapse (same machine, real CNN features, n = 512-4,096).
+_COMPILED_EDGE_PRIOR = 1e-7
 _PRIOR_ARRAYS = {path: np.array([_PRIORS[path][name] for name in _FEATURES[path]]) for path in PATHS}
 # After this many observations of a path, its coefficients are re-solved every _REFIT_EVERY observations.
 _SETTLED = 8
@@ -80,7 +83,9 @@ class CostEstimate:
     gudhi_bytes: int = 0
 
 
-def path_features(path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_degree: float = 0.0) -> dict[str, float]:
+def path_features(
+    path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_degree: float = 0.0, rows: int | None = None
+) -> dict[str, float]:
     """Work counts of ``path`` for a cloud of ``n`` points in ``d`` dimensions.
 
     Args:
@@ -90,14 +95,16 @@ def path_features(path: str, *, n: int, d: int, edges: int, ops: int = 0, mean_d
         edges: number of edges of the ε-graph (current or expected).
         ops: vertex operations (vertex path: 2 per moved point) or flipped edges (edge path).
         mean_degree: average degree of the vertices (or common degree of the edges) involved.
+        rows: rows of the ε-graph computed anew (the moved or new points; all ``n`` by default): the graph of
+            the points that did not move is kept.
     """
-    rows = ops / 2 if path == "vertex" else 0
+    new_rows = ops / 2 if path == "vertex" else 0
     graph_pass = ("pair_dims",) if path in _SHARED_GRAPH_PASS else ()
     counts = {
         "const": 1.0,
-        "pair_dims": float(n) * n * d,
+        "pair_dims": float(n if rows is None else rows) * n * d,
         "edges": float(edges),
-        "row_dims": rows * n * d,
+        "row_dims": new_rows * n * d,
         "ops": float(ops),
         "ops_degree_sq": ops * mean_degree * mean_degree,
     }
@@ -166,6 +173,8 @@ class CostModel:
 
     def __init__(self) -> None:
         self.coefficients_: dict[str, dict[str, float]] = {path: dict(_PRIORS[path]) for path in PATHS}
+        if core_kernel() is not None:  # the compiled strong collapse: a rebuild's graph work is far cheaper
+            self.coefficients_["rebuild"]["edges"] = _COMPILED_EDGE_PRIOR
         self.observations_: dict[str, int] = dict.fromkeys(PATHS, 0)
         self._sums: dict[str, tuple[NDArray[np.float64], NDArray[np.float64]]] = {
             path: (np.zeros((len(_FEATURES[path]),) * 2), np.zeros(len(_FEATURES[path]))) for path in PATHS
@@ -181,9 +190,10 @@ class CostModel:
         ops: int = 0,
         mean_degree: float = 0.0,
         probe: bool = True,
+        rows: int | None = None,
     ) -> CostEstimate:
-        """Predicted time and memory of ``path``."""
-        features = path_features(path, n=n, d=d, edges=edges, ops=ops, mean_degree=mean_degree)
+        """Predicted time and memory of ``path`` (``rows``: see :func:`path_features`)."""
+        features = path_features(path, n=n, d=d, edges=edges, ops=ops, mean_degree=mean_degree, rows=rows)
         seconds = self._shared_seconds(path, features) + sum(
             self.coefficients_[path][name] * features[name] for name in _FEATURES[path]
         )

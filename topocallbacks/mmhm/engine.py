@@ -479,8 +479,9 @@ class MMHM:
         graph: tuple[NDArray[np.bool_], NDArray[np.intp], NDArray[np.intp]] | None = None,
         flipped: int | None = None,
         learn: bool = True,
+        rows_done: int | None = None,
     ) -> None:
-        """From scratch: the whole ε-graph and its (β0, β1), exactly as the from-scratch function computes them.
+        """From scratch: (β0, β1) of the whole ε-graph, exactly as the from-scratch function computes them.
 
         Args:
             start: ``perf_counter`` at the start of the update.
@@ -489,13 +490,24 @@ class MMHM:
             flipped: edges that changed since the last update, if known (probe mode).
             learn: let the cost model learn from this update's time (not after an abandoned incremental path,
                 whose time the update includes).
+            rows_done: the caller already brought the stored adjacency up to date by recomputing this many rows
+                (those of the moved or new points: the graph between the others did not change), so no ε-graph
+                pass is needed; ``graph`` is then ignored.
         """
         alive = np.flatnonzero(self._alive)
         n, d = alive.size, self._points.shape[1]
         old_edges = self.n_edges
-        estimate = self.cost_model.predict("rebuild", n=n, d=d, edges=old_edges, probe=self._mode == "probe")
-        adjacency, rows, cols = epsilon_graph(self._points[alive], self.epsilon) if graph is None else graph
-        new_edges = int(rows.size)
+        estimate = self.cost_model.predict(
+            "rebuild", n=n, d=d, edges=old_edges, probe=self._mode == "probe", rows=rows_done
+        )
+        if rows_done is not None:
+            full = alive.size == self._adjacency.shape[0]
+            adjacency = self._adjacency if full else self._adjacency[np.ix_(alive, alive)]
+            self._degree = np.count_nonzero(self._adjacency, axis=1).astype(np.int64)
+            new_edges = int(self._degree.sum()) // 2
+        else:
+            adjacency, rows, cols = epsilon_graph(self._points[alive], self.epsilon) if graph is None else graph
+            new_edges = int(rows.size)
         if flipped is not None:
             # added + removed = flipped and added - removed = new - old.
             added, removed = (flipped + new_edges - old_edges) // 2, (flipped - new_edges + old_edges) // 2
@@ -504,21 +516,37 @@ class MMHM:
             added, removed = new_edges, old_edges
         # Totals from the compact graph (indices 0..n-1), as from scratch.
         totals = _betti_numbers_of_adjacency(adjacency)
-        if alive.size == self._adjacency.shape[0]:
-            self._adjacency = adjacency
-        else:
-            self._adjacency[:] = False
-            self._adjacency[np.ix_(alive, alive)] = adjacency
-            rows, cols = alive[rows], alive[cols]
-        self._degree = np.bincount(rows, minlength=self._alive.size) + np.bincount(cols, minlength=self._alive.size)
+        if rows_done is None:
+            if alive.size == self._adjacency.shape[0]:
+                self._adjacency = adjacency
+            else:
+                self._adjacency[:] = False
+                self._adjacency[np.ix_(alive, alive)] = adjacency
+                rows, cols = alive[rows], alive[cols]
+            size = self._alive.size
+            self._degree = np.bincount(rows, minlength=size) + np.bincount(cols, minlength=size)
         self._n_alive = alive.size
         # Totals only, as from scratch; the modules are built when an incremental path first needs them.
         self._module_b1.clear()
         self._labels[:] = -1
         self._dirty.clear()
         self._totals = totals
-        features = path_features("rebuild", n=n, d=d, edges=new_edges) if learn else None
+        features = path_features("rebuild", n=n, d=d, edges=new_edges, rows=rows_done) if learn else None
         self._record("rebuild", reason, start, added, removed, 0, 0, self._totals.b0, estimate, features)
+
+    def _refresh_rows(self, slots: NDArray[np.intp]) -> None:
+        """Recompute the stored adjacency's rows and columns of ``slots`` against every alive point.
+
+        Each decision is the one a from-scratch ε-graph makes (:func:`epsilon_block`), so the stored graph stays
+        exactly the from-scratch graph of the alive points; dead slots get empty rows.
+        """
+        scale = power_of_two_scale(self._points, self.epsilon)
+        block = epsilon_block(self._points[slots], self._points, self.epsilon, scale=scale)
+        block &= self._alive[None, :]
+        block &= self._alive[slots, None]
+        block[np.arange(slots.size), slots] = False
+        self._adjacency[slots] = block
+        self._adjacency[:, slots] = block.T
 
     def _ensure_modules(self) -> None:
         """Split the complex into modules (components with their β1) if a rebuild left only totals."""
@@ -583,10 +611,10 @@ class MMHM:
         degree = 2 * edges / n
         vertex = self.cost_model.predict("vertex", n=n, d=d, edges=edges, ops=2 * moved.size, mean_degree=degree)
         vertex = self._with_pending_modules(vertex, n, edges)
-        rebuild = self.cost_model.predict("rebuild", n=n, d=d, edges=edges)
+        rebuild = self.cost_model.predict("rebuild", n=n, d=d, edges=edges, rows=moved.size)
         common = max(degree * degree / max(n - 1, 1), 1.0)  # expected common neighbours of an edge
         # The edge path's floor (no flip at all): if even that loses to the vertex path, skip the new graph.
-        edge_floor = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=0, mean_degree=common)
+        edge_floor = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=0, mean_degree=common, rows=moved.size)
         edge_floor = self._with_pending_modules(edge_floor, n, edges)
         context = f"{moved.size} of {n} points moved"
         if self.path == "auto":
@@ -600,21 +628,30 @@ class MMHM:
             self._points[:] = cloud
             self._rebuild(start, "forced")
             return
-        # Edge or rebuild: both need the new graph, which also tells how many edges flipped.
-        graph = epsilon_graph(cloud, self.epsilon)
-        flips = graph[0] ^ self._adjacency
+        # Edge or rebuild: both need the new graph, which also tells how many edges flipped. Only the rows of the
+        # moved points are recomputed: the graph between the others did not change.
+        previous, self._points[:] = self._adjacency, cloud
+        if moved.size == n:
+            adjacency = epsilon_graph(cloud, self.epsilon)[0]
+        else:
+            self._adjacency = previous.copy()
+            self._refresh_rows(moved)
+            adjacency, self._adjacency = self._adjacency, previous
+        flips = adjacency ^ previous
         n_flips = int(np.count_nonzero(flips)) // 2
-        edge = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=n_flips, mean_degree=common)
+        edge = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=n_flips, mean_degree=common, rows=moved.size)
         edge = self._with_pending_modules(edge, n, edges)
-        self._points[:] = cloud
+        rebuild = self.cost_model.predict("rebuild", n=n, d=d, edges=edges, rows=moved.size)
         if self.path == "auto":
             path, reason, _ = self._choose(f"{context}, {n_flips} edges flipped", edge, rebuild)
         else:
             path, reason = "edge", "forced"
         if path == "edge":
-            self._edge_path(np.triu(flips, 1), start, reason, edge, common, self._deadline(start, rebuild))
+            deadline = self._deadline(start, rebuild)
+            self._edge_path(np.triu(flips, 1), start, reason, edge, common, deadline, rows_done=moved.size)
         else:
-            self._rebuild(start, reason, graph, n_flips)
+            self._adjacency = adjacency
+            self._rebuild(start, reason, flipped=n_flips, rows_done=moved.size)
 
     def _push(self, cloud: NDArray[np.float64], start: float) -> None:
         window = self._window_size
@@ -635,7 +672,7 @@ class MMHM:
         ops = len(cloud) + evicted.size
         vertex = self.cost_model.predict("vertex", n=n_after, d=d, edges=edges, ops=ops, mean_degree=degree)
         vertex = self._with_pending_modules(vertex, n_after, edges)
-        rebuild = self.cost_model.predict("rebuild", n=n_after, d=d, edges=edges, probe=False)
+        rebuild = self.cost_model.predict("rebuild", n=n_after, d=d, edges=edges, probe=False, rows=len(cloud))
         self._n_pushed += len(cloud)
         if self.path == "auto":
             path, reason, _ = self._choose(f"{len(cloud)} new points, {evicted.size} evicted", vertex, rebuild)
@@ -646,7 +683,8 @@ class MMHM:
             return
         self._points[slots] = cloud
         self._alive[slots] = True
-        self._rebuild(start, reason)
+        self._refresh_rows(slots)
+        self._rebuild(start, reason, rows_done=slots.size)
 
     def _deadline(self, start: float, rebuild: CostEstimate) -> float | None:
         """When an incremental update should give up and rebuild: ``_BAIL_RATIO`` x the predicted rebuild.
@@ -740,13 +778,17 @@ class MMHM:
         estimate: CostEstimate,
         common: float,
         deadline: float | None,
+        rows_done: int | None = None,
     ) -> None:
-        """Apply the exact edge diff: removals first, then insertions, one certificate each."""
+        """Apply the exact edge diff: removals first, then insertions, one certificate each.
+
+        ``rows_done``: rows of the new ε-graph computed for the diff (None: all of them).
+        """
         deadline = self._begin_incremental(deadline)
         rows, cols = np.nonzero(flips)
         present = self._adjacency[rows, cols]
         n, d = self._points.shape
-        planned = path_features("edge", n=n, d=d, edges=self.n_edges, ops=rows.size, mean_degree=common)
+        planned = path_features("edge", n=n, d=d, edges=self.n_edges, ops=rows.size, mean_degree=common, rows=rows_done)
         removals = zip(rows[present], cols[present], strict=True)
         insertions = zip(rows[~present], cols[~present], strict=True)
         for operation, (u, v) in [
@@ -758,7 +800,9 @@ class MMHM:
                 return
             operation(int(u), int(v))
         touched = self._finalize()
-        features = path_features("edge", n=n, d=d, edges=self.n_edges, ops=self._ops, mean_degree=common)
+        features = path_features(
+            "edge", n=n, d=d, edges=self.n_edges, ops=self._ops, mean_degree=common, rows=rows_done
+        )
         added, removed = int((~present).sum()), int(present.sum())
         self._record("edge", reason, start, added, removed, self._ops, self._certified, touched, estimate, features)
 

@@ -1,0 +1,172 @@
+"""Compiled kernels, used when numba is installed (``pip install topocallbacks[fast]``); numpy otherwise.
+
+numba is imported on first use, never by ``import topocallbacks``; the kernels are compiled once per machine
+(``cache=True``) and give exactly what the numpy code they replace gives (the tests run both).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["core_kernel"]
+
+#: Set to ``"0"`` to use the numpy code even where numba is installed.
+ENVIRONMENT_SWITCH = "TOPOCALLBACKS_NUMBA"
+
+
+#: The bit index of a power of two ``b`` (a word's lowest set bit) is ``_DE_BRUIJN_INDEX[(b * _DE_BRUIJN) >> 58]``
+#: (a de Bruijn sequence: the top six bits of the product differ for each of the 64 powers).
+_DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_DE_BRUIJN_INDEX = np.zeros(64, dtype=np.int64)
+for _bit in range(64):
+    _DE_BRUIJN_INDEX[((1 << _bit) * 0x03F79D71B4CB0A89 % 2**64) >> 58] = _bit
+
+
+def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover - compiled by numba
+    """The vertices left by strong collapses one vertex at a time, checked from a queue, until none is dominated.
+
+    ``packed`` holds the closed neighbourhoods as bit rows (modified in place: a removed vertex's bit is cleared
+    from its neighbours' rows), ``degree`` the closed degrees (modified too), ``order`` the first visiting order.
+    A vertex ``v`` goes when an alive neighbour ``u`` has ``N[v] ⊆ N[u]``; its neighbours are queued again (their
+    neighbourhoods shrank, so they may be dominated now), and the others need no new check: a neighbourhood that did
+    not change is no more contained in one that shrank. The queue empties at a core.
+    """
+    n, words = packed.shape
+    alive = np.ones(n, dtype=np.bool_)
+    queued = np.ones(n, dtype=np.bool_)
+    queue = np.empty(n, dtype=np.int64)
+    for k in range(n):
+        queue[k] = order[k]
+    head, size = 0, n
+    while size > 0:
+        v = queue[head]
+        head = (head + 1) % n
+        size -= 1
+        queued[v] = False
+        if not alive[v] or degree[v] == 1:
+            continue
+        dominated = False
+        for w in range(words):
+            bits = packed[v, w]
+            while bits != 0 and not dominated:
+                low = bits & (~bits + np.uint64(1))
+                bits ^= low
+                u = w * 64 + _DE_BRUIJN_INDEX[((low * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
+                if u == v or degree[u] < degree[v]:
+                    continue
+                inside = True
+                for k in range(words):
+                    if packed[v, k] & ~packed[u, k]:
+                        inside = False
+                        break
+                dominated = inside
+            if dominated:
+                break
+        if not dominated:
+            continue
+        alive[v] = False
+        word, bit = v // 64, np.uint64(1) << np.uint64(v % 64)
+        for w in range(words):
+            bits = packed[v, w]
+            while bits != 0:
+                low = bits & (~bits + np.uint64(1))
+                bits ^= low
+                x = w * 64 + _DE_BRUIJN_INDEX[((low * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
+                if x == v:
+                    continue
+                packed[x, word] &= ~bit
+                degree[x] -= 1
+                if not queued[x]:
+                    queued[x] = True
+                    queue[(head + size) % n] = x
+                    size += 1
+        for w in range(words):
+            packed[v, w] = np.uint64(0)
+        degree[v] = 0
+    return alive
+
+
+def _edge_collapse(packed: Any, degree: Any) -> Any:  # pragma: no cover - compiled by numba
+    """Remove dominated edges, one at a time, in passes until a pass removes none; returns how many went.
+
+    An edge ``uv`` is dominated when some third vertex ``w`` has ``N[u] ∩ N[v] ⊆ N[w]``; the flag complex of the
+    graph without ``uv`` is then a deformation retract of the one with it (Boissonnat and Pritam, "Edge collapse
+    and persistence of flag complexes", 2020), so every Betti number is unchanged. ``packed`` (closed
+    neighbourhoods as bit rows) and ``degree`` are modified in place.
+    """
+    n, words = packed.shape
+    common = np.empty(words, dtype=np.uint64)
+    removed = 0
+    # An edge can become dominated only when its ends' common neighbourhood shrank: after the first pass, only the
+    # edges at an end of an edge removed in the pass before are looked at again.
+    dirty = np.ones(n, dtype=np.bool_)
+    changed = True
+    while changed:
+        changed = False
+        touched = np.zeros(n, dtype=np.bool_)
+        for u in range(n):
+            for wu in range(words):
+                bits_u = packed[u, wu]
+                while bits_u != 0:
+                    low = bits_u & (~bits_u + np.uint64(1))
+                    bits_u ^= low
+                    v = wu * 64 + _DE_BRUIJN_INDEX[((low * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
+                    if v <= u or not (dirty[u] or dirty[v]):
+                        continue
+                    for k in range(words):
+                        common[k] = packed[u, k] & packed[v, k]
+                    dominated = False
+                    for wc in range(words):
+                        bits = common[wc]
+                        while bits != 0 and not dominated:
+                            low_c = bits & (~bits + np.uint64(1))
+                            bits ^= low_c
+                            w = wc * 64 + _DE_BRUIJN_INDEX[((low_c * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
+                            if w == u or w == v:  # noqa: SIM109 - plain comparisons, as numba compiles them
+                                continue
+                            inside = True
+                            for k in range(words):
+                                if common[k] & ~packed[w, k]:
+                                    inside = False
+                                    break
+                            dominated = inside
+                        if dominated:
+                            break
+                    if dominated:
+                        packed[u, v // 64] &= ~(np.uint64(1) << np.uint64(v % 64))
+                        packed[v, u // 64] &= ~(np.uint64(1) << np.uint64(u % 64))
+                        degree[u] -= 1
+                        degree[v] -= 1
+                        touched[u] = True
+                        touched[v] = True
+                        removed += 1
+                        changed = True
+        dirty = touched
+    return removed
+
+
+@functools.cache
+def _compiled() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int]] | None:
+    try:
+        import numba  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return None
+    kernel: Callable[..., NDArray[np.bool_]] = numba.njit(cache=True, nogil=True)(_core_mask)
+    edges: Callable[..., int] = numba.njit(cache=True, nogil=True)(_edge_collapse)
+    # Compile (or load the cached machine code) now, not inside the first timed update.
+    kernel(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64), np.arange(2, dtype=np.int64))
+    edges(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64))
+    return kernel, edges
+
+
+def core_kernel() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int]] | None:
+    """The compiled strong-collapse and edge-collapse kernels, or None (numba missing, or ``TOPOCALLBACKS_NUMBA=0``)."""
+    if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
+        return None
+    return _compiled()
