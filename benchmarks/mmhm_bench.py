@@ -2,19 +2,25 @@
 
 Run from the repository root (after `make test` or `make demo` created .venv):
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mmhm_bench.py            # full run, ~5 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mmhm_bench.py            # full run, ~6 minutes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mmhm_bench.py --quick    # smaller, for a smoke test
 
 Baselines, each from scratch on the same points and ε:
   gudhi      GUDHI's RipsComplex(points, max_edge_length=ε) -> edge collapse -> expansion(2) -> persistence
   ripser     ripser(points, maxdim=1, thresh=ε)
-  scratch    topocallbacks.functional.betti_numbers: BLAS ε-graph + GUDHI edge collapse (the strongest)
+  scratch    topocallbacks.functional.betti_numbers: BLAS ε-graph, strong-collapse core, GUDHI on the core
 
-Scenarios:
-  probe      n = 1024 clustered points in d = 64; at each update 1 %, 5 %, 25 % or 100 % of the points move
-  stream     windows of 1,024 and 2,048, batches of 32 and 64, d = 64, clustered clouds
-  trace      probe features recorded from real training runs of a tiny MLP on scikit-learn digits (recorded by
-             this script into benchmarks/traces/ when missing), checked every 5 and every 100 steps
+Real data first (benchmarks/real_features.py records it from offline data into benchmarks/traces/ when missing;
+the GPT-2 probes are committed in benchmarks/data/gpt_probe.npz):
+  stream     a CNN on Fashion-MNIST and an MLP on scikit-learn's digits: 32 points of each training batch pushed
+             into a 1,024-point window at every step through the monitor's own pipeline (CheckPipeline.push:
+             the running frame, its reframes and their rebuilds included), 400 steps
+  probe      the same CNN's 512-image probe checked every 1, 5 and 20 steps, and a tiny GPT-2's 512-sequence probe
+             (the collapse suite's gpt_high_lr recording, healthy twin and collapse run) checked every 10 steps:
+             every point moves at every check, so these edits are not sparse
+Synthetic after:
+  clustered  Gaussian blobs around well separated centres (d = 64): at ε nearly disjoint dense clusters, the easy
+             regime for the engine; probe updates moving 1 %, 25 % or 100 % of the points, windows of 1,024
 
 Prints a table and writes benchmarks/results/mmhm.json.
 """
@@ -37,11 +43,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import real_features  # noqa: E402
 
 from topocallbacks import MMHM  # noqa: E402
 from topocallbacks.functional import betti_numbers, epsilon_heuristic  # noqa: E402
+from topocallbacks.functional.collapse import calibrate_epsilon  # noqa: E402
+from topocallbacks.pipeline import CheckPipeline  # noqa: E402
+from topocallbacks.settings import MonitorSettings  # noqa: E402
 
-TRACES = ROOT / "benchmarks" / "traces"
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -59,47 +70,6 @@ class ClusteredSource:
         labels = self.rng.integers(0, len(self.centres), m)
         widths = self.rng.uniform(0.6, 1.4, size=(m, 1))
         return self.centres[labels] + self.rng.normal(size=(m, self.centres.shape[1])) * widths
-
-
-def record_trace(path: Path, interval: int, checks: int, seed: int = 0) -> None:
-    """Train a small MLP on digits and save its 64-d penultimate features of a fixed 1,024-point probe."""
-    import torch
-    from sklearn.datasets import load_digits
-
-    torch.manual_seed(seed)
-    data = load_digits()
-    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(data.target)
-    probe = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[:1024]]
-    body = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU())
-    head = torch.nn.Linear(64, 10)
-    optimiser = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.05, momentum=0.9)
-    frames = []
-    step = 0
-    generator = torch.Generator().manual_seed(seed)
-    while len(frames) < checks:
-        for batch in torch.randperm(len(x), generator=generator).split(32):
-            if step % interval == 0:
-                with torch.no_grad():
-                    frames.append(body(probe).numpy().copy())
-                if len(frames) == checks:
-                    break
-            loss = torch.nn.functional.cross_entropy(head(body(x[batch])), y[batch])
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            step += 1
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, features=np.stack(frames), interval=interval)
-
-
-def load_trace(name: str, interval: int, checks: int, use: int) -> np.ndarray:
-    """The first ``use`` frames of a recorded trace of ``checks`` frames (recorded here when missing)."""
-    path = TRACES / f"{name}.npz"
-    if not path.exists() or len(np.load(path)["features"]) < checks:
-        print(f"recording trace {path.relative_to(ROOT)} (tiny MLP on digits, every {interval} steps)")
-        record_trace(path, interval, checks)
-    return np.load(path)["features"][:use].astype(np.float64)
 
 
 # --- baselines ----------------------------------------------------------------------------------------------
@@ -154,6 +124,8 @@ class Run:
         self.mismatches = 0
         self.compared = 0
         self.memory: list[tuple[int, int]] = []  # (predicted, measured) peak bytes of new arrays
+        self.moved: list[float] = []  # share of the points that moved (probe) or arrived (stream) per update
+        self.flipped: list[float] = []  # edges that appeared or disappeared, over the edges after the update
 
     def measure_memory(self, engine: MMHM, update: Callable[[], object]) -> None:
         """One more update under tracemalloc (after the timed ones: tracing slows allocation)."""
@@ -163,10 +135,14 @@ class Run:
         tracemalloc.stop()
         self.memory.append((engine.last_stats.predicted_bytes, peak))
 
-    def record_engine(self, engine: MMHM, seconds: float) -> None:
+    def record_engine(self, engine: MMHM, seconds: float, moved: float | None = None) -> None:
+        stats = engine.last_stats
         self.engine_s.append(seconds)
-        self.paths.append(engine.last_stats.path)
-        self.predicted_s.append(engine.last_stats.predicted_ms / 1e3)
+        self.paths.append(stats.path)
+        self.predicted_s.append(stats.predicted_ms / 1e3)
+        if moved is not None:
+            self.moved.append(moved)
+        self.flipped.append((stats.edges_added + stats.edges_removed) / max(stats.edges, 1))
 
     def compare(self, engine: MMHM, points: np.ndarray, epsilon: float, baselines: list[str]) -> None:
         expected = tuple(engine.betti_numbers())
@@ -193,10 +169,16 @@ class Run:
             if i >= 3 and p == p and m > 0
         ]
         paths = {path: self.paths.count(path) for path in sorted(set(self.paths))}
+        moved = statistics.median(self.moved) if self.moved else None
+        flipped = statistics.median(self.flipped)
         return {
             "scenario": self.name,
             "kind": self.kind,
             **self.params,
+            "moved_median": None if moved is None else round(moved, 4),
+            "flipped_median": round(flipped, 4),
+            # Sparse: a few points moved or arrived, or (all of them moving) a few per cent of the edges flipped.
+            "sparse_edit": bool((moved is not None and moved <= 0.25) or flipped <= 0.05),
             "updates": len(self.engine_s),
             "paths": paths,
             "engine_median_ms": round(engine_ms, 3),
@@ -217,11 +199,70 @@ class Run:
         }
 
 
+def real_stream_scenario(
+    label: str, stream: np.ndarray, compare_every: int, baselines: list[str], window: int = 1024
+) -> Run:
+    """Push a network's per-step features ``(steps, b, d)`` through the monitor's streaming pipeline."""
+    settings = MonitorSettings().merged({"schedule": {"mode": "stream", "window": window, "points_per_batch": None}})
+    pipeline = CheckPipeline(settings)
+    run = Run(label, "real stream", window=window, batch=stream.shape[1], d=stream.shape[2])
+    for step, batch in enumerate(stream.astype(np.float64)):
+        start = time.perf_counter()
+        pipeline.push([(step, batch)])
+        seconds = time.perf_counter() - start
+        engine = pipeline.engine_
+        assert engine is not None
+        if engine.n_points < window:  # the window is still filling
+            continue
+        run.record_engine(engine, seconds, moved=batch.shape[0] / window)
+        if len(run.engine_s) % compare_every == 1:
+            run.compare(engine, engine.points, engine.epsilon, baselines)
+    return run
+
+
+def real_probe_scenario(label: str, frames: np.ndarray, baselines: list[str], **params: object) -> Run:
+    """Probe checks of real features: the same inputs at every check, normalised as the monitor does."""
+    pipeline = CheckPipeline(MonitorSettings())
+    clouds = [pipeline.transform(frame.astype(np.float64)) for frame in frames]
+    epsilon = calibrate_epsilon(clouds[0], pipeline.settings.index)
+    run = Run(label, "real probe", n=frames.shape[1], d=frames.shape[2], **params)
+    engine = MMHM(epsilon=epsilon)
+    engine.update(clouds[0])
+    for cloud in clouds[1:]:
+        moved = float(np.mean(np.any(cloud != engine.points, axis=1)))
+        seconds, _ = timed(lambda cloud=cloud: engine.update(cloud))
+        run.record_engine(engine, seconds, moved=moved)
+        run.compare(engine, cloud, epsilon, baselines)
+    return run
+
+
+def real_runs(quick: bool, baselines: list[str]) -> list[Run]:
+    steps = 120 if quick else 400
+    runs = []
+    for name in ("cnn", "mlp"):
+        data = real_features.load(name)
+        label = f"stream {name} ({data['source']})"
+        runs.append(real_stream_scenario(label, data["stream"][:steps], 5 if quick else 10, baselines))
+    probe = real_features.load("cnn")["probe"]
+    checks = 6 if quick else 16
+    for every in (1, 5, 20):
+        frames = probe[: every * checks : every]
+        runs.append(real_probe_scenario(f"probe cnn every {every}", frames, baselines, interval=every))
+    gpt = real_features.gpt_probe()
+    if gpt is None:
+        print("no GPT-2 probe extract (benchmarks/data/gpt_probe.npz) and no collapse recordings: skipped")
+    else:
+        for kind in ("healthy", "collapse"):
+            frames = gpt[kind][: checks + 1]
+            runs.append(real_probe_scenario(f"probe gpt2 {kind} every 10", frames, baselines, interval=10))
+    return runs
+
+
 def probe_scenario(fraction: float, n: int, dim: int, updates: int, baselines: list[str]) -> Run:
     source = ClusteredSource(dim, 10, seed=1)
     cloud = source.sample(n)
     epsilon = epsilon_heuristic(cloud)
-    run = Run(f"probe {fraction:.0%} move", "probe", n=n, d=dim, moved_fraction=fraction)
+    run = Run(f"clustered probe {fraction:.0%} move", "synthetic probe", n=n, d=dim, moved_fraction=fraction)
     engine = MMHM(epsilon=epsilon)
     engine.update(cloud)
     rng = np.random.default_rng(2)
@@ -230,7 +271,7 @@ def probe_scenario(fraction: float, n: int, dim: int, updates: int, baselines: l
         moved = rng.choice(n, size=max(1, round(fraction * n)), replace=False)
         cloud[moved] += rng.normal(scale=0.4, size=(moved.size, dim))
         seconds, _ = timed(lambda cloud=cloud: engine.update(cloud))
-        run.record_engine(engine, seconds)
+        run.record_engine(engine, seconds, moved=moved.size / n)
         run.compare(engine, cloud, epsilon, baselines)
     for _ in range(3):
         cloud = cloud.copy()
@@ -244,13 +285,13 @@ def stream_scenario(window: int, batch: int, dim: int, updates: int, compare_eve
     source = ClusteredSource(dim, 10, seed=3)
     first = source.sample(window)
     epsilon = epsilon_heuristic(first)
-    run = Run(f"stream W={window} b={batch}", "stream", window=window, batch=batch, d=dim)
+    run = Run(f"clustered stream W={window} b={batch}", "synthetic stream", window=window, batch=batch, d=dim)
     engine = MMHM(epsilon=epsilon, window=window)
     engine.push(first)
     for i in range(updates):
         new = source.sample(batch)
         seconds, _ = timed(lambda new=new: engine.push(new))
-        run.record_engine(engine, seconds)
+        run.record_engine(engine, seconds, moved=batch / window)
         if i % compare_every == 0:
             run.compare(engine, engine.points, epsilon, baselines)
     for _ in range(3):
@@ -259,25 +300,11 @@ def stream_scenario(window: int, batch: int, dim: int, updates: int, compare_eve
     return run
 
 
-def trace_scenario(name: str, interval: int, checks: int, use: int, baselines: list[str]) -> Run:
-    frames = load_trace(name, interval, checks, use)
-    epsilon = epsilon_heuristic(frames[0])
-    run = Run(f"trace {name}", "trace", n=frames.shape[1], d=frames.shape[2], interval=interval)
-    engine = MMHM(epsilon=epsilon)
-    engine.update(frames[0])
-    for frame in frames[1:]:
-        seconds, _ = timed(lambda frame=frame: engine.update(frame))
-        run.record_engine(engine, seconds)
-        run.compare(engine, frame, epsilon, baselines)
-    for frame in frames[-4:-1]:
-        run.measure_memory(engine, lambda frame=frame: engine.update(frame))
-    return run
-
-
 def format_table(rows: list[dict[str, object]]) -> str:
     header = (
-        f"| {'scenario':<25} | {'paths':<28} | {'engine ms':>9} | {'scratch ms':>10} | {'gudhi ms':>8} | "
-        f"{'ripser ms':>9} | {'x best':>6} | {'x total':>7} | {'pred ±30%':>9} | {'mem ±30%':>8} | exact |"
+        f"| {'scenario':<34} | {'edit (moved / flipped)':<22} | {'paths':<26} | {'engine ms':>9} | "
+        f"{'scratch ms':>10} | {'gudhi ms':>8} | {'ripser ms':>9} | {'x best':>6} | {'x total':>7} | "
+        f"{'pred ±30%':>9} | exact |"
     )
     lines = [header, "|" + "|".join("-" * (len(part)) for part in header.split("|")[1:-1]) + "|"]
     for row in rows:
@@ -285,15 +312,34 @@ def format_table(rows: list[dict[str, object]]) -> str:
         assert isinstance(b, dict)
         paths = ", ".join(f"{k} {v}" for k, v in row["paths"].items())  # type: ignore[attr-defined]
         pred = row["predictions_within_30pct"]
+        moved = row["moved_median"]
+        edit = f"{'-' if moved is None else f'{moved:.0%}'} / {row['flipped_median']:.1%}"
+        if not row["sparse_edit"]:
+            edit += " NOT SPARSE"
         lines.append(
-            f"| {row['scenario']:<25} | {paths:<28} | {row['engine_median_ms']:>9.2f} | "
+            f"| {row['scenario']:<34} | {edit:<22} | {paths:<26} | {row['engine_median_ms']:>9.2f} | "
             f"{b.get('scratch', float('nan')):>10.2f} | {b.get('gudhi', float('nan')):>8.2f} | "
             f"{b.get('ripser', float('nan')):>9.2f} | {row['speedup_vs_best']:>6.2f} | "
             f"{row['total_speedup_vs_best']:>7.2f} | "
-            f"{'-' if pred is None else f'{pred:.0%}':>9} | {row['memory_within_30pct']:>8.0%} | "
+            f"{'-' if pred is None else f'{pred:.0%}':>9} | "
             f"{'yes' if row['exact'] else 'NO':<5} |"
         )
     return "\n".join(lines)
+
+
+def summary_lines(rows: list[dict[str, object]]) -> list[str]:
+    """Medians of the real scenarios' speed-ups, and the worst one."""
+    real = [row for row in rows if str(row["kind"]).startswith("real")]
+    if not real:
+        return []
+    speedups = [float(row["speedup_vs_best"]) for row in real]  # type: ignore[arg-type]
+    worst = min(real, key=lambda row: float(row["speedup_vs_best"]))  # type: ignore[arg-type]
+    streams = [float(row["speedup_vs_best"]) for row in real if row["kind"] == "real stream"]  # type: ignore[arg-type]
+    return [
+        f"real scenarios: median x best {statistics.median(speedups):.2f}, worst {worst['speedup_vs_best']} "
+        f"({worst['scenario']})",
+        f"real streams: median x best {statistics.median(streams):.2f}" if streams else "real streams: none",
+    ]
 
 
 def main() -> int:
@@ -309,33 +355,34 @@ def main() -> int:
     except ImportError:
         baselines.remove("ripser")
     quick = args.quick
-    n, updates = (256, 4) if quick else (1024, 10)
-    rows = []
     runs = []
-    for fraction in (0.01, 0.05, 0.25, 1.0):
+    for run in real_runs(quick, baselines):
+        runs.append(run)
+        print(f"done: {run.name}", flush=True)
+    n, updates = (256, 4) if quick else (1024, 10)
+    for fraction in (0.01, 0.25, 1.0):
         runs.append(probe_scenario(fraction, n, 64, updates, baselines))
-        print(f"done: {runs[-1].name}")
-    for window in (256,) if quick else (1024, 2048):
-        for batch in (32, 64):
-            count = 10 if quick else 60
-            runs.append(
-                stream_scenario(window, batch, 64, count, compare_every=5 if quick else 10, baselines=baselines)
-            )
-            print(f"done: {runs[-1].name}")
-    for name, interval, checks in (("mlp_digits_every5", 5, 40), ("mlp_digits_every100", 100, 25)):
-        runs.append(trace_scenario(name, interval, checks, 12 if quick else checks, baselines))
-        print(f"done: {runs[-1].name}")
+        print(f"done: {runs[-1].name}", flush=True)
+    for batch in (32,) if quick else (32, 64):
+        window = 256 if quick else 1024
+        runs.append(stream_scenario(window, batch, 64, 10 if quick else 60, 5 if quick else 10, baselines))
+        print(f"done: {runs[-1].name}", flush=True)
     rows = [run.summary() for run in runs]
     table = format_table(rows)
+    summary = summary_lines(rows)
     print()
     print(table)
+    print()
+    print("\n".join(summary))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mmhm_bench.py" + (" --quick" if quick else ""),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
         "threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_average": os.getloadavg(),
     }
-    args.output.write_text(json.dumps({"meta": meta, "runs": rows}, indent=2) + "\n")
+    payload = {"meta": meta, "runs": rows, "table": table, "summary": summary}
+    args.output.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {args.output.relative_to(ROOT) if args.output.is_relative_to(ROOT) else args.output}")
     return 0 if all(row["exact"] for row in rows) else 1
 

@@ -31,10 +31,35 @@ def test_probe_and_stream_scenarios_agree_with_every_baseline(mmhm_bench):
     assert sum(stream["paths"].values()) == 4
 
 
-def test_trace_recording_is_a_real_training_run(mmhm_bench, tmp_path):
-    path = tmp_path / "trace.npz"
-    mmhm_bench.record_trace(path, interval=3, checks=4)
-    frames = __import__("numpy").load(path)["features"]
-    assert frames.shape == (4, 1024, 64)
-    # Training moves the features between checks.
-    assert (frames[0] != frames[-1]).any()
+def test_real_feature_recording_is_a_real_training_run(tmp_path):
+    import numpy as np
+
+    real_features = load("real_features")
+    path = real_features.record("mlp", steps=5, path=tmp_path / "mlp.npz")
+    data = np.load(path)
+    assert data["stream"].shape == (5, 32, 64)
+    assert data["probe"].shape == (5, 512, 64)
+    assert data["stream"].dtype == np.float16
+    assert (data["probe"][0] != data["probe"][-1]).any()  # training moves the features between checks
+
+
+def test_real_scenarios_replay_through_the_pipeline_and_agree_with_every_baseline(mmhm_bench):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(scale=3.0, size=(4, 8))
+    # A drifting stream: the feature scale grows 20x, as a real network's does.
+    stream = np.stack([(1 + step) * (centres[rng.integers(0, 4, 8)] + rng.normal(size=(8, 8))) for step in range(20)])
+    baselines = ["gudhi", "scratch", "ripser"]
+    run = mmhm_bench.real_stream_scenario("stream", stream, 2, baselines, window=64).summary()
+    assert run["exact"] is True
+    assert run["kind"] == "real stream"
+    assert run["moved_median"] == 8 / 64
+    assert run["sparse_edit"] is True
+    assert run["compared_updates"] >= 3
+    frames = np.stack([centres[np.arange(40) % 4] + 0.3 * rng.normal(size=(40, 8)) for _ in range(4)])
+    probe = mmhm_bench.real_probe_scenario("probe", frames, baselines, interval=1).summary()
+    assert probe["exact"] is True
+    assert probe["moved_median"] == 1.0  # every point moves: the table says whether the edges did
+    assert probe["compared_updates"] == 3
+    assert "NOT SPARSE" in mmhm_bench.format_table([probe]) or probe["sparse_edit"]
