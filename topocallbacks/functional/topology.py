@@ -322,7 +322,7 @@ def betti_numbers(points: Any, epsilon: float) -> BettiNumbers:
 
 def _betti_numbers(cloud: NDArray[np.float64], epsilon: float) -> BettiNumbers:
     """:func:`betti_numbers` on a validated cloud and ε."""
-    return _betti_numbers_of_adjacency(epsilon_graph(cloud, epsilon)[0])
+    return _betti_numbers_of_adjacency(epsilon_graph(cloud, epsilon, edges=False)[0])
 
 
 def _subsample(cloud: NDArray[np.float64], max_points: int, seed: int) -> NDArray[np.float64]:

@@ -632,7 +632,7 @@ class MMHM:
         # moved points are recomputed: the graph between the others did not change.
         previous, self._points[:] = self._adjacency, cloud
         if moved.size == n:
-            adjacency = epsilon_graph(cloud, self.epsilon)[0]
+            adjacency = epsilon_graph(cloud, self.epsilon, edges=False)[0]
         else:
             self._adjacency = previous.copy()
             self._refresh_rows(moved)
