@@ -9,8 +9,9 @@ inside the training step, so the measurement is the training loop's own: GPT-2 s
 16 x 256 and 32 x 1024 tokens, ResNet-18 (``transformers``' ``ResNetForImageClassification`` with ResNet-18's
 layout) at 256 x 64 x 64 and 128 x 224 x 224, in bf16 mixed precision on a GPU. For each model and batch, with
 Lightning and (GPT-2) with Hugging Face's ``Trainer``, the runs are: no callback; the preset at its defaults, in
-probe mode and in streaming mode; the preset with ``check_every=10``. Runs are interleaved over repeats so that a
-busy neighbour affects all configurations alike.
+probe mode and in streaming mode; the preset with ``check_every=10``; the preset watching 4 layers in one probe
+pass (``probe_4layers``: the preset's layer and three earlier ones, see :func:`four_layers`). Runs are interleaved
+over repeats so that a busy neighbour affects all configurations alike.
 
 Step times come from CUDA events recorded at the end of every step (the GPU's own timeline: a step the loop spent
 waiting for a check shows as a longer step), or the wall clock on a CPU. Per run: the mean and median step after
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "benchmarks" / "results"
-CONFIGS = ("none", "probe", "stream", "probe_every10")
+CONFIGS = ("none", "probe", "stream", "probe_every10", "probe_4layers")
 PROBE_SEQUENCE = 256  # probe sequences of the GPT-2 runs, whatever the training sequence length
 
 
@@ -136,7 +137,22 @@ def preset_of(model: str) -> str:
     return "gpt" if model == "gpt2" else "resnet"
 
 
-def callback_overrides(model: str, config: str, background: bool | None) -> dict[str, Any]:
+def four_layers(model: str, size: str) -> list[str]:
+    """The layers ``probe_4layers`` watches besides the preset's (the primary one): 4 in all.
+
+    Patterns with a leading ``*`` match the model bare (Hugging Face) and inside the LightningModule (``model.``).
+    GPT-2: three blocks spread over the depth (the tiny model's two blocks and the embeddings' dropout); ResNet-18:
+    the last three stages before the pooler; the CPU MLP: its two encoder layers' outputs and the last ReLU.
+    """
+    if model == "gpt2":
+        blocks = ["*transformer.h.3", "*transformer.h.7", "*transformer.h.11"]
+        return blocks if size == "small" else ["*transformer.drop", "*transformer.h.0", "*transformer.h.1"]
+    if model == "mlp":
+        return ["*encoder.0", "*encoder.1", "*act"]
+    return ["*encoder.stages.1", "*encoder.stages.2", "*encoder.stages.3"]
+
+
+def callback_overrides(model: str, config: str, background: bool | None, size: str = "tiny") -> dict[str, Any]:
     overrides: dict[str, Any] = {"background": background}
     if model == "mlp":
         overrides["layer"] = "*.encoder"  # the resnet preset's probe size and schedule, the 512-d layer watched
@@ -144,6 +160,8 @@ def callback_overrides(model: str, config: str, background: bool | None) -> dict
         overrides["mode"] = "stream"
     if config == "probe_every10":
         overrides["check_every"] = 10
+    if config == "probe_4layers":
+        overrides["layers"] = four_layers(model, size)
     return overrides
 
 
@@ -151,14 +169,19 @@ def callback_overrides(model: str, config: str, background: bool | None) -> dict
 
 
 def topo_callback(
-    kind: Any, model: str, config: str, shape: tuple[int, ...], vocab: int, background: bool | None
+    kind: Any,
+    model: str,
+    config: str,
+    shape: tuple[int, ...],
+    vocab: int,
+    background: bool | None,
+    size: str = "tiny",
 ) -> Any:
     """The callback of class ``kind`` for ``config`` (the model's preset with the config's overrides), or None."""
     if config == "none":
         return None
-    return kind.from_preset(
-        preset_of(model), probe=probe_for(model, shape, vocab), **callback_overrides(model, config, background)
-    )
+    overrides = callback_overrides(model, config, background, size)
+    return kind.from_preset(preset_of(model), probe=probe_for(model, shape, vocab), **overrides)
 
 
 def lightning_run(
@@ -194,7 +217,7 @@ def lightning_run(
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             clock.mark()
 
-    topo = topo_callback(TopoCollapseCallback, model, config, shape, vocab, background)
+    topo = topo_callback(TopoCollapseCallback, model, config, shape, vocab, background, size)
     callbacks: list[Any] = [Clock()] if topo is None else [topo, Clock()]
     trainer = pl.Trainer(
         max_steps=steps,
@@ -242,7 +265,7 @@ def hf_run(
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             clock.mark()
 
-    topo = topo_callback(TopoCollapseTrainerCallback, model, config, shape, vocab, background)
+    topo = topo_callback(TopoCollapseTrainerCallback, model, config, shape, vocab, background, size)
     callbacks: list[Any] = [Clock()] if topo is None else [topo, Clock()]
     args = transformers.TrainingArguments(
         output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "gpu_overhead_hf"),
@@ -306,10 +329,14 @@ def summarise(step_ms: list[float], wall: float, callback: Any, probe_ms: float 
         from topocallbacks.check import CheckRecord
 
         records = [r for r in callback.history if isinstance(r, CheckRecord)]
+        per_check: dict[int, float] = {}  # a check's evaluation time, all its layers together
+        for r in records:
+            per_check[r.step] = per_check.get(r.step, 0.0) + r.check_ms
         result.update(
-            checks=len(records),
+            checks=len(per_check),
+            layers=len({r.layer for r in records}),
             background=callback.monitor.background,
-            check_ms=statistics.median([r.check_ms for r in records]) if records else None,
+            check_ms=statistics.median(per_check.values()) if records else None,
             wait_ms_max=max((r.wait_ms for r in records), default=None),
             wait_ms_total=sum(r.wait_ms for r in records),
             features_ms=statistics.median([r.probe_ms for r in records]) if records else None,
