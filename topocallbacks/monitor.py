@@ -469,9 +469,12 @@ class TopoMonitor(Stateful):
             return None
         from .report import write_report
 
-        last = next((r for r in reversed(self.history) if isinstance(r, CheckRecord) and r.ok), None)
+        primary = self.pipeline.primary if isinstance(self.pipeline, LayeredPipeline) else None
+        ok = (r for r in reversed(self.history) if isinstance(r, CheckRecord) and r.ok and r.layer == primary)
+        last = next(ok, None)  # the diagrams drawn are the primary layer's
         diagrams = self.pipeline.last_diagrams  # those of the last check that was not diverged
-        drawn = None if last is None or diagrams is None else {last.step: diagrams}
+        key: Any = None if last is None else last.step if last.layer is None else (last.step, last.layer)
+        drawn = None if last is None or diagrams is None else {key: diagrams}
         return write_report(self.history, out_dir, diagrams=drawn, title=title)
 
     @property

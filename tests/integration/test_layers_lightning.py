@@ -91,3 +91,21 @@ def test_bad_layers_fail_in_setup_with_close_matches(tmp_path):
     with pytest.raises(InputError, match=r"`layers` must be a non-empty list"):
         TopoCollapseCallback(probe=PROBE, layers=[])
     assert TopoMonitor(layers=["a", "b"]).several
+
+
+def test_a_resume_from_a_checkpoint_keeps_every_layer_and_never_refires(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    policy = {"action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
+    policy |= {"max_lr_cuts": 1, "after_max_lr_cuts": "none", "layer_rule": "any", "cooldown": 100}
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=20, save_top_k=-1)
+    first = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy)
+    trainer(tmp_path, [first, saver], 20, enable_checkpointing=True).fit(TinyCNN(), digits_loader())
+    path = next((tmp_path / "ckpt").glob("*step=20*.ckpt"))
+    second = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy)
+    trainer(tmp_path, [second], 40).fit(TinyCNN(), digits_loader(), ckpt_path=str(path))
+    for layer in ["avgpool", *LAYERS]:
+        assert [r.step for r in checks(second, layer)] == [0, 10, 20, 30, 40]  # step 20 not checked twice
+        assert [r.index_value for r in checks(second, layer)][:3] == [r.index_value for r in checks(first, layer)]
+    assert [r.step for r in second.history if r.kind == "intervention"] == [10]  # the cut came back, not made again
+    assert second.monitor.lr_factor_ == 0.5

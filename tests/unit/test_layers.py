@@ -271,3 +271,36 @@ def test_the_primary_layer_comes_first_and_is_listed_once():
     assert monitor.pipeline.primary == "4"
     assert "at 3 layers (4, 0, 2; primary 4)" in monitor.summary()
     assert isinstance(monitor.pipeline, LayeredPipeline)
+
+
+def test_a_rollback_restores_once_and_rewinds_every_layer():
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    actuator = LoopActuator(optimizer, model=model)
+    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "action": "rollback", "layer_rule": "any"})
+    weights = {}
+    for step, cloud in enumerate(clouds({"b": {5}})):
+        with torch.no_grad():
+            model.weight.fill_(float(step))  # the state a rollback must bring back
+        monitor.process(cloud, step)
+        for record in [r for r in checks(monitor) if r.step == step]:
+            monitor.act(record, actuator)
+        weights[step] = model.weight.flatten().tolist()
+    rollbacks = [r for r in monitor.history if r.kind == "intervention"]
+    assert [(r.step, r.action, r.snapshot_step, r.steps_lost) for r in rollbacks] == [(5, "rollback", 4, 1)]
+    assert weights[5] == [4.0, 4.0]  # step 4's state, restored once at step 5
+    steps = [snapshot.step for snapshot in monitor.snapshots.snapshots]
+    assert len(steps) == len(set(steps))  # one snapshot per healthy check, not one per layer
+    # Every layer measures drift against its own snapshot diagrams again: b is back to its points at step 6.
+    assert [r.index_value for r in checks(monitor, "b") if r.step >= 6] == [0.0, 0.0]
+
+
+def test_the_report_of_several_layers_draws_the_primary_layers_diagrams(tmp_path):
+    pytest.importorskip("matplotlib")
+    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "layer_rule": "any"})
+    for step, cloud in enumerate(clouds({"b": {5}}, steps=7)):
+        monitor.process(cloud, step)
+    page = monitor.report(tmp_path).read_text()
+    for figure in ("heatmap_index.png", "heatmap_ci.png", "diagrams.png", "composite_0.png", "composite_1.png"):
+        assert (tmp_path / figure).is_file()
+    assert "layer that moved first: b 0 -&gt; 23.3" in page  # the warning's reason, in its diagnosis
