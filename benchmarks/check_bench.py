@@ -1,6 +1,6 @@
 """The whole check's CPU cost, features given: real probe features at n = 512 ... 4,096, healthy and collapsed.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_bench.py            # about 3 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_bench.py            # about 1 minute
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_bench.py --quick    # n = 512 and 1,024 only
 
 What is timed is :meth:`topocallbacks.pipeline.CheckPipeline.evaluate` at the monitor's defaults (normalised
@@ -11,14 +11,19 @@ Fashion-MNIST is not installed). Per n: a first check (ε calibrated on it), the
 a few steps of training later (every point moved: a real probe check), then three checks of a *collapsed* cloud:
 the same points pulled 99.9 % of the way onto 4 of them, so that at the calibrated ε the graph is a few cliques,
 the regime that made GUDHI's edge collapse cubic. Reported: the median time of each kind, and the peak of the
-Python-visible allocations (``tracemalloc``; GUDHI's C++ memory is not included). Writes
+Python-visible allocations (``tracemalloc``; neither GUDHI's C++ memory nor numba's is included). Times and peaks
+come from two runs of the same sequence of checks: tracing every allocation slows a check by 30-50 % at n = 512,
+so the timed run is not traced. A warm-up check on 64 points first pays the process's one-off costs (lazy imports
+such as scipy.optimize, loading the compiled kernels), which belong to no check. Writes
 ``benchmarks/results/check_bench.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import statistics
 import sys
@@ -95,14 +100,28 @@ def collapsed(cloud: np.ndarray) -> np.ndarray:
     return centres + 1e-3 * (cloud - centres)
 
 
-def timed(pipeline: CheckPipeline, cloud: np.ndarray, step: int) -> tuple[float, int]:
-    tracemalloc.start()
+def timed(pipeline: CheckPipeline, cloud: np.ndarray, step: int, trace: bool) -> float:
+    """Milliseconds of one check, or (``trace``) the peak bytes of its Python allocations."""
+    if trace:
+        tracemalloc.start()
     start = time.perf_counter()
     pipeline.evaluate(cloud, step)
     elapsed = time.perf_counter() - start
+    if not trace:
+        return elapsed * 1e3
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return elapsed * 1e3, peak
+    return float(peak)
+
+
+def checks(first: np.ndarray, later: np.ndarray, n: int, trace: bool) -> tuple[list[float], list[float]]:
+    """The healthy and collapsed checks' times (or peaks) for ``n`` points, after a first check that calibrates ε."""
+    rng = np.random.default_rng(n)
+    pipeline = CheckPipeline(MonitorSettings())
+    pipeline.evaluate(first[:n], 0)  # calibrates ε
+    healthy = [timed(pipeline, later[:n] + 1e-6 * rng.normal(size=(n, 64)), step, trace) for step in range(1, 4)]
+    squeezed = [timed(pipeline, collapsed(later[:n]) + 1e-9 * rng.normal(size=(n, 64)), s, trace) for s in range(4, 7)]
+    return healthy, squeezed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,22 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = (512, 1024) if args.quick else (512, 1024, 2048, 4096)
     first, later, source = feature_snapshots(max(sizes))
+    warm = CheckPipeline(MonitorSettings())
+    for step in range(3):  # one-off costs of the process: lazy imports, compiled kernels
+        warm.evaluate(later[:64] * (1 + step), step)
     rows = []
     for n in sizes:
         if n > len(first):
             print(f"n = {n}: only {len(first)} images in {source}; skipped")
             continue
-        rng = np.random.default_rng(n)
-        pipeline = CheckPipeline(MonitorSettings())
-        pipeline.evaluate(first[:n], 0)  # calibrates ε
-        healthy = [timed(pipeline, later[:n] + 1e-6 * rng.normal(size=(n, 64)), step) for step in range(1, 4)]
-        squeezed = [timed(pipeline, collapsed(later[:n]) + 1e-9 * rng.normal(size=(n, 64)), s) for s in range(4, 7)]
+        healthy, squeezed = checks(first, later, n, trace=False)
+        healthy_peaks, squeezed_peaks = checks(first, later, n, trace=True)
         row = {
             "n": n,
-            "healthy_ms": statistics.median(t for t, _ in healthy),
-            "collapsed_ms": statistics.median(t for t, _ in squeezed),
-            "healthy_peak_mib": max(p for _, p in healthy) / 2**20,
-            "collapsed_peak_mib": max(p for _, p in squeezed) / 2**20,
+            "healthy_ms": statistics.median(healthy),
+            "collapsed_ms": statistics.median(squeezed),
+            "healthy_all_ms": [round(t, 1) for t in healthy],
+            "collapsed_all_ms": [round(t, 1) for t in squeezed],
+            "healthy_peak_mib": max(healthy_peaks) / 2**20,
+            "collapsed_peak_mib": max(squeezed_peaks) / 2**20,
         }
         rows.append(row)
         print(
@@ -142,7 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
     ]
     print("\n".join(table))
-    payload = {"features": source, "machine": platform.platform(), "rows": rows, "table": "\n".join(table)}
+    payload = {
+        "features": source,
+        "machine": platform.platform(),
+        "load_average": os.getloadavg(),
+        "numba": importlib.util.find_spec("numba") is not None,
+        "rows": rows,
+        "table": "\n".join(table),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1) + "\n")
     return 0

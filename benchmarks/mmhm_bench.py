@@ -28,6 +28,7 @@ Prints a table and writes benchmarks/results/mmhm.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -346,6 +347,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer and smaller runs (a smoke test)")
     parser.add_argument("--output", type=Path, default=RESULTS / "mmhm.json")
+    parser.add_argument("--only", choices=("real", "synthetic"), help="run one half of the scenarios")
     args = parser.parse_args()
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print("note: set OMP_NUM_THREADS=1 for the figures in the README (one thread, as measured there)")
@@ -356,14 +358,14 @@ def main() -> int:
         baselines.remove("ripser")
     quick = args.quick
     runs = []
-    for run in real_runs(quick, baselines):
+    for run in real_runs(quick, baselines) if args.only != "synthetic" else []:
         runs.append(run)
         print(f"done: {run.name}", flush=True)
     n, updates = (256, 4) if quick else (1024, 10)
-    for fraction in (0.01, 0.25, 1.0):
+    for fraction in (0.01, 0.25, 1.0) if args.only != "real" else ():
         runs.append(probe_scenario(fraction, n, 64, updates, baselines))
         print(f"done: {runs[-1].name}", flush=True)
-    for batch in (32,) if quick else (32, 64):
+    for batch in ((32,) if quick else (32, 64)) if args.only != "real" else ():
         window = 256 if quick else 1024
         runs.append(stream_scenario(window, batch, 64, 10 if quick else 60, 5 if quick else 10, baselines))
         print(f"done: {runs[-1].name}", flush=True)
@@ -376,7 +378,10 @@ def main() -> int:
     print("\n".join(summary))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mmhm_bench.py" + (" --quick" if quick else ""),
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mmhm_bench.py"
+        + (" --quick" if quick else "")
+        + (f" --only {args.only}" if args.only else ""),
+        "numba": importlib.util.find_spec("numba") is not None,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
         "threads": os.environ.get("OMP_NUM_THREADS"),
         "load_average": os.getloadavg(),

@@ -12,7 +12,7 @@ For each, at every training step, the features of the batch's first 32 images as
 a streaming monitor captures: 32 points per step into its window), and the features of a fixed probe of 512
 held-out images (what a probe check sees, so that a check every 1, 5 or 20 steps can be replayed). Saved as float16
 ``.npz`` files in ``benchmarks/traces/`` (ignored by git; this script rebuilds them bit for bit on the same
-machine). ``benchmarks/data/gpt_probe.npz`` (committed, about 1 MB) holds a tiny GPT-2's probe features from the
+machine). ``benchmarks/data/gpt_probe.npz`` (committed, 2.2 MB) holds a tiny GPT-2's probe features from the
 collapse suite's recordings (``gpt_high_lr``, seed 0, healthy twin and collapse run, a check every 10 steps).
 """
 

@@ -59,6 +59,9 @@ _EXPLORE_MIN_SEEN = 1
 _EXPLORE_RATIO = 1.25
 _REVISIT_EVERY = 50
 _REVISIT_RATIO = 1.25
+# The rebuild (the exact fallback) is measured again after this many updates when the last incremental update took
+# longer than the last rebuild: a model misled by a few noisy early measurements recovers within this many updates.
+_REBUILD_RECHECK_EVERY = 10
 # An incremental update gives up and rebuilds past this multiple of the predicted rebuild time.
 _BAIL_RATIO = 1.5
 # How often (in operations) the deadline is checked.
@@ -173,6 +176,7 @@ class MMHM:
     _updates: int
     _setup_seconds: float
     _last_tried: dict[str, int]
+    _last_seconds: dict[str, float]
     _ops: int
     _certified: int
 
@@ -436,6 +440,7 @@ class MMHM:
         self._updates = 0
         self._setup_seconds = 0.0
         self._last_tried = {}
+        self._last_seconds = {}
         self._ops = 0
         self._certified = 0
 
@@ -586,10 +591,26 @@ class MMHM:
         updates is tried again when within ``_REVISIT_RATIO`` of the best, a ratio that doubles with every further
         ``_REVISIT_EVERY`` updates it stays untried: a model that never measures a path never learns it, and
         coefficients learned in another regime (a dense phase early in training, say) would otherwise lock it out
-        for ever. A trial is cheap: an incremental path that runs past its deadline rebuilds.
+        for ever. A trial is cheap: an incremental path that runs past its deadline rebuilds. And the rebuild, the
+        exact fallback, is measured again every ``_REBUILD_RECHECK_EVERY`` updates while the last incremental update
+        took longer than the last rebuild, so a few noisy early measurements cannot keep it out.
         """
         ranked = sorted(estimates, key=lambda estimate: estimate.seconds)
         best = ranked[0]
+        rebuild = next((estimate for estimate in ranked if estimate.path == "rebuild"), None)
+        last = self._last_seconds
+        if (
+            rebuild is not None
+            and best.path != "rebuild"
+            and self._updates - self._last_tried.get("rebuild", 0) >= _REBUILD_RECHECK_EVERY
+            and last.get(best.path, 0.0) > last.get("rebuild", math.inf)
+        ):
+            return (
+                "rebuild",
+                f"{context}: measuring the rebuild again (the last {best.path} update took "
+                f"{last[best.path] * 1e3:.2f} ms, the last rebuild {last['rebuild'] * 1e3:.2f} ms)",
+                rebuild,
+            )
         for other in ranked[1:]:
             seen = self.cost_model.observations_[other.path]
             idle = self._updates - self._last_tried.get(other.path, -_REVISIT_EVERY)
@@ -977,6 +998,7 @@ class MMHM:
         if features is not None and path in PATHS:
             self.cost_model.observe(path, features, max(seconds - setup, 1e-7))
             self._last_tried[path] = self._updates
+            self._last_seconds[path] = seconds - setup
         self.last_stats = UpdateStats(
             path=path,
             reason=reason,
