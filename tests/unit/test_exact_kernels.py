@@ -217,3 +217,14 @@ def test_large_orders_neither_overflow_nor_underflow():
     assert F.diagram_distance(*small, order=60) > 0.1  # (0.3/2)^60 underflows without the rescaling
     with pytest.raises(InputError, match=r"`order` must be a finite number in \[1, 100\], got 2000"):
         F.diagram_distance(a, b, order=2000)
+
+
+@given(x=lengths, y=lengths)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_compiled_h0_programme_gives_the_same_cost_to_the_last_bit(monkeypatch, x, y):
+    pytest.importorskip("numba")
+    x, y = np.sort(np.asarray(x, dtype=np.float64)), np.sort(np.asarray(y, dtype=np.float64))
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "0")
+    reference = _common_birth_cost(x, y, 1.0)
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1")
+    assert _common_birth_cost(x, y, 1.0) == reference

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["core_kernel"]
+__all__ = ["core_kernel", "programme_kernel"]
 
 #: Set to ``"0"`` to use the numpy code even where numba is installed.
 ENVIRONMENT_SWITCH = "TOPOCALLBACKS_NUMBA"
@@ -151,22 +151,62 @@ def _edge_collapse(packed: Any, degree: Any) -> Any:  # pragma: no cover - compi
     return removed
 
 
+def _common_birth_programme(
+    x: Any, y: Any, to_diagonal_x: Any, before_y: Any
+) -> Any:  # pragma: no cover - compiled by numba
+    """The dynamic programme of ``indices._common_birth_cost`` for order 1, one scalar at a time.
+
+    The same floating-point operations in the same order as the vectorised rows (``|x_i - y_j|`` for the power 1,
+    which is exact), so the result is the same to the last bit.
+    """
+    m = y.size
+    row = before_y.copy()
+    candidates = np.empty(m + 1)
+    for i in range(x.size):
+        candidates[0] = row[0] + to_diagonal_x[i]
+        for j in range(m):
+            match = row[j] + abs(x[i] - y[j])
+            stay = row[j + 1] + to_diagonal_x[i]
+            candidates[j + 1] = stay if stay <= match else match
+        running = candidates[0] - before_y[0]
+        row[0] = before_y[0] + running
+        for j in range(1, m + 1):
+            value = candidates[j] - before_y[j]
+            if value < running:
+                running = value
+            row[j] = before_y[j] + running
+    return row[m]
+
+
 @functools.cache
-def _compiled() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int]] | None:
+def _compiled() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int], Callable[..., float]] | None:
     try:
         import numba  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return None
     kernel: Callable[..., NDArray[np.bool_]] = numba.njit(cache=True, nogil=True)(_core_mask)
     edges: Callable[..., int] = numba.njit(cache=True, nogil=True)(_edge_collapse)
+    programme: Callable[..., float] = numba.njit(cache=True, nogil=True)(_common_birth_programme)
     # Compile (or load the cached machine code) now, not inside the first timed update.
     kernel(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64), np.arange(2, dtype=np.int64))
     edges(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64))
-    return kernel, edges
+    programme(np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(2))
+    return kernel, edges, programme
 
 
 def core_kernel() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int]] | None:
     """The compiled strong-collapse and edge-collapse kernels, or None (numba missing, or ``TOPOCALLBACKS_NUMBA=0``)."""
+    compiled = _enabled()
+    return None if compiled is None else compiled[:2]
+
+
+def programme_kernel() -> Callable[..., float] | None:
+    """The compiled order-1 programme of the H0 diagram distance, or None."""
+    compiled = _enabled()
+    return None if compiled is None else compiled[2]
+
+
+def _enabled() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int], Callable[..., float]] | None:
     if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
         return None
     return _compiled()
