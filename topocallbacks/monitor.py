@@ -102,7 +102,9 @@ class TopoMonitor(Stateful):
             (:meth:`MonitorSettings.merged <topocallbacks.settings.MonitorSettings.merged>`): ``layer``,
             ``check_every``, ``index``, ``max_probe_samples``, ``history_path``, ``background``, ``policy={...}``
             (a mapping merged into the policy in effect, a :class:`~topocallbacks.settings.PolicySettings`, or a
-            :class:`~topocallbacks.policy.Policy` whose settings are used)...
+            :class:`~topocallbacks.policy.Policy` whose settings are used)... ``layers=[...]`` watches several
+            layers in one probe pass (:class:`~topocallbacks.pipeline.LayeredPipeline`): a check then gives one
+            record per layer, the primary layer's last, which alone carries the decision :meth:`act` carries out.
 
     Raises:
         InputError: an option is out of range, or a probe is given without a layer.

@@ -163,7 +163,9 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         restoring: set by a restore from ``trainer_state.json``; not for users.
         **overrides: any monitor option by name, merged last: ``layer``, ``check_every``, ``index``, ``mode``,
             ``policy={...}``, ``max_probe_samples``, ``history_path``, ``checkpoint_on_stop``... (see
-            :class:`~topocallbacks.settings.MonitorSettings`).
+            :class:`~topocallbacks.settings.MonitorSettings`). ``layers=[...]`` watches several layers in one probe
+            pass, each logged as ``topo/<layer>/...`` (names, patterns or a preset's shortcut such as
+            ``"all_blocks"``; ``policy={"layer_rule": "any"}`` acts on any of them, once per check).
 
     Raises:
         InputError: a value is out of range, or no layer is named; an unknown layer is reported at

@@ -142,7 +142,9 @@ class TopoCollapseCallback(Callback):
             e.g. with a large ``check_every`` to check once per validation only.
         **overrides: any monitor option by name, merged last: ``layer``, ``check_every``, ``index``, ``mode``,
             ``policy={...}``, ``history_path``, ``checkpoint_on_stop``, ``rescue_dir``... (see
-            :class:`~topocallbacks.settings.MonitorSettings`).
+            :class:`~topocallbacks.settings.MonitorSettings`). ``layers=[...]`` watches several layers in one probe
+            pass, each logged as ``topo/<layer>/...`` (names, patterns or a preset's shortcut such as
+            ``"all_blocks"``; ``policy={"layer_rule": "any"}`` acts on any of them, once per check).
 
     Raises:
         InputError: a value is out of range, or no layer is named; an unknown layer name is reported in ``setup``
