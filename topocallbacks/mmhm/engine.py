@@ -45,7 +45,7 @@ from scipy.sparse.csgraph import connected_components
 from .._validation import as_points, check_int, check_positive_float, check_state
 from ..exceptions import InputError
 from ..functional._distances import epsilon_block, epsilon_graph, power_of_two_scale
-from ..functional.topology import BettiNumbers, _betti_numbers_of_adjacency
+from ..functional.topology import BettiNumbers, _betti_numbers_of_adjacency, degrees
 from .cost import PATHS, CostEstimate, CostModel, path_features, predict_module_build_bytes
 
 __all__ = ["MMHM", "UpdateStats"]
@@ -60,8 +60,10 @@ _EXPLORE_RATIO = 1.25
 _REVISIT_EVERY = 50
 _REVISIT_RATIO = 1.25
 # The rebuild (the exact fallback) is measured again after this many updates when the last incremental update took
-# longer than the last rebuild: a model misled by a few noisy early measurements recovers within this many updates.
-_REBUILD_RECHECK_EVERY = 10
+# longer than this ratio x the last rebuild: a model misled by a few noisy early measurements recovers within this
+# many updates.
+_REBUILD_RECHECK_EVERY = 25
+_REBUILD_RECHECK_RATIO = 1.25
 # An incremental update gives up and rebuilds past this multiple of the predicted rebuild time.
 _BAIL_RATIO = 1.5
 # How often (in operations) the deadline is checked.
@@ -485,6 +487,7 @@ class MMHM:
         flipped: int | None = None,
         learn: bool = True,
         rows_done: int | None = None,
+        estimate: CostEstimate | None = None,
     ) -> None:
         """From scratch: (β0, β1) of the whole ε-graph, exactly as the from-scratch function computes them.
 
@@ -498,17 +501,19 @@ class MMHM:
             rows_done: the caller already brought the stored adjacency up to date by recomputing this many rows
                 (those of the moved or new points: the graph between the others did not change), so no ε-graph
                 pass is needed; ``graph`` is then ignored.
+            estimate: the cost model's prediction for this rebuild, if the caller made it already.
         """
         alive = np.flatnonzero(self._alive)
         n, d = alive.size, self._points.shape[1]
         old_edges = self.n_edges
-        estimate = self.cost_model.predict(
-            "rebuild", n=n, d=d, edges=old_edges, probe=self._mode == "probe", rows=rows_done
-        )
+        if estimate is None:
+            estimate = self.cost_model.predict(
+                "rebuild", n=n, d=d, edges=old_edges, probe=self._mode == "probe", rows=rows_done
+            )
         if rows_done is not None:
             full = alive.size == self._adjacency.shape[0]
             adjacency = self._adjacency if full else self._adjacency[np.ix_(alive, alive)]
-            self._degree = np.count_nonzero(self._adjacency, axis=1).astype(np.int64)
+            self._degree = degrees(self._adjacency)
             new_edges = int(self._degree.sum()) // 2
         else:
             adjacency, rows, cols = epsilon_graph(self._points[alive], self.epsilon) if graph is None else graph
@@ -520,7 +525,8 @@ class MMHM:
             # The slots now hold other points (or there were none): everything old went, everything new came.
             added, removed = new_edges, old_edges
         # Totals from the compact graph (indices 0..n-1), as from scratch.
-        totals = _betti_numbers_of_adjacency(adjacency)
+        full_degree = rows_done is not None and alive.size == self._adjacency.shape[0]
+        totals = _betti_numbers_of_adjacency(adjacency, self._degree if full_degree else None)
         if rows_done is None:
             if alive.size == self._adjacency.shape[0]:
                 self._adjacency = adjacency
@@ -593,7 +599,8 @@ class MMHM:
         coefficients learned in another regime (a dense phase early in training, say) would otherwise lock it out
         for ever. A trial is cheap: an incremental path that runs past its deadline rebuilds. And the rebuild, the
         exact fallback, is measured again every ``_REBUILD_RECHECK_EVERY`` updates while the last incremental update
-        took longer than the last rebuild, so a few noisy early measurements cannot keep it out.
+        took ``_REBUILD_RECHECK_RATIO`` times longer than the last rebuild, so a few noisy early measurements cannot
+        keep it out.
         """
         ranked = sorted(estimates, key=lambda estimate: estimate.seconds)
         best = ranked[0]
@@ -603,7 +610,7 @@ class MMHM:
             rebuild is not None
             and best.path != "rebuild"
             and self._updates - self._last_tried.get("rebuild", 0) >= _REBUILD_RECHECK_EVERY
-            and last.get(best.path, 0.0) > last.get("rebuild", math.inf)
+            and last.get(best.path, 0.0) > _REBUILD_RECHECK_RATIO * last.get("rebuild", math.inf)
         ):
             return (
                 "rebuild",
@@ -630,18 +637,30 @@ class MMHM:
         n, d = cloud.shape
         edges = self.n_edges
         degree = 2 * edges / n
-        vertex = self.cost_model.predict("vertex", n=n, d=d, edges=edges, ops=2 * moved.size, mean_degree=degree)
-        vertex = self._with_pending_modules(vertex, n, edges)
         rebuild = self.cost_model.predict("rebuild", n=n, d=d, edges=edges, rows=moved.size)
         common = max(degree * degree / max(n - 1, 1), 1.0)  # expected common neighbours of an edge
-        # The edge path's floor (no flip at all): if even that loses to the vertex path, skip the new graph.
-        edge_floor = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=0, mean_degree=common, rows=moved.size)
-        edge_floor = self._with_pending_modules(edge_floor, n, edges)
         context = f"{moved.size} of {n} points moved"
-        if self.path == "auto":
+        vertex = rebuild
+        if self.path == "auto" and moved.size == n:
+            # Every point moved: the vertex path would delete and insert them all, so the choice is between the
+            # edge path and a rebuild, made once the new graph tells how many edges flipped.
+            path, reason = "graph", context
+        elif self.path == "auto":
+            vertex = self.cost_model.predict("vertex", n=n, d=d, edges=edges, ops=2 * moved.size, mean_degree=degree)
+            vertex = self._with_pending_modules(vertex, n, edges)
+            # The edge path's floor (no flip at all): if even that loses to the vertex path, skip the new graph.
+            edge_floor = self.cost_model.predict(
+                "edge", n=n, d=d, edges=edges, ops=0, mean_degree=common, rows=moved.size
+            )
+            edge_floor = self._with_pending_modules(edge_floor, n, edges)
             path, reason, _ = self._choose(context, vertex, rebuild, edge_floor)
         else:
             path, reason = ("vertex" if self.path == "vertex" else "graph"), "forced"
+            if path == "vertex":
+                vertex = self.cost_model.predict(
+                    "vertex", n=n, d=d, edges=edges, ops=2 * moved.size, mean_degree=degree
+                )
+                vertex = self._with_pending_modules(vertex, n, edges)
         if path == "vertex":
             self._vertex_path(cloud[moved], moved, moved, start, reason, vertex, self._deadline(start, rebuild))
             return
@@ -662,7 +681,6 @@ class MMHM:
         n_flips = int(np.count_nonzero(flips)) // 2
         edge = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=n_flips, mean_degree=common, rows=moved.size)
         edge = self._with_pending_modules(edge, n, edges)
-        rebuild = self.cost_model.predict("rebuild", n=n, d=d, edges=edges, rows=moved.size)
         if self.path == "auto":
             path, reason, _ = self._choose(f"{context}, {n_flips} edges flipped", edge, rebuild)
         else:
@@ -672,7 +690,7 @@ class MMHM:
             self._edge_path(np.triu(flips, 1), start, reason, edge, common, deadline, rows_done=moved.size)
         else:
             self._adjacency = adjacency
-            self._rebuild(start, reason, flipped=n_flips, rows_done=moved.size)
+            self._rebuild(start, reason, flipped=n_flips, rows_done=moved.size, estimate=rebuild)
 
     def _push(self, cloud: NDArray[np.float64], start: float) -> None:
         window = self._window_size
