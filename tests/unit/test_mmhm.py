@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tests.strategies import clouds_with_epsilon
 from topocallbacks import MMHM, InputError, NonFiniteError
 from topocallbacks import functional as F
-from topocallbacks.functional._distances import epsilon_adjacency
+from topocallbacks.functional._distances import epsilon_adjacency, epsilon_edges
 from topocallbacks.mmhm import CostModel
 
 PATHS = ["auto", "vertex", "edge", "rebuild"]
@@ -461,3 +461,23 @@ def test_memory_prediction_matches_tracemalloc_within_30_percent(path, moved):
     tracemalloc.stop()
     assert engine.last_stats.path == path
     assert engine.last_stats.predicted_bytes == pytest.approx(peak, rel=0.3)
+
+
+@pytest.mark.parametrize("start", [60, 100])  # the window filling, and full (the new points replace the oldest)
+def test_a_streaming_rebuild_keeps_the_graph_and_counts_the_edges_that_changed(start):
+    source = clustered(300, 8, 3, seed=4)
+    engine = MMHM(epsilon=F.epsilon_heuristic(source[:100]), window=100, path="rebuild")
+    engine.push(source[:start])
+    before = engine._adjacency.copy()
+    engine.push(source[start : start + 10])
+    after = engine._adjacency
+    stats = engine.last_stats
+    assert stats.edges_added == int(np.count_nonzero(np.triu(after & ~before, 1)))
+    assert stats.edges_removed == int(np.count_nonzero(np.triu(before & ~after, 1)))
+    points = engine.points
+    expected = np.zeros((len(points), len(points)), dtype=bool)
+    rows, cols = epsilon_edges(points, engine.epsilon)
+    expected[rows, cols] = expected[cols, rows] = True
+    order = engine._slot_order()
+    np.testing.assert_array_equal(after[np.ix_(order, order)], expected)  # the graph a from-scratch pass makes
+    assert engine.betti_numbers() == F.betti_numbers(points, engine.epsilon)

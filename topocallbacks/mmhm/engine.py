@@ -545,19 +545,24 @@ class MMHM:
         features = path_features("rebuild", n=n, d=d, edges=new_edges, rows=rows_done) if learn else None
         self._record("rebuild", reason, start, added, removed, 0, 0, self._totals.b0, estimate, features)
 
-    def _refresh_rows(self, slots: NDArray[np.intp]) -> None:
+    def _refresh_rows(self, slots: NDArray[np.intp]) -> int:
         """Recompute the stored adjacency's rows and columns of ``slots`` against every alive point.
 
         Each decision is the one a from-scratch ε-graph makes (:func:`epsilon_block`), so the stored graph stays
-        exactly the from-scratch graph of the alive points; dead slots get empty rows.
+        exactly the from-scratch graph of the alive points; dead slots get empty rows. Returns how many edges
+        flipped (appeared or disappeared).
         """
         scale = power_of_two_scale(self._points, self.epsilon)
         block = epsilon_block(self._points[slots], self._points, self.epsilon, scale=scale)
         block &= self._alive[None, :]
         block &= self._alive[slots, None]
         block[np.arange(slots.size), slots] = False
+        changed = block ^ self._adjacency[slots]
+        # A pair of two refreshed slots appears in two rows.
+        flipped = int(np.count_nonzero(changed)) - int(np.count_nonzero(changed[:, slots])) // 2
         self._adjacency[slots] = block
         self._adjacency[:, slots] = block.T
+        return flipped
 
     def _ensure_modules(self) -> None:
         """Split the complex into modules (components with their β1) if a rebuild left only totals."""
@@ -722,8 +727,8 @@ class MMHM:
             return
         self._points[slots] = cloud
         self._alive[slots] = True
-        self._refresh_rows(slots)
-        self._rebuild(start, reason, rows_done=slots.size)
+        flipped = self._refresh_rows(slots)
+        self._rebuild(start, reason, flipped=flipped, rows_done=slots.size)
 
     def _deadline(self, start: float, rebuild: CostEstimate) -> float | None:
         """When an incremental update should give up and rebuild: ``_BAIL_RATIO`` x the predicted rebuild.
