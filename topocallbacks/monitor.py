@@ -702,7 +702,7 @@ class TopoMonitor(Stateful):
         decision = records[-1]
         if len(records) < 2 or not (decision.decision.fired or decision.decision.held_back is not None):
             return decision
-        from .report import _layer_moves  # the report's diagnosis, not a second copy of it
+        from .report import _fmt_z, _layer_moves  # the report's diagnosis, not a second copy of it
 
         past = [r for r in self.history if isinstance(r, CheckRecord)]
         moves = _layer_moves(decision.step, [*past, *records])
@@ -710,7 +710,7 @@ class TopoMonitor(Stateful):
             return decision
 
         def described(move: Any) -> str:
-            z = "" if move.z is None else f", z = {move.z:.2f}"
+            z = "" if move.z is None else f", {_fmt_z(move.z)}"
             return f"{move.name} {move.before:.4g} -> {move.after:.4g} ({move.change:+.4g}{z})"
 
         text = f"; layer that moved first: {described(moves[0])}"
