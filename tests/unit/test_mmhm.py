@@ -27,6 +27,14 @@ def clustered(n, dim, clusters, seed, spread=1.0):
     return centres[rng.integers(0, clusters, n)] + rng.normal(scale=spread, size=(n, dim))
 
 
+def assert_degrees_current_or_deferred(engine):
+    """The stored degrees are the graph's, or (after a rebuild, which defers them) the edge count is."""
+    if engine._stale_edges is None:
+        np.testing.assert_array_equal(engine._degree, engine._adjacency.sum(axis=1))
+    else:
+        assert engine._stale_edges == int(engine._adjacency.sum()) // 2
+
+
 # --- exactness under random edit sequences -------------------------------------------------------------------
 
 
@@ -93,6 +101,7 @@ class ProbeEdits(RuleBasedStateMachine):
         assert stats.modules == self.engine.betti_numbers().b0
         assert stats.edges == self.engine.n_edges == int(np.triu(epsilon_adjacency(self.cloud, self.epsilon), 1).sum())
         assert 0 <= stats.certified <= stats.operations
+        assert_degrees_current_or_deferred(self.engine)
 
 
 class StreamEdits(RuleBasedStateMachine):
@@ -142,6 +151,7 @@ class StreamEdits(RuleBasedStateMachine):
         expected = F.betti_numbers(self.history, self.epsilon) if len(self.history) >= 2 else (1, 0)
         assert self.engine.betti_numbers() == expected
         np.testing.assert_array_equal(self.engine.points, self.history)
+        assert_degrees_current_or_deferred(self.engine)
 
 
 TestProbeEdits = ProbeEdits.TestCase
@@ -235,6 +245,44 @@ def test_probe_mode_with_tiny_jitter_takes_the_edge_path_and_all_moved_takes_reb
         assert engine.betti_numbers() == F.betti_numbers(shuffled, epsilon)
     # Once each path has been measured, a full shuffle is a rebuild.
     assert engine.last_stats.path == "rebuild"
+
+
+def test_a_rebuild_defers_the_degrees_to_the_next_incremental_update():
+    cloud = clustered(200, 6, 4, seed=5)
+    epsilon = F.epsilon_heuristic(cloud)
+    engine = MMHM(epsilon=epsilon)
+    engine.update(cloud)
+    rng = np.random.default_rng(2)
+    for _ in range(4):  # every point somewhere else: a rebuild once the edge path has been measured
+        shifted = rng.permutation(cloud)
+        engine.update(shifted)
+        if engine.last_stats.path == "rebuild":
+            break
+    assert engine.last_stats.path == "rebuild"  # it counted the edges but left the degrees
+    assert engine._stale_edges == engine.n_edges == int(np.triu(epsilon_adjacency(shifted, epsilon), 1).sum())
+    engine.path = "vertex"
+    moved = shifted.copy()
+    moved[:5] += 0.3
+    assert engine.update(moved) == F.betti_numbers(moved, epsilon)
+    assert engine._stale_edges is None
+    np.testing.assert_array_equal(engine._degree, engine._adjacency.sum(axis=1))
+
+
+@pytest.mark.parametrize("column", [0, 1, 2])
+def test_a_point_moved_in_any_one_coordinate_is_seen(column):
+    cloud = clustered(60, 3, 3, seed=6)
+    epsilon = F.epsilon_heuristic(cloud)
+    engine = MMHM(epsilon=epsilon)
+    engine.update(cloud)
+    moved = cloud.copy()
+    moved[:4, column] += 5 * epsilon
+    assert engine.update(moved) == F.betti_numbers(moved, epsilon)
+    assert engine.last_stats.path != "noop"
+    assert engine.last_stats.reason.startswith("4 of 60 points moved")
+    everything = moved.copy()
+    everything[:, 0] += 1e-3 * epsilon  # the first coordinate of every point: every point moved
+    assert engine.update(everything) == F.betti_numbers(everything, epsilon)
+    assert engine.last_stats.reason.startswith("60 of 60 points moved") or engine.last_stats.reason == "forced"
 
 
 def test_an_incremental_update_past_its_deadline_rebuilds_exactly_and_teaches_the_model():

@@ -8,10 +8,8 @@ observations of that path. Memory is counted analytically from the arrays an upd
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
-
-import numpy as np
-from numpy.typing import NDArray
 
 from ..functional._distances import ADJACENCY_BLOCK_ROWS
 from ..functional._jit import core_kernel
@@ -53,7 +51,7 @@ _PRIORS: Mapping[str, Mapping[str, float]] = {
 }
 # Seconds per edge of a rebuild with the compiled strong collapse (same machine, real CNN features, n = 512-4,096).
 _COMPILED_EDGE_PRIOR = 1e-7
-_PRIOR_ARRAYS = {path: np.array([_PRIORS[path][name] for name in _FEATURES[path]]) for path in PATHS}
+_PRIOR_LISTS = {path: [_PRIORS[path][name] for name in _FEATURES[path]] for path in PATHS}
 # After this many observations of a path, its coefficients are re-solved every _REFIT_EVERY observations.
 _SETTLED = 8
 _REFIT_EVERY = 4
@@ -176,8 +174,11 @@ class CostModel:
         if core_kernel() is not None:  # the compiled strong collapse: a rebuild's graph work is far cheaper
             self.coefficients_["rebuild"]["edges"] = _COMPILED_EDGE_PRIOR
         self.observations_: dict[str, int] = dict.fromkeys(PATHS, 0)
-        self._sums: dict[str, tuple[NDArray[np.float64], NDArray[np.float64]]] = {
-            path: (np.zeros((len(_FEATURES[path]),) * 2), np.zeros(len(_FEATURES[path]))) for path in PATHS
+        # Running sums (Gram matrix and moment) per path, as Python lists: a path has 3-4 features, and plain
+        # float arithmetic on them costs a few microseconds where numpy's small-array calls cost ~100 (cold).
+        self._sums: dict[str, tuple[list[list[float]], list[float]]] = {
+            path: ([[0.0] * len(_FEATURES[path]) for _ in _FEATURES[path]], [0.0] * len(_FEATURES[path]))
+            for path in PATHS
         }
 
     def predict(
@@ -213,29 +214,35 @@ class CostModel:
     def observe(self, path: str, features: Mapping[str, float], seconds: float) -> None:
         """Record a measured update and refit that path's coefficients (non-negative, relative errors)."""
         names = _FEATURES[path]
-        prior = _PRIOR_ARRAYS[path]
+        prior = _PRIOR_LISTS[path]
         # Fit only what the path adds to the shared graph pass (never below a tenth of the measurement).
         seconds = max(seconds - self._shared_seconds(path, features), 0.1 * seconds)
         # Work in units where each prior term is the feature's share of a typical update: well conditioned.
-        x = np.fromiter((features[name] for name in names), dtype=np.float64, count=len(names)) * prior
+        x = [features[name] * scale for name, scale in zip(names, prior, strict=True)]
         weight = 1.0 / max(seconds, 1e-6) ** 2  # squared relative error
         gram, moment = self._sums[path]
-        gram *= _FORGET
-        moment *= _FORGET
-        gram += weight * np.outer(x, x)
-        moment += weight * seconds * x
+        target = weight * seconds
+        for i, xi in enumerate(x):
+            row = gram[i]
+            for j, xj in enumerate(x):
+                row[j] = row[j] * _FORGET + weight * (xi * xj)
+            moment[i] = moment[i] * _FORGET + target * xi
         self.observations_[path] += 1
         count = self.observations_[path]
         if count > _SETTLED and count % _REFIT_EVERY:
             return  # the sums keep every observation; re-solving each time buys little once settled
         # A ridge towards the current coefficients keeps features that never varied where they were.
-        current = np.array([self.coefficients_[path][name] for name in names]) / prior
-        ridge = _RIDGE * max(float(np.trace(gram)), 1e-12) / len(names)
-        solution = np.linalg.solve(gram + ridge * np.eye(len(names)), moment + ridge * current)
-        if not np.all(np.isfinite(solution)):
+        coefficients = self.coefficients_[path]
+        ridge = _RIDGE * max(sum(gram[i][i] for i in range(len(names))), 1e-12) / len(names)
+        system = [
+            [*(value + ridge if i == j else value for j, value in enumerate(gram[i])), moment[i] + ridge * current]
+            for i, current in enumerate(coefficients[name] / scale for name, scale in zip(names, prior, strict=True))
+        ]
+        solution = _solve(system)
+        if solution is None:
             return
         self.coefficients_[path] = {
-            name: float(value) for name, value in zip(names, np.maximum(solution, 0.0) * prior, strict=True)
+            name: max(value, 0.0) * scale for name, value, scale in zip(names, solution, prior, strict=True)
         }
 
     def state_dict(self) -> dict[str, dict[str, float]]:
@@ -247,3 +254,31 @@ class CostModel:
         for path in PATHS:
             if path in state:
                 self.coefficients_[path] = {name: float(state[path][name]) for name in _FEATURES[path]}
+
+
+def _solve(system: list[list[float]]) -> list[float] | None:
+    """The solution of a small augmented system ``[A | b]`` (Gaussian elimination, partial pivoting), or None.
+
+    None when ``A`` is singular or the solution is not finite. In place; for the 3-4 unknowns of a path's law this
+    is a few microseconds, where ``numpy.linalg.solve`` costs tens.
+    """
+    size = len(system)
+    for k in range(size):
+        pivot = max(range(k, size), key=lambda i: abs(system[i][k]))
+        if system[pivot][k] == 0.0:
+            return None
+        system[k], system[pivot] = system[pivot], system[k]
+        head = system[k]
+        for i in range(k + 1, size):
+            row = system[i]
+            factor = row[k] / head[k]
+            if factor:
+                for j in range(k, size + 1):
+                    row[j] -= factor * head[j]
+    solution = [0.0] * size
+    for k in range(size - 1, -1, -1):
+        row = system[k]
+        solution[k] = (row[size] - sum(row[j] * solution[j] for j in range(k + 1, size))) / row[k]
+    if not all(math.isfinite(value) for value in solution):
+        return None
+    return solution

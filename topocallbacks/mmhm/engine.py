@@ -169,6 +169,9 @@ class MMHM:
     _adjacency: NDArray[np.bool_]
     _labels: NDArray[np.int64]
     _degree: NDArray[np.int64]
+    # Edges of the graph while ``_degree`` is stale (a rebuild defers the degrees to the next incremental path, which
+    # is the only one that reads them); None while ``_degree`` is current.
+    _stale_edges: int | None
     _n_alive: int
     _module_b1: dict[int, int]
     _totals: BettiNumbers | None
@@ -215,6 +218,8 @@ class MMHM:
     @property
     def n_edges(self) -> int:
         """Edges of the current ε-graph."""
+        if self._stale_edges is not None:
+            return self._stale_edges
         return int(self._degree.sum()) // 2
 
     @property
@@ -264,7 +269,13 @@ class MMHM:
                 f"`points` must keep the shape {self._points.shape} of the first update (a fixed probe), "
                 f"got {cloud.shape}"
             )
-        moved = np.flatnonzero(np.any(cloud != self._points, axis=1))
+        # Every row whose first coordinate differs moved; when that is every row (probe mode's usual case), the
+        # full comparison is skipped.
+        first = cloud[:, 0] != self._points[:, 0]
+        if first.all():
+            moved = np.arange(first.size)
+        else:
+            moved = np.flatnonzero(first | np.any(cloud[:, 1:] != self._points[:, 1:], axis=1))
         if moved.size == 0:
             self._record("noop", "no point moved", start, 0, 0, 0, 0, 0, None)
             return self.betti_numbers()
@@ -433,6 +444,7 @@ class MMHM:
         self._adjacency = np.zeros((0, 0), dtype=bool)
         self._labels = np.zeros(0, dtype=np.int64)
         self._degree = np.zeros(0, dtype=np.int64)
+        self._stale_edges = None
         self._n_alive = 0
         self._module_b1 = {}
         self._totals = None
@@ -452,6 +464,7 @@ class MMHM:
         self._adjacency = np.zeros((capacity, capacity), dtype=bool)
         self._labels = np.full(capacity, -1, dtype=np.int64)
         self._degree = np.zeros(capacity, dtype=np.int64)
+        self._stale_edges = None
         self._n_alive = 0
 
     def _slot_order(self) -> NDArray[np.intp]:
@@ -503,20 +516,24 @@ class MMHM:
                 pass is needed; ``graph`` is then ignored.
             estimate: the cost model's prediction for this rebuild, if the caller made it already.
         """
-        alive = np.flatnonzero(self._alive)
-        n, d = alive.size, self._points.shape[1]
+        size = self._alive.size
+        n, d = int(np.count_nonzero(self._alive)), self._points.shape[1]
+        # Every slot holds a point (probe mode, a full window): no index of the alive slots is needed.
+        full = n == size
+        alive = np.arange(size) if full else np.flatnonzero(self._alive)
         old_edges = self.n_edges
         if estimate is None:
             estimate = self.cost_model.predict(
                 "rebuild", n=n, d=d, edges=old_edges, probe=self._mode == "probe", rows=rows_done
             )
         if rows_done is not None:
-            full = alive.size == self._adjacency.shape[0]
             adjacency = self._adjacency if full else self._adjacency[np.ix_(alive, alive)]
-            self._degree = degrees(self._adjacency)
-            new_edges = int(self._degree.sum()) // 2
+            # The degrees wait for the next incremental path (see _ensure_modules): a count is all a rebuild needs.
+            new_edges = int(np.count_nonzero(self._adjacency)) // 2
         else:
-            adjacency, rows, cols = epsilon_graph(self._points[alive], self.epsilon) if graph is None else graph
+            if graph is None:
+                graph = epsilon_graph(self._points if full else self._points[alive], self.epsilon)
+            adjacency, rows, cols = graph
             new_edges = int(rows.size)
         if flipped is not None:
             # added + removed = flipped and added - removed = new - old.
@@ -525,18 +542,19 @@ class MMHM:
             # The slots now hold other points (or there were none): everything old went, everything new came.
             added, removed = new_edges, old_edges
         # Totals from the compact graph (indices 0..n-1), as from scratch.
-        full_degree = rows_done is not None and alive.size == self._adjacency.shape[0]
-        totals = _betti_numbers_of_adjacency(adjacency, self._degree if full_degree else None)
-        if rows_done is None:
-            if alive.size == self._adjacency.shape[0]:
+        totals = _betti_numbers_of_adjacency(adjacency)
+        if rows_done is not None:
+            self._stale_edges = new_edges
+        else:
+            if full:
                 self._adjacency = adjacency
             else:
                 self._adjacency[:] = False
                 self._adjacency[np.ix_(alive, alive)] = adjacency
                 rows, cols = alive[rows], alive[cols]
-            size = self._alive.size
             self._degree = np.bincount(rows, minlength=size) + np.bincount(cols, minlength=size)
-        self._n_alive = alive.size
+            self._stale_edges = None
+        self._n_alive = n
         # Totals only, as from scratch; the modules are built when an incremental path first needs them.
         self._module_b1.clear()
         self._labels[:] = -1
@@ -569,6 +587,9 @@ class MMHM:
         if self._totals is None:
             return
         tick = time.perf_counter()
+        if self._stale_edges is not None:
+            self._degree = degrees(self._adjacency)
+            self._stale_edges = None
         label = self._new_label()
         self._labels[self._alive] = label
         self._dirty = {label}
@@ -588,10 +609,11 @@ class MMHM:
             return estimate
         coefficients = self.cost_model.coefficients_["rebuild"]
         build = coefficients["const"] + coefficients["edges"] * edges
-        return dataclasses.replace(
-            estimate,
-            seconds=estimate.seconds + build / _AMORTISE_UPDATES,
-            bytes=max(estimate.bytes, predict_module_build_bytes(n, edges)),
+        return CostEstimate(
+            estimate.path,
+            estimate.seconds + build / _AMORTISE_UPDATES,
+            max(estimate.bytes, predict_module_build_bytes(n, edges)),
+            estimate.gudhi_bytes,
         )
 
     def _choose(self, context: str, *estimates: CostEstimate) -> tuple[str, str, CostEstimate]:
@@ -682,7 +704,8 @@ class MMHM:
             self._adjacency = previous.copy()
             self._refresh_rows(moved)
             adjacency, self._adjacency = self._adjacency, previous
-        flips = adjacency ^ previous
+        # The flip mask overwrites the old graph (no new n x n array); the edge path restores it below.
+        flips = np.bitwise_xor(previous, adjacency, out=previous)
         n_flips = int(np.count_nonzero(flips)) // 2
         edge = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=n_flips, mean_degree=common, rows=moved.size)
         edge = self._with_pending_modules(edge, n, edges)
@@ -692,7 +715,9 @@ class MMHM:
             path, reason = "edge", "forced"
         if path == "edge":
             deadline = self._deadline(start, rebuild)
-            self._edge_path(np.triu(flips, 1), start, reason, edge, common, deadline, rows_done=moved.size)
+            upper = np.triu(flips, 1)
+            self._adjacency = np.bitwise_xor(flips, adjacency, out=flips)  # the old graph again
+            self._edge_path(upper, start, reason, edge, common, deadline, rows_done=moved.size)
         else:
             self._adjacency = adjacency
             self._rebuild(start, reason, flipped=n_flips, rows_done=moved.size, estimate=rebuild)
