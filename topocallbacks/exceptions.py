@@ -10,6 +10,7 @@ __all__ = [
     "ConfigError",
     "InputError",
     "NonFiniteError",
+    "SnapshotUnsupported",
     "TopoCallbacksError",
 ]
 
@@ -44,6 +45,14 @@ class NonFiniteError(InputError):
 
 def _rebuild_non_finite(message: str, rows: tuple[int, ...], count: int) -> NonFiniteError:
     return NonFiniteError(message, rows=rows, count=count)
+
+
+class SnapshotUnsupported(InputError):
+    """The training state cannot be kept for a rollback here (sharded parameters, or too big for host memory).
+
+    The monitor does not stop training for it: it warns once, keeps no snapshots, and a rollback decision becomes a
+    warning whose reason says why.
+    """
 
 
 class ConfigError(InputError):

@@ -30,6 +30,8 @@ __all__ = [
     "apply",
     "capture_state",
     "current_learning_rates",
+    "host_memory_available",
+    "live_state_nbytes",
     "restore_state",
     "save_on_rank_zero",
     "scale_learning_rate",
@@ -68,6 +70,9 @@ class Actuator(Protocol):
 
     def skip_updates(self, count: int) -> str:
         """Skip the next ``count`` optimizer updates (:func:`skip_updates`), for ``rollback_skip``."""
+
+    def snapshot_nbytes(self) -> int:
+        """About the bytes one :meth:`snapshot` will take (:func:`live_state_nbytes`), before taking it (optional)."""
 
 
 class LoopActuator:
@@ -184,6 +189,36 @@ class LoopActuator:
     def skip_updates(self, count: int) -> str:
         """:func:`skip_updates` of the optimizers."""
         return skip_updates(self.optimizers, count)
+
+    def snapshot_nbytes(self) -> int:
+        """:func:`live_state_nbytes` of the model and optimizers (0 without a model)."""
+        return 0 if self.model is None else live_state_nbytes(self.model, self.optimizers)
+
+
+def live_state_nbytes(model: Any, optimizers: Iterable[Any]) -> int:
+    """About the bytes :func:`capture_state` will copy, read from the live state without copying it.
+
+    The model's ``state_dict`` plus each optimizer's state; an optimizer with no state yet (before its first step)
+    counts as twice the trainable parameters (Adam's two moments), so the estimate is not low at step 0.
+    """
+    total = state_nbytes(model.state_dict())
+    for optimizer in optimizers:
+        held = state_nbytes(optimizer.state_dict()["state"])
+        params = sum(state_nbytes(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
+        total += max(held, 2 * params)
+    return total
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to new allocations (Linux ``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def skip_updates(optimizers: Iterable[Any], count: int) -> str:

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,12 @@ from ._state import StateFields, Stateful
 from ._worker import WorkerProcess
 from .check import CheckRecord, InterventionRecord, record_from_dict
 from .distributed import broadcast_object, gather_probe_features, rank_and_world
-from .exceptions import InputError
-from .interventions import Actuator, apply
+from .exceptions import InputError, SnapshotUnsupported
+from .interventions import Actuator, apply, host_memory_available
 from .pipeline import CheckPipeline, Evaluation, LayeredPipeline, make_pipeline
 from .policy import Decision, Policy
 from .probe import AutocastFactory, FeatureExtractor, Probe, ProbeSpec
-from .rollback import Snapshot, SnapshotStore
+from .rollback import Snapshot, SnapshotStore, _size
 from .settings import Action, MonitorSettings
 from .sinks import JsonlSink, TensorBoardSink
 
@@ -166,6 +167,10 @@ class TopoMonitor(Stateful):
         self.snapshots = SnapshotStore(s.interventions.snapshots, s.interventions.snapshot_dir)
         self.last_rollback_step_: int | None = None  # the latest rollback's step (the next one undoes updates since)
         self.rollback_cut_ = 1.0  # the product of the rollbacks' learning-rate cuts (they compound)
+        #: Why no snapshots are kept although the rule can roll back (a sharded strategy, too little host memory),
+        #: or None. Its rollback decisions then warn, and say why.
+        self.snapshots_off: str | None = None
+        self._room_checked = False
         self._worker: WorkerProcess | None = None
         self._background: bool | None = s.schedule.background
         self.autocast: AutocastFactory | None = None  # set by a training adapter: the trainer's precision
@@ -322,9 +327,8 @@ class TopoMonitor(Stateful):
             return None  # a check acts once, on the primary layer's record, whatever the number of layers
         step = record.applied_step
         if not decision.fired:
-            if record.ok and decision.healthy and self.rolls_back:
-                kept = self.snapshots.add(step, _snapshot(actuator), self.pipeline.reference_diagrams)
-                kept.lr_factor = self.lr_factor_
+            if record.ok and decision.healthy and self.rolls_back and self.snapshots_off is None:
+                self._keep_snapshot(actuator, step)
             return None
         target: Snapshot | None = None
         if decision.action is Action.ROLLBACK:
@@ -337,7 +341,9 @@ class TopoMonitor(Stateful):
             target = self.snapshots.newest_before(onset)
             if target is None:
                 diverged = decision.rule == "diverged"  # the features, or a NaN loss or gradient norm
-                decision = _no_snapshot(decision, self.settings.rule.after_max_rollbacks if diverged else "warn")
+                decision = _no_snapshot(
+                    decision, self.settings.rule.after_max_rollbacks if diverged else "warn", self.snapshots_off
+                )
             elif decision.lr_factor is not None or self.rollback_cut_ != 1.0:
                 decision = self._compound(decision)
         undone = None if target is None else self._undone(target, step)
@@ -374,6 +380,50 @@ class TopoMonitor(Stateful):
         """Whether the rule in effect can roll back (then healthy checks keep snapshots)."""
         rule = self.settings.rule
         return Action.ROLLBACK.value in (rule.action, rule.on_diverged)
+
+    def _keep_snapshot(self, actuator: Actuator, step: int) -> None:
+        """Keep this healthy state as a snapshot, unless it cannot be kept here (then say so once, and keep none)."""
+        try:
+            self._check_room(actuator)
+            payload = _snapshot(actuator)
+        except SnapshotUnsupported as error:
+            self.snapshots_off = str(error)
+            if rank_and_world()[0] == 0:
+                warnings.warn(
+                    f"topocallbacks keeps no rollback snapshots: {error}. A rollback decision warns instead.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return
+        kept = self.snapshots.add(step, payload, self.pipeline.reference_diagrams)
+        kept.lr_factor = self.lr_factor_
+
+    def _check_room(self, actuator: Actuator) -> None:
+        """Before the first snapshot in host memory: refuse snapshots that would take most of the memory left.
+
+        ``snapshots + 1`` copies (one more is taken before the oldest is dropped) of every rank's state, on one
+        host in the worst case, must fit in half of the memory available; rank 0 decides for every rank.
+        """
+        if self._room_checked or self.snapshots.directory is not None:
+            return
+        self._room_checked = True
+        estimate = getattr(actuator, "snapshot_nbytes", None)
+        verdict = None
+        if estimate is not None:
+            size = int(estimate())
+            world = rank_and_world()[1]
+            need = size * (self.snapshots.keep + 1) * world
+            free = host_memory_available()
+            if free is not None and need > free / 2:
+                verdict = (
+                    f"{self.snapshots.keep} snapshots of about {_size(size)} each (plus one in flight"
+                    + (f", on each of {world} ranks" if world > 1 else "")
+                    + f") need {_size(need)} of host memory, more than half of the {_size(free)} available; set "
+                    "`interventions.snapshot_dir` to keep them on disk, or fewer `interventions.snapshots`"
+                )
+        verdict = broadcast_object(verdict)
+        if verdict is not None:
+            raise SnapshotUnsupported(verdict)
 
     def _compound(self, decision: Decision) -> Decision:
         """A rollback's cut times the earlier rollbacks' (the snapshot's rates know none of them)."""
@@ -854,12 +904,13 @@ def _skip_updates(actuator: Actuator, count: int) -> str:
     return str(skip(count))
 
 
-def _no_snapshot(decision: Decision, instead: str) -> Decision:
+def _no_snapshot(decision: Decision, instead: str, off: str | None = None) -> Decision:
     """A rollback with nothing to go back to becomes ``instead`` (a warning; for a diverged check, the escalation)."""
     onset = decision.step if decision.onset is None else decision.onset
+    why = "" if off is None else f" (no snapshots are kept: {off})"
     return dataclasses.replace(
         decision,
         action=Action(instead),
         lr_factor=None,
-        reason=f"{decision.reason}; no healthy snapshot before step {onset}, so {instead}",
+        reason=f"{decision.reason}; no healthy snapshot before step {onset}{why}, so {instead}",
     )

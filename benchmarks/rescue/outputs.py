@@ -286,9 +286,13 @@ def best_baseline(records: list[dict[str, Any]], arch: str, fault: str) -> str |
 
 def plot(
     raw: dict[tuple[str, int, str], dict[str, Any]], records: list[dict[str, Any]], archs: list[str], seed: int,
-    keys: list[str], setup: Setup, directory: Path,
+    keys: list[str], setup: Setup, directory: Path, chosen: str | None = None,
 ) -> list[Path]:  # fmt: skip
-    """One PNG per (architecture, fault): the metric curves of seed ``seed`` with interventions marked."""
+    """One PNG per (architecture, fault): the metric curves of seed ``seed`` with interventions marked.
+
+    The curves: no intervention, ours (the default rule + rollback, and ``chosen``, the presets' default), the
+    best baseline of the scenario.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -304,6 +308,8 @@ def plot(
             shown = [(NONE, "tab:red", "no intervention")]
             if OURS in keys:
                 shown.append((OURS, "tab:green", "ours: default rule + rollback"))
+            if chosen is not None and chosen != OURS and chosen in keys:
+                shown.append((chosen, "tab:purple", f"ours, the presets' default: {chosen}"))
             other = best_baseline(records, arch, fault)
             if other is not None:
                 shown.append((other, "tab:blue", f"best baseline: {other}"))
@@ -396,5 +402,5 @@ def write_outputs(
     (out / "rescue.json").write_text(json.dumps(_finite(payload), indent=1) + "\n")
     write_markdown(out / "rescue.md", rows, records, setup, seeds, archs, seconds, compute)
     if plots:
-        plot(raw, records, archs, min(seeds), keys, setup, out / "rescue")
+        plot(raw, records, archs, min(seeds), keys, setup, out / "rescue", chosen=choose_default(rows)[0])
     return payload

@@ -13,8 +13,15 @@ from sklearn.datasets import load_digits
 
 from topocallbacks import TopoMonitor
 from topocallbacks.check import CheckRecord, InterventionRecord
-from topocallbacks.exceptions import InputError
-from topocallbacks.interventions import LoopActuator, capture_state, current_learning_rates, skip_updates
+from topocallbacks.exceptions import InputError, SnapshotUnsupported
+from topocallbacks.interventions import (
+    LoopActuator,
+    capture_state,
+    current_learning_rates,
+    live_state_nbytes,
+    skip_updates,
+    state_nbytes,
+)
 from topocallbacks.policy import Decision, Policy
 from topocallbacks.rollback import SnapshotStore
 
@@ -485,3 +492,58 @@ def test_a_stop_without_a_directory_keeps_the_last_healthy_state_in_memory():
     assert "kept in memory as LoopActuator.last_healthy" in done[1].detail
     for name, tensor in loop.actuator.last_healthy["model"].items():
         assert torch.equal(tensor, loop.states[45]["model"][name])
+
+
+# --- where snapshots cannot be kept, the rule warns instead of failing the run -----------------------------------
+
+
+def test_live_state_nbytes_reads_the_state_without_copying_and_is_not_low_before_the_first_step():
+    model = torch.nn.Linear(64, 32)  # 64 * 32 + 32 = 2,080 float32 = 8,320 bytes
+    adam = torch.optim.Adam(model.parameters())
+    assert live_state_nbytes(model, [adam]) == 8320 + 2 * 8320  # no state yet: counted as Adam's two moments
+    model(torch.ones(1, 64)).sum().backward()
+    adam.step()
+    held = sum(v.numel() * v.element_size() for s in adam.state.values() for v in s.values())
+    assert held == 2 * 8320 + 2 * 4  # two moments and a float32 step count per parameter tensor
+    assert live_state_nbytes(model, [adam]) == 8320 + held
+    assert state_nbytes(capture_state(model, [adam], [])) == 8320 + held  # what a snapshot then holds
+    assert LoopActuator(adam, model=model).snapshot_nbytes() == 8320 + held
+
+
+def test_snapshots_too_big_for_host_memory_are_refused_once_and_a_rollback_warns_why(monkeypatch):
+    monkeypatch.setattr("topocallbacks.monitor.host_memory_available", lambda: 2**16)  # 64 KiB left
+    monitor = rollback_monitor()
+    loop = Loop(monitor)  # the digits MLP: 2,410 floats, with SGD's momentum counted as two moments: 28.2 KiB
+    with pytest.warns(RuntimeWarning, match="keeps no rollback snapshots: 2 snapshots of about") as caught:
+        done = loop.run(range(0, 61), fault_at(50, 51))
+    assert len([w for w in caught if "keeps no rollback snapshots" in str(w.message)]) == 1  # said once
+    assert monitor.snapshots.snapshots == []
+    assert monitor.snapshots_off.startswith("2 snapshots of about 28.2 KiB each (plus one in flight) need 84.7 KiB")
+    assert "more than half of the 64.0 KiB available; set `interventions.snapshot_dir`" in monitor.snapshots_off
+    assert [(d.step, d.action) for d in done] == [(50, "warn")]
+    assert "no healthy snapshot before step 50 (no snapshots are kept: 2 snapshots of about" in done[0].reason
+
+
+def test_a_training_setup_that_cannot_snapshot_degrades_to_warnings(tmp_path):
+    class Sharded(LoopActuator):
+        def snapshot(self):
+            raise SnapshotUnsupported("`rollback` does not support ShardedStrategy (sharded parameters)")
+
+    monitor = rollback_monitor()
+    loop = Loop(monitor)
+    loop.actuator = Sharded(loop.optimizer, loop.scheduler, model=loop.model)
+    with pytest.warns(RuntimeWarning, match="does not support ShardedStrategy"):
+        done = loop.run(range(0, 61), fault_at(50, 51))
+    assert [(d.step, d.action) for d in done] == [(50, "warn")]
+    assert "(no snapshots are kept: `rollback` does not support ShardedStrategy" in done[0].reason
+
+
+def test_snapshots_on_disk_skip_the_memory_check(monkeypatch, tmp_path):
+    monkeypatch.setattr("topocallbacks.monitor.host_memory_available", lambda: 2**16)
+    monitor = TopoMonitor(
+        check_every=CHECK_EVERY, policy={"action": "rollback", "warmup": 3}, snapshot_dir=str(tmp_path), summary=False
+    )
+    loop = Loop(monitor)
+    done = loop.run(range(0, 61), fault_at(50, 51))
+    assert [(d.step, d.action, d.snapshot_step) for d in done] == [(50, "rollback", 45)]
+    assert monitor.snapshots_off is None

@@ -33,10 +33,11 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from ..check import CheckRecord
-from ..exceptions import InputError
+from ..exceptions import InputError, SnapshotUnsupported
 from ..interventions import (
     capture_state,
     current_learning_rates,
+    live_state_nbytes,
     restore_state,
     save_on_rank_zero,
     scale_learning_rate,
@@ -106,7 +107,25 @@ class _TrainerActuator:
         schedulers = [] if scheduler is None else [getattr(scheduler, "scheduler", scheduler)]
         return model, optimizers, schedulers, scaler
 
+    def _unsharded(self) -> None:
+        trainer = self.trainer
+        if trainer is not None and (
+            getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)
+        ):
+            # Sharded parameters and optimizer states: a state_dict is not a copy load_state_dict puts back in place.
+            raise SnapshotUnsupported(
+                f"`rollback` does not support {'FSDP' if getattr(trainer, 'is_fsdp_enabled', False) else 'DeepSpeed'} "
+                "(sharded parameters and optimizer states); it runs on one device and with DDP. Use `stop` with "
+                "`checkpoint_on_stop` and resume instead"
+            )
+
+    def snapshot_nbytes(self) -> int:
+        self._unsharded()
+        model, optimizers, _, _ = self._parts()
+        return live_state_nbytes(model, optimizers)
+
     def snapshot(self) -> dict[str, Any]:
+        self._unsharded()
         return capture_state(*self._parts())
 
     def restore(self, snapshot: Any) -> str:

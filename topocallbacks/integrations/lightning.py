@@ -22,10 +22,11 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..check import CheckRecord
-from ..exceptions import InputError
+from ..exceptions import InputError, SnapshotUnsupported
 from ..interventions import (
     capture_state,
     current_learning_rates,
+    live_state_nbytes,
     restore_state,
     save_on_rank_zero,
     scale_learning_rate,
@@ -72,15 +73,23 @@ class _LightningActuator:
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # mixed precision's GradScaler, if any
         return trainer.lightning_module, trainer.optimizers, schedulers, scaler
 
-    def snapshot(self) -> dict[str, Any]:
+    def _unsharded(self) -> None:
         strategy = self.trainer.strategy
         if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
             # Their parameters and optimizer states are sharded (flat parameters, DTensors, ZeRO partitions): a
             # state_dict of the LightningModule is not a copy that load_state_dict can put back in place.
-            raise InputError(
+            raise SnapshotUnsupported(
                 f"`rollback` does not support {type(strategy).__name__} (sharded parameters and optimizer states); "
                 "it runs on one device and with DDP. Use `stop` with `checkpoint_on_stop` and resume instead"
             )
+
+    def snapshot_nbytes(self) -> int:
+        self._unsharded()
+        module, optimizers, _, _ = self._parts()
+        return live_state_nbytes(module, optimizers)
+
+    def snapshot(self) -> dict[str, Any]:
+        self._unsharded()
         return capture_state(*self._parts())
 
     def restore(self, snapshot: Any) -> str:
