@@ -20,6 +20,7 @@ class DetectorSpec:
     family: str  # "ours" or "baseline"
     description: str
     make: Callable[[Architecture, Setup], Any]
+    policy: dict[str, Any] | None = None  # ours: the TopoMonitor policy (check_every is the suite's)
 
     @property
     def key(self) -> str:
@@ -28,6 +29,11 @@ class DetectorSpec:
 
 def _ours(policy: dict[str, Any]) -> Callable[[Architecture, Setup], Any]:
     return lambda arch, setup: TopoDetector(dict(policy), setup.check_every)
+
+
+def ours(detector: str, action: str, description: str, policy: dict[str, Any]) -> DetectorSpec:
+    """A row of ours: the library's monitor with ``policy``."""
+    return DetectorSpec(detector, action, "ours", description, _ours(policy), policy)
 
 
 ROLLBACK = {"action": "rollback", "on_diverged": "rollback"}
@@ -40,28 +46,36 @@ COMBINATION = {"channels": ["index", "grad_norm", "loss"], "require": 1}
 DETECTORS: dict[str, DetectorSpec] = {
     spec.key: spec
     for spec in [
-        DetectorSpec("ours_default", "rollback", "ours", "TopoMonitor default rule (diagram drift, z >= 4.5)",
-                     _ours(ROLLBACK)),
-        DetectorSpec("ours_default", "rollback_cut", "ours", "default rule; rollback_lr_factor 0.5",
-                     _ours(ROLLBACK_CUT)),
-        DetectorSpec("ours_default", "rollback_max4", "ours", "default rule; rollback, max_rollbacks 4 (not 2)",
-                     _ours({**ROLLBACK, "max_rollbacks": 4})),
-        DetectorSpec("ours_default", "rollback_skip", "ours",
-                     "default rule; rollback, rollback_skip 20, max_rollbacks 4",
-                     _ours({**ROLLBACK, **SKIP, "max_rollbacks": 4})),
-        DetectorSpec("ours_default", "rollback_cut_skip", "ours",
-                     "default rule; rollback, rollback_lr_factor 0.5, rollback_skip 20, max_rollbacks 4",
-                     _ours({**ROLLBACK_CUT, **SKIP, "max_rollbacks": 4})),
-        DetectorSpec("ours_default", "lower_lr", "ours", "default rule; lower_lr (x0.5, 3 cuts, then stop)",
-                     _ours({"action": "lower_lr"})),
-        DetectorSpec("ours_default", "stop", "ours", "default rule; stop", _ours({"action": "stop"})),
-        DetectorSpec("ours_grad_norm", "rollback_cut", "ours", "policy channel grad_norm only",
-                     _ours({**GRAD_NORM, **ROLLBACK_CUT})),
-        DetectorSpec("ours_grad_norm", "rollback_cut_skip", "ours",
-                     "policy channel grad_norm only; rollback_lr_factor 0.5, rollback_skip 20, max_rollbacks 4",
-                     _ours({**GRAD_NORM, **ROLLBACK_CUT, **SKIP, "max_rollbacks": 4})),
-        DetectorSpec("ours_combination", "rollback_cut", "ours", "channels index, grad_norm, loss; require 1",
-                     _ours({**COMBINATION, **ROLLBACK_CUT})),
+        ours("ours_default", "rollback",
+             "TopoMonitor default rule (diagram drift, z >= 4.5)",
+             ROLLBACK),
+        ours("ours_default", "rollback_cut",
+             "default rule; rollback_lr_factor 0.5",
+             ROLLBACK_CUT),
+        ours("ours_default", "rollback_max4",
+             "default rule; rollback, max_rollbacks 4 (not 2)",
+             {**ROLLBACK, "max_rollbacks": 4}),
+        ours("ours_default", "rollback_skip",
+             "default rule; rollback, rollback_skip 20, max_rollbacks 4",
+             {**ROLLBACK, **SKIP, "max_rollbacks": 4}),
+        ours("ours_default", "rollback_cut_skip",
+             "default rule; rollback, rollback_lr_factor 0.5, rollback_skip 20, max_rollbacks 4",
+             {**ROLLBACK_CUT, **SKIP, "max_rollbacks": 4}),
+        ours("ours_default", "lower_lr",
+             "default rule; lower_lr (x0.5, 3 cuts, then stop)",
+             {"action": "lower_lr"}),
+        ours("ours_default", "stop",
+             "default rule; stop",
+             {"action": "stop"}),
+        ours("ours_grad_norm", "rollback_cut",
+             "policy channel grad_norm only",
+             {**GRAD_NORM, **ROLLBACK_CUT}),
+        ours("ours_grad_norm", "rollback_cut_skip",
+             "policy channel grad_norm only; rollback_lr_factor 0.5, rollback_skip 20, max_rollbacks 4",
+             {**GRAD_NORM, **ROLLBACK_CUT, **SKIP, "max_rollbacks": 4}),
+        ours("ours_combination", "rollback_cut",
+             "channels index, grad_norm, loss; require 1",
+             {**COMBINATION, **ROLLBACK_CUT}),
         DetectorSpec("lightning_spike", "stop", "baseline", "Lightning SpikeDetection defaults",
                      lambda arch, setup: LightningSpikeDetection()),
         DetectorSpec("olmo_skip", "skip", "baseline", "OLMo-core skip step (6 sigma, 128 steps)",

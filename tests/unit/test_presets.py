@@ -1,3 +1,6 @@
+import dataclasses
+import importlib
+import json
 import subprocess
 import sys
 import zipfile
@@ -10,6 +13,14 @@ from topocallbacks import ConfigError, MonitorSettings, Policy, presets
 from topocallbacks.presets import parse_preset
 
 ROOT = Path(__file__).parents[2]
+# What the bundled presets act on: the rescue suite's choice (benchmarks/results/rescue.md, "The presets' default").
+RESCUE_CHOICE = {
+    "channels": ("grad_norm",),
+    "action": "rollback",
+    "on_diverged": "rollback",
+    "rollback_lr_factor": 0.5,
+    "max_rollbacks": 4,
+}
 
 
 def test_the_four_architectures_are_available_and_valid():
@@ -19,16 +30,35 @@ def test_the_four_architectures_are_available_and_valid():
         assert preset.name == name
         assert preset.settings.probe.layer
         assert preset.settings.probe.size == 512
-        assert preset.settings.rule == MonitorSettings().rule  # the suite's tuned rule, written nowhere in the files
+        # The collapse suite's tuned rule (the defaults), acting as the rescue suite chose (see the test below).
+        assert preset.settings.rule == MonitorSettings().rule.replace(
+            **{**RESCUE_CHOICE, "rollback_skip": 2 * preset.settings.schedule.check_every}
+        )
     assert presets.load("vit").settings.probe.pooling == "cls"
     assert presets.load("llama").settings.probe.layer[0] == "model.norm"
     assert presets.load("gpt").settings.transform.projection == "random"
+
+
+def test_the_presets_act_as_the_rescue_suite_chose():
+    """benchmarks/results/rescue.json names the row the suite chose; the presets ship that row's policy."""
+    suite = Path(__file__).parents[2] / "benchmarks" / "rescue"
+    chosen = json.loads((suite.parent / "results" / "rescue.json").read_text())["default"]["key"]
+    sys.path.insert(0, str(suite))
+    try:
+        detectors = importlib.import_module("detectors")
+    finally:
+        sys.path.remove(str(suite))
+    policy = dict(detectors.DETECTORS[chosen].policy)
+    # rollback_skip is two of the suite's check intervals; a preset skips two of its own.
+    assert policy.pop("rollback_skip") == 2 * 10
+    assert {k: tuple(v) if isinstance(v, list) else v for k, v in policy.items()} == RESCUE_CHOICE
 
 
 def test_preset_files_state_only_what_differs_from_the_defaults():
     import yaml
 
     defaults = MonitorSettings().as_dict()
+    defaults["policy"] = dataclasses.asdict(MonitorSettings().rule)  # None there: the default rule
     for name in presets.available():
         data = yaml.safe_load((presets.preset_dir() / f"{name}.yaml").read_text())
         for section, values in data.items():
