@@ -15,7 +15,8 @@ from topocallbacks.presets import parse_preset
 ROOT = Path(__file__).parents[2]
 # What the bundled presets act on: the rescue suite's choice (benchmarks/results/rescue.md, "The presets' default").
 RESCUE_CHOICE = {
-    "channels": ("grad_norm",),
+    "channels": ("index", "loss"),
+    "require": 2,
     "action": "rollback",
     "on_diverged": "rollback",
     "rollback_lr_factor": 0.5,
