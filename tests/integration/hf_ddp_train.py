@@ -79,6 +79,8 @@ def main(out: str, action: str, fsdp: bool) -> None:
     report.trainer = trainer
     trainer.add_callback(report)
     trainer.train()
+    if torch.distributed.is_initialized():  # c10d's threads joined before exit (else a rare abort at teardown)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
