@@ -27,6 +27,7 @@ from .settings import Action, InterventionSettings
 __all__ = [
     "Actuator",
     "LoopActuator",
+    "StateActuator",
     "apply",
     "capture_state",
     "current_learning_rates",
@@ -283,6 +284,45 @@ def _skip(optimizer: Any, count: int) -> None:
     step._wrapped_by_lr_sched = getattr(optimizer.step, "_wrapped_by_lr_sched", False)  # type: ignore[attr-defined]
     optimizer._topo_skip = pending
     optimizer.step = step
+
+
+class StateActuator:
+    """The rollback half of an :class:`Actuator`, from the training's parts (a framework adapter's base).
+
+    A subclass gives :meth:`_parts` (model, optimizers, schedulers, grad scaler) and may refuse snapshots of a
+    training it cannot put back in place (:meth:`_check_snapshots`, e.g. sharded strategies) and word its restore
+    (:meth:`_restored`); ``snapshot_nbytes``, ``snapshot``, ``restore`` and ``skip_updates`` follow.
+    """
+
+    def _parts(self) -> tuple[Any, list[Any], list[Any], Any]:
+        raise NotImplementedError
+
+    def _check_snapshots(self) -> None:
+        """Raise :class:`~topocallbacks.exceptions.SnapshotUnsupported` where a snapshot cannot be restored."""
+
+    def _restored(self, model: Any, optimizers: list[Any], schedulers: list[Any]) -> str:
+        return f"model, {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s) restored"
+
+    def snapshot_nbytes(self) -> int:
+        """:func:`live_state_nbytes` of the model and optimizers."""
+        self._check_snapshots()
+        model, optimizers, _, _ = self._parts()
+        return live_state_nbytes(model, optimizers)
+
+    def snapshot(self) -> dict[str, Any]:
+        """:func:`capture_state` of the parts."""
+        self._check_snapshots()
+        return capture_state(*self._parts())
+
+    def restore(self, snapshot: Any) -> str:
+        """:func:`restore_state` in place."""
+        model, optimizers, schedulers, scaler = self._parts()
+        restore_state(snapshot, model, optimizers, schedulers, scaler)
+        return self._restored(model, optimizers, schedulers)
+
+    def skip_updates(self, count: int) -> str:
+        """:func:`skip_updates` of the optimizers."""
+        return skip_updates(self._parts()[1], count)
 
 
 def save_on_rank_zero(payload: Any, directory: str | os.PathLike[str], name: str) -> str:

@@ -34,15 +34,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from ..check import CheckRecord
 from ..exceptions import InputError, SnapshotUnsupported
-from ..interventions import (
-    capture_state,
-    current_learning_rates,
-    live_state_nbytes,
-    restore_state,
-    save_on_rank_zero,
-    scale_learning_rate,
-    skip_updates,
-)
+from ..interventions import StateActuator, current_learning_rates, save_on_rank_zero, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture, autocast_for
@@ -61,7 +53,7 @@ _CREATED = itertools.count()
 _REPORTERS = tuple(INTEGRATION_TO_CALLBACK.values())  # the callbacks `report_to` adds
 
 
-class _TrainerActuator:
+class _TrainerActuator(StateActuator):
     """Decisions carried out through ``TrainerControl`` and the optimizer and scheduler the Trainer hands over."""
 
     def __init__(
@@ -102,12 +94,13 @@ class _TrainerActuator:
         if model is None or optimizer is None:
             raise InputError(f"`rollback` at step {self.state.global_step}: the Trainer passed no model or optimizer")
         scaler = None if self.trainer is None else getattr(self.trainer.accelerator, "scaler", None)
-        # accelerate wraps the optimizer and scheduler; their state lives in the torch objects inside.
+        # accelerate wraps the optimizer and scheduler; their state lives in the torch objects inside (and a skipped
+        # update is the inner optimizer's step(), which accelerate and the scaler call).
         optimizers = [getattr(optimizer, "optimizer", optimizer)]
         schedulers = [] if scheduler is None else [getattr(scheduler, "scheduler", scheduler)]
         return model, optimizers, schedulers, scaler
 
-    def _unsharded(self) -> None:
+    def _check_snapshots(self) -> None:
         trainer = self.trainer
         if trainer is not None and (
             getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)
@@ -119,26 +112,11 @@ class _TrainerActuator:
                 "`checkpoint_on_stop` and resume instead"
             )
 
-    def snapshot_nbytes(self) -> int:
-        self._unsharded()
-        model, optimizers, _, _ = self._parts()
-        return live_state_nbytes(model, optimizers)
-
-    def snapshot(self) -> dict[str, Any]:
-        self._unsharded()
-        return capture_state(*self._parts())
-
-    def restore(self, snapshot: Any) -> str:
-        model, optimizers, schedulers, scaler = self._parts()
-        restore_state(snapshot, model, optimizers, schedulers, scaler)
+    def _restored(self, model: Any, optimizers: list[Any], schedulers: list[Any]) -> str:
         return f"model, optimizer and {len(schedulers)} scheduler(s) restored"
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
         return save_on_rank_zero(snapshot, self.output_dir, tag + ".pt")
-
-    def skip_updates(self, count: int) -> str:
-        # The torch optimizer inside accelerate's wrapper: its step() is what accelerate (and the scaler) call.
-        return skip_updates(self._parts()[1], count)
 
 
 class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):

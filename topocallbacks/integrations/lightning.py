@@ -23,15 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..check import CheckRecord
 from ..exceptions import InputError, SnapshotUnsupported
-from ..interventions import (
-    capture_state,
-    current_learning_rates,
-    live_state_nbytes,
-    restore_state,
-    save_on_rank_zero,
-    scale_learning_rate,
-    skip_updates,
-)
+from ..interventions import StateActuator, current_learning_rates, save_on_rank_zero, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture, is_fsdp1_wrapper, resolve_layer
@@ -41,7 +33,7 @@ from ..sinks import prefix_of, scalars_of
 __all__ = ["TopoCollapseCallback"]
 
 
-class _LightningActuator:
+class _LightningActuator(StateActuator):
     """Decisions carried out with the trainer's own means."""
 
     def __init__(self, trainer: pl.Trainer, rescue_dir: str | None) -> None:
@@ -73,7 +65,7 @@ class _LightningActuator:
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # mixed precision's GradScaler, if any
         return trainer.lightning_module, trainer.optimizers, schedulers, scaler
 
-    def _unsharded(self) -> None:
+    def _check_snapshots(self) -> None:
         strategy = self.trainer.strategy
         if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
             # Their parameters and optimizer states are sharded (flat parameters, DTensors, ZeRO partitions): a
@@ -83,26 +75,11 @@ class _LightningActuator:
                 "it runs on one device and with DDP. Use `stop` with `checkpoint_on_stop` and resume instead"
             )
 
-    def snapshot_nbytes(self) -> int:
-        self._unsharded()
-        module, optimizers, _, _ = self._parts()
-        return live_state_nbytes(module, optimizers)
-
-    def snapshot(self) -> dict[str, Any]:
-        self._unsharded()
-        return capture_state(*self._parts())
-
-    def restore(self, snapshot: Any) -> str:
-        module, optimizers, schedulers, scaler = self._parts()
-        restore_state(snapshot, module, optimizers, schedulers, scaler)
+    def _restored(self, model: Any, optimizers: list[Any], schedulers: list[Any]) -> str:
         return f"module, {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s) restored"
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
         return save_on_rank_zero(snapshot, self.rescue_dir, tag + ".pt")
-
-    def skip_updates(self, count: int) -> str:
-        # A skipped step still runs Lightning's closure (training_step and backward): the loop sees its loss.
-        return skip_updates(self.trainer.optimizers, count)
 
 
 class TopoCollapseCallback(Callback):
