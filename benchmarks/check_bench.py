@@ -63,15 +63,9 @@ def feature_snapshots(n: int) -> tuple[np.ndarray, np.ndarray, str]:
     x, y, source = images()
     n = min(n, len(x))
     torch.manual_seed(0)
-    body = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 32, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(32, 64, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(),
-    )
+    from data import small_cnn_body
+
+    body = small_cnn_body()
     head = torch.nn.Linear(64, 10)
     optimizer = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.05, momentum=0.9)
     generator = torch.Generator().manual_seed(0)

@@ -28,3 +28,21 @@ def fashion_mnist(split: str = "train") -> tuple[np.ndarray, np.ndarray]:
     x = _read_idx(images).astype(np.float32) / 255.0
     y = _read_idx(FASHION_MNIST / f"{prefix}-labels-idx1-ubyte.gz").astype(np.int64)
     return x, y
+
+
+def small_cnn_body():
+    """The benchmarks' small CNN feature extractor: two 3x3 convolutions, global average pooling, 64-d features.
+
+    Built from torch's global generator (seed it first); ``torch.nn.Linear(64, 10)`` is its head.
+    """
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+    )

@@ -62,15 +62,9 @@ def record(name: str, steps: int = STEPS, path: Path | None = None) -> Path:
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     probe, train = order[:PROBE], order[PROBE:]
     if name == "cnn":
-        body = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(32, 64, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1),
-            torch.nn.Flatten(),
-        )
+        from data import small_cnn_body  # _images put benchmarks/ on the path
+
+        body = small_cnn_body()
         batch_size = 64
     else:
         body = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU())
