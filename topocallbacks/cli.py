@@ -89,10 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Train a small MLP on scikit-learn's bundled digits three times with a plain PyTorch loop: "
         "healthy, hit by a transient fault (shuffled labels and a learning-rate spike) and left alone, and hit by "
         "the same fault but watched by TopoMonitor with policy action 'rollback'. Prints a table and the monitor's "
-        "summary; writes the curves (CSV), the protected run's history (JSONL) and, with matplotlib, a picture.",
+        "summary; writes the curves (CSV), the protected run's history (JSONL) and, with matplotlib, a picture (PNG) "
+        "and the protected run's HTML report, and prints where.",
     )
     demo.add_argument(
-        "--out", default=DEMO_DIR, help=f"folder to write the curves, history and picture into (default: ./{DEMO_DIR})"
+        "--out",
+        default=DEMO_DIR,
+        help=f"folder to write the curves, history, picture and report into (default: ./{DEMO_DIR})",
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches (default: 0)")
     report = commands.add_parser(

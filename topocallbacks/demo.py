@@ -5,8 +5,8 @@ loop, from the same seed: the same initial weights and the same stream of batche
 
 * *healthy*: no fault, the reference;
 * *unprotected*: a transient fault hits a stretch of steps (a corrupted shard whose labels are shuffled, and a
-  learning-rate spike); :class:`~topocallbacks.TopoMonitor` with its default action warns, nobody acts, and the
-  network collapses for good (all but one of the 64 ReLUs of its feature layer die: chance accuracy);
+  learning-rate spike); :class:`~topocallbacks.TopoMonitor` with ``policy={"action": "warn"}`` warns, nobody acts,
+  and the network collapses for good (all but one of the 64 ReLUs of its feature layer die: chance accuracy);
 * *protected*: the same fault, the same monitor with ``policy={"action": "rollback", ...}``: at each alarm it
   restores the newest healthy snapshot of the model, optimizer and scheduler, and training goes on with the next
   batch, so the batches since the snapshot are skipped (the second and later rollbacks also halve the learning
@@ -15,7 +15,8 @@ loop, from the same seed: the same initial weights and the same stream of batche
 :func:`train` is the example to copy: the monitor needs two lines in the loop (``on_step`` and ``act``) and a
 :class:`~topocallbacks.interventions.LoopActuator` that holds the model. :func:`run` prints the table, writes the
 curves (``curves.csv``), the protected run's history (``protected-history.jsonl``) and, with matplotlib
-(``pip install "topocallbacks[report]"``), their picture (``rescue.png``).
+(``pip install "topocallbacks[report]"``), their picture (``rescue.png``) and the HTML report of the protected run's
+history (``report/index.html``, :meth:`TopoMonitor.report <topocallbacks.TopoMonitor.report>`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from topocallbacks.interventions import LoopActuator
 
 __all__ = ["DigitsMLP", "Fault", "Run", "run", "train"]
 
+#: The healthy and unprotected runs' rule: the default alarm, answered by a warning only (nobody acts). Written out,
+#: so that the story stays the same whatever the library's default action is.
+WARN_POLICY: Mapping[str, Any] = {"action": "warn"}
 #: The protected run's rule: the default alarm (diagram drift 4.5 robust standard deviations above its last 10
 #: checks), answered by a rollback. Each alarm rolls back; while the fault lasts it comes back, so the budget of
 #: rollbacks covers a fault of a few checks (the second and later rollbacks also halve the learning rate).
@@ -174,7 +178,7 @@ def train(
         data: the data set.
         seed: the initial weights and the batches (the same seed, the same stream of batches, fault or not).
         fault: the fault to inject, or None.
-        policy: the monitor's rule (None: the default, which warns).
+        policy: the monitor's rule (None: the library's default).
         steps: training steps (64 images each).
         check_every: steps between the monitor's checks.
         history_path: where the monitor writes its history (None: nowhere).
@@ -243,6 +247,10 @@ def run(
 ) -> int:
     """The demo: the three runs, their table, the protected monitor's summary, and the files in ``out_dir``.
 
+    The files: ``curves.csv``, ``protected-history.jsonl`` and, with matplotlib, ``rescue.png`` (the three runs'
+    test accuracy and alarm scores) and ``report/index.html`` (the protected run's report); their paths are printed
+    last.
+
     Returns:
         0 if the protected run ended within 2 points of the healthy one's accuracy and the unprotected one did not,
         1 otherwise.
@@ -257,15 +265,15 @@ def run(
         f"topocallbacks demo: a small MLP learns scikit-learn's digits ({steps} SGD steps, seed {seed}), three times:\n"
         "  healthy      no fault\n"
         f"  unprotected  a transient fault at steps {fault.start}-{fault.last}: a corrupted shard (labels shuffled) "
-        f"and the\n               learning rate x{fault.lr_spike:g}; TopoMonitor warns (its default action), nobody "
-        "acts\n"
+        f"and the\n               learning rate x{fault.lr_spike:g}; TopoMonitor(policy={dict(WARN_POLICY)}) warns, "
+        "nobody acts\n"
         f"  protected    the same fault; TopoMonitor(policy={dict(ROLLBACK_POLICY)}) rolls back\n"
         f"TopoMonitor watches the diagram drift of 256 training images' features, every {CHECK_EVERY} steps.\n"
     )
     data = Digits.load()
     runs = [
-        train("healthy", data, seed=seed, steps=steps),
-        train("unprotected", data, seed=seed, steps=steps, fault=fault),
+        train("healthy", data, seed=seed, steps=steps, policy=WARN_POLICY),
+        train("unprotected", data, seed=seed, steps=steps, fault=fault, policy=WARN_POLICY),
         train("protected", data, seed=seed, steps=steps, fault=fault, policy=ROLLBACK_POLICY, history_path=history),
     ]
     healthy, unprotected, protected = runs
@@ -292,12 +300,16 @@ def run(
     print(protected.monitor.summary())
     print()
     print(f"curves:  {_write_curves(runs, fault, out / 'curves.csv')}")
-    print(f"history: {history}  (an HTML report of it, with matplotlib: topocallbacks report {history} --out <folder>)")
+    print(f"history: {history}")
     picture = _draw(runs, fault, out / "rescue.png")
     if picture is None:
         print('picture: none, it needs matplotlib: pip install "topocallbacks[report]", then run the demo again')
+        print("report:  none, for the same reason")
     else:
+        # The protected run's history as the HTML report (as `topocallbacks report HISTORY --out DIR` writes it).
+        report = protected.monitor.report(out / "report", title="topocallbacks demo: the protected run")
         print(f"picture: {picture}")
+        print(f"report:  {report}")
     return 0 if rescued and lost else 1
 
 

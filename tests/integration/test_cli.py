@@ -22,11 +22,14 @@ def test_demo_command_writes_into_its_default_folder_only(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
     written = sorted(p.name for p in folder.iterdir())
     assert written in (
-        ["curves.csv", "protected-history.jsonl", "rescue.png"],
+        ["curves.csv", "protected-history.jsonl", "report", "rescue.png"],
         ["curves.csv", "protected-history.jsonl"],
     )
     assert f"history: {folder / 'protected-history.jsonl'}" in result.stdout
     assert "picture: " in result.stdout
+    assert "report:  " in result.stdout
+    if "report" in written:
+        assert (folder / "report" / "index.html").is_file()
     protected = next(line for line in result.stdout.splitlines() if line.startswith("protected "))
     assert "->" in protected  # rolled back
     assert "rollback (rolled back to the snapshot of step" in result.stdout  # the summary

@@ -41,9 +41,16 @@ def test_demo_rolls_the_fault_back_and_ends_healthy(tmp_path, monkeypatch, capsy
 
     folder = tmp_path / "out"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing written beside --out
-    assert sorted(p.name for p in folder.iterdir()) == ["curves.csv", "protected-history.jsonl", "rescue.png"]
-    assert f"picture: {folder / 'rescue.png'}" in out
+    assert sorted(p.name for p in folder.iterdir()) == ["curves.csv", "protected-history.jsonl", "report", "rescue.png"]
+    assert out.rstrip().splitlines()[-2:] == [
+        f"picture: {folder / 'rescue.png'}",
+        f"report:  {folder / 'report' / 'index.html'}",
+    ]
     assert (folder / "rescue.png").read_bytes().startswith(b"\x89PNG")
+    page = (folder / "report" / "index.html").read_text()
+    assert "topocallbacks demo: the protected run" in page
+    assert "rollback" in page
+    assert (folder / "report" / "index.png").read_bytes().startswith(b"\x89PNG")
 
     records = [json.loads(line) for line in (folder / "protected-history.jsonl").read_text().splitlines()]
     rollbacks = [r for r in records if r["kind"] == "intervention"]
@@ -68,6 +75,7 @@ def test_demo_without_matplotlib_writes_the_curves_and_says_how_to_get_the_pictu
     out = capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["curves.csv", "protected-history.jsonl"]
     assert 'picture: none, it needs matplotlib: pip install "topocallbacks[report]"' in out
+    assert "report:  none, for the same reason" in out
     with (tmp_path / "out" / "curves.csv").open(newline="") as handle:
         rows = list(csv.reader(handle))
     assert rows[0] == ["step", "fault", "healthy_accuracy", "unprotected_accuracy", "protected_accuracy"]
