@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 from .functional.collapse import CollapseReport, _collapse_index
 from .functional.geometry import _effective_rank
 from .functional.indices import _diagram_distance
+from .functional.sentinels import SentinelValues
 from .mmhm import UpdateStats
 from .policy import Decision
 from .settings import INDEX_NAMES, IndexSettings, resolve_weights
@@ -58,10 +59,16 @@ class Measurement:
     drift: tuple[float, ...] | None = None
 
 
-def _drift(previous: Diagrams | None, diagrams: Diagrams) -> tuple[float, ...] | None:
-    if previous is None:
-        return None
-    return tuple(_diagram_distance(a, b) for a, b in zip(previous, diagrams, strict=True))
+def _drift(
+    previous: Diagrams | None, diagrams: Diagrams, alternative: Diagrams | None = None
+) -> tuple[float, ...] | None:
+    """The per-dimension distances to ``previous``, or to ``alternative`` when their total is smaller."""
+    drifts = [
+        tuple(_diagram_distance(a, b) for a, b in zip(reference, diagrams, strict=True))
+        for reference in (previous, alternative)
+        if reference is not None
+    ]
+    return min(drifts, key=sum) if drifts else None
 
 
 _VALUES: dict[str, Callable[[NDArray[np.float64], CollapseReport, tuple[float, ...] | None], float | None]] = {
@@ -79,6 +86,7 @@ def measure(
     settings: IndexSettings,
     *,
     previous: Diagrams | None = None,
+    alternative: Diagrams | None = None,
     betti: tuple[int, int] | None = None,
     seed: int = 0,
     also: tuple[str, ...] = (),
@@ -90,6 +98,8 @@ def measure(
         epsilon: the calibrated scale.
         settings: the index settings (weights, diagram subsample size, which index).
         previous: the previous check's :attr:`Measurement.diagrams` (for diagram drift), or None.
+        alternative: other diagrams to measure the drift from (the monitor's last check that was not flagged): the
+            drift is the smaller of the two.
         betti: ``(b0, b1)`` at ``epsilon`` if already known (the MMHM engine's), else computed from scratch.
         seed: seed of the diagram subsample.
         also: other indices to compute beside the watched one (by name, see
@@ -99,7 +109,7 @@ def measure(
     report, diagrams = _collapse_index(cloud, epsilon, weights, max_points=settings.max_points, seed=seed, betti=betti)
     finite = [d[np.isfinite(d[:, 1])] for d in diagrams]  # drift ignores the essential bars
     names = dict.fromkeys((settings.name, *also))
-    drift = _drift(previous, finite) if "diagram_drift" in names else None
+    drift = _drift(previous, finite, alternative) if "diagram_drift" in names else None
     values = {name: _VALUES[name](cloud, report, drift) for name in names}
     return Measurement(report, values[settings.name], finite, values, drift)
 
@@ -126,6 +136,8 @@ class CheckRecord:
         window: streaming mode: the window's capacity (None in probe mode).
         layer: the watched layer's name when several layers are watched (None: the one layer).
         density: the share of point pairs joined at ε (0: every point isolated; 1: one clique).
+        sentinels: the absolute collapse sentinels' values (None: a check without features, or a streaming check
+            with no new batch).
     """
 
     kind: ClassVar[str] = "check"
@@ -145,6 +157,7 @@ class CheckRecord:
     window: int | None = None
     layer: str | None = None
     density: float | None = None
+    sentinels: SentinelValues | None = None
 
     @property
     def ok(self) -> bool:
@@ -167,6 +180,7 @@ class CheckRecord:
             "window": self.window,
             "layer": self.layer,
             "density": self.density,
+            "sentinels": None if self.sentinels is None else self.sentinels.as_dict(),
             "decision": self.decision.as_dict(),
             "report": None if self.report is None else self.report.as_dict(),
             "engine": None if self.engine is None else self.engine.as_dict(),
@@ -178,6 +192,8 @@ class CheckRecord:
         fields = {k: v for k, v in data.items() if k != "kind"}
         fields.setdefault("layer", None)
         fields.setdefault("density", None)
+        saved = fields.get("sentinels")
+        fields["sentinels"] = None if saved is None else SentinelValues.from_dict(saved)
         fields["decision"] = Decision.from_dict(data["decision"])
         fields["report"] = None if data["report"] is None else CollapseReport.from_dict(data["report"])
         fields["engine"] = None if data["engine"] is None else UpdateStats.from_dict(data["engine"])

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ._validation import check_int, check_number
 from .distributed import rank_and_world
-from .exceptions import InputError
+from .exceptions import InputError, SnapshotUnsupported
 from .policy import Decision
 from .settings import Action, InterventionSettings
 
@@ -164,10 +164,10 @@ class LoopActuator:
         """:func:`capture_state` of the model, optimizers, schedulers and scaler.
 
         Raises:
-            InputError: no ``model`` was given.
+            SnapshotUnsupported: no ``model`` was given.
         """
         if self.model is None:
-            raise InputError("`rollback` needs the model: LoopActuator(optimizer, scheduler, model=model)")
+            raise SnapshotUnsupported("`rollback` needs the model: LoopActuator(optimizer, scheduler, model=model)")
         return capture_state(self.model, self.optimizers, self.schedulers, self.scaler)
 
     def restore(self, snapshot: Any) -> str:
@@ -437,7 +437,8 @@ def apply(
         record: called once with the detail, before the checkpoint is saved.
         step: the step at which it is carried out (default: the decision's, that of the check's features).
         rollback: restores the snapshot a ``rollback`` goes back to and says what it did (the monitor's, which
-            holds the snapshots); required for ``rollback``.
+            holds the snapshots); required for ``rollback``. Given with a ``stop``, it restores the last healthy
+            state before the stop is requested.
         keep: for a stop, writes the newest healthy snapshot to a file and says where (the monitor's, when it
             keeps snapshots), so a stop never drops the last good state.
     """
@@ -458,6 +459,8 @@ def apply(
         if decision.lr_factor is not None:
             done.append(actuator.scale_learning_rate(decision.lr_factor))
     elif decision.action is Action.STOP:
+        if rollback is not None:  # the last healthy state first: a stop never leaves the weights of the fault
+            done.append(rollback())
         done.append(actuator.request_stop())
         if keep is not None:
             done.append(keep())

@@ -163,6 +163,7 @@ class TopoMonitor(Stateful):
         self._pending: collections.deque[_Pending] = collections.deque()
         self._batches: list[tuple[int, Any]] = []  # streaming: the training batches since the last check
         self._dynamics: list[tuple[Any, Any]] = []  # (loss, gradient norm) of each step since the last check
+        self._unfed_checks = 0  # checks at which a watched training channel had no value (warned at the second)
         #: The healthy snapshots a ``rollback`` goes back to (kept only while a rule can roll back).
         self.snapshots = SnapshotStore(s.interventions.snapshots, s.interventions.snapshot_dir)
         self.last_rollback_step_: int | None = None  # the latest rollback's step (the next one undoes updates since)
@@ -327,25 +328,26 @@ class TopoMonitor(Stateful):
             return None  # a check acts once, on the primary layer's record, whatever the number of layers
         step = record.applied_step
         if not decision.fired:
-            if record.ok and decision.healthy and self.rolls_back and self.snapshots_off is None:
+            if record.ok and decision.healthy and self.keeps_snapshots and self.snapshots_off is None:
                 self._keep_snapshot(actuator, step)
             return None
         target: Snapshot | None = None
+        if decision.action in (Action.ROLLBACK, Action.STOP):
+            target = self._target(decision, record, step)
         if decision.action is Action.ROLLBACK:
-            onset = decision.step if decision.onset is None else decision.onset
-            if step > record.step:
-                # In the background a healthy check's snapshot is taken when its decision is applied, `lag` steps
-                # after the check: go back to one taken before the last check before the onset, which that check
-                # saw healthy.
-                onset -= self.settings.schedule.check_every - 1
-            target = self.snapshots.newest_before(onset)
             if target is None:
                 diverged = decision.rule == "diverged"  # the features, or a NaN loss or gradient norm
                 decision = _no_snapshot(
                     decision, self.settings.rule.after_max_rollbacks if diverged else "warn", self.snapshots_off
                 )
-            elif decision.lr_factor is not None or self.rollback_cut_ != 1.0:
-                decision = self._compound(decision)
+            elif decision.lr_factor is not None or self.rollback_cut_ != target.rollback_cut:
+                decision = self._compound(decision, target)
+        if decision.action is Action.STOP and target is not None:
+            decision = dataclasses.replace(
+                decision, reason=f"{decision.reason}; the last healthy state (step {target.step}) is restored first"
+            )
+        elif decision.action is not Action.ROLLBACK:
+            target = None
         undone = None if target is None else self._undone(target, step)
         intervention: list[InterventionRecord] = []
 
@@ -365,7 +367,7 @@ class TopoMonitor(Stateful):
             self.settings.interventions,
             write,
             step=step,
-            rollback=None if target is None else lambda: self._roll_back(actuator, target, step),
+            rollback=None if target is None else lambda: self._roll_back(actuator, target, step, decision.action),
             keep=None
             if newest is None
             else lambda: (
@@ -376,10 +378,28 @@ class TopoMonitor(Stateful):
         return intervention[0]
 
     @property
-    def rolls_back(self) -> bool:
-        """Whether the rule in effect can roll back (then healthy checks keep snapshots)."""
+    def keeps_snapshots(self) -> bool:
+        """Whether the rule in effect can roll back or stop (then healthy checks keep snapshots).
+
+        A rollback goes back to one; a stop restores one first, so that it never leaves the weights of the fault.
+        """
         rule = self.settings.rule
-        return Action.ROLLBACK.value in (rule.action, rule.on_diverged)
+        reachable = {rule.action, rule.on_diverged}
+        if Action.LOWER_LR.value in reachable:
+            reachable.add(rule.after_max_lr_cuts)
+        if Action.ROLLBACK.value in reachable:
+            reachable.add(rule.after_max_rollbacks)
+        return bool(reachable & {Action.ROLLBACK.value, Action.STOP.value})
+
+    def _target(self, decision: Decision, record: CheckRecord, step: int) -> Snapshot | None:
+        """The snapshot a rollback (or a stop) goes back to: the newest one taken before the alarm's onset."""
+        onset = decision.step if decision.onset is None else decision.onset
+        if step > record.step:
+            # In the background a healthy check's snapshot is taken when its decision is applied, `lag` steps
+            # after the check: go back to one taken before the last check before the onset, which that check
+            # saw healthy.
+            onset -= self.settings.schedule.check_every - 1
+        return self.snapshots.newest_before(onset)
 
     def _keep_snapshot(self, actuator: Actuator, step: int) -> None:
         """Keep this healthy state as a snapshot, unless it cannot be kept here (then say so once, and keep none)."""
@@ -397,6 +417,7 @@ class TopoMonitor(Stateful):
             return
         kept = self.snapshots.add(step, payload, self.pipeline.reference_diagrams)
         kept.lr_factor = self.lr_factor_
+        kept.rollback_cut = self.rollback_cut_
 
     def _check_room(self, actuator: Actuator) -> None:
         """Before the first snapshot in host memory: refuse snapshots that would take most of the memory left.
@@ -425,13 +446,17 @@ class TopoMonitor(Stateful):
         if verdict is not None:
             raise SnapshotUnsupported(verdict)
 
-    def _compound(self, decision: Decision) -> Decision:
-        """A rollback's cut times the earlier rollbacks' (the snapshot's rates know none of them)."""
-        factor = self.rollback_cut_ * (1.0 if decision.lr_factor is None else decision.lr_factor)
+    def _compound(self, decision: Decision, target: Snapshot) -> Decision:
+        """A rollback's cut times the earlier rollbacks', relative to the cuts already in ``target``'s rates."""
+        total = self.rollback_cut_ * (1.0 if decision.lr_factor is None else decision.lr_factor)
+        factor = total / target.rollback_cut
         reason = decision.reason
         if factor != decision.lr_factor:
-            reason += f"; with the earlier rollbacks' cuts, x {factor:.4g} of the snapshot's learning rate"
-        self.rollback_cut_ = factor
+            reason += (
+                f"; with the earlier rollbacks' cuts, x {total:.4g} of the rate before the first rollback "
+                f"(x {factor:.4g} of the snapshot's)"
+            )
+        self.rollback_cut_ = total
         return dataclasses.replace(decision, lr_factor=factor, reason=reason)
 
     def _undone(self, target: Snapshot, step: int) -> int:
@@ -439,8 +464,12 @@ class TopoMonitor(Stateful):
         last = self.last_rollback_step_
         return step - (target.step if last is None or last < target.step else last)
 
-    def _roll_back(self, actuator: Actuator, target: Snapshot, step: int) -> str:
-        """Restore ``target`` in place (every rank) and rewind the checks to it; what was done, in words."""
+    def _roll_back(self, actuator: Actuator, target: Snapshot, step: int, action: Action = Action.ROLLBACK) -> str:
+        """Restore ``target`` in place (every rank) and rewind the checks to it; what was done, in words.
+
+        Before a stop (``action`` stop) the earlier rollbacks' compounded learning-rate cut is applied to the
+        restored rates, so a run resumed from the stop's checkpoint goes on at the cut rate; no update is skipped.
+        """
         undone = self._undone(target, step)
         # Checks still pending saw the abandoned steps: they reach the history, their decisions no longer act.
         self.finish()
@@ -451,7 +480,17 @@ class TopoMonitor(Stateful):
         self.snapshots.drop_after(target.step)
         self.last_rollback_step_ = step
         self.lr_factor_ = target.lr_factor  # the rates are the snapshot's again (cuts since then are undone)
-        skip = self.settings.rule.rollback_skip
+        if action is Action.STOP:
+            cut = ""
+            if self.rollback_cut_ != target.rollback_cut:
+                factor = self.rollback_cut_ / target.rollback_cut
+                cut = f"; the rollbacks' cut kept: {actuator.scale_learning_rate(factor)}"
+                self.lr_factor_ *= self.rollback_cut_ / target.rollback_cut
+            return (
+                f"restored the last healthy state, the snapshot of step {target.step} ({undone} updates undone), "
+                f"before stopping; {detail}{cut}"
+            )
+        skip = self.settings.rollback_skip
         skipped = "" if not skip else f"; {_skip_updates(actuator, skip)}"
         return (
             f"rolled back to the snapshot of step {target.step}: {undone} updates undone and their batches not seen "
@@ -662,9 +701,28 @@ class TopoMonitor(Stateful):
     def _take_dynamics(self) -> dict[str, float | None] | None:
         """The mean loss and gradient norm since the last check (rank 0; one read of the device tensors)."""
         taken, self._dynamics = self._dynamics, []
-        if not taken or rank_and_world()[0] != 0:
+        if rank_and_world()[0] != 0:
             return None
-        return {name: _mean([step[i] for step in taken]) for i, name in enumerate(("loss", "grad_norm"))}
+        dynamics = {name: _mean([step[i] for step in taken]) for i, name in enumerate(("loss", "grad_norm"))}
+        self._warn_unfed([name for name in self.settings.rule.channels if name in dynamics and dynamics[name] is None])
+        return dynamics if taken else None
+
+    def _warn_unfed(self, missing: list[str]) -> None:
+        """Say once when the rule watches a training channel that nobody passes (from the second check on)."""
+        if not missing:
+            return
+        self._unfed_checks += 1
+        if self._unfed_checks == 2:  # the first check may come before any training step
+            channels = list(self.settings.rule.channels)
+            warnings.warn(
+                f"topocallbacks: the rule watches {channels} (require {self.settings.rule.require}), but no "
+                f"{' or '.join(missing)} was passed since the last check: pass loss= (and grad_norm=) to on_step(), "
+                "process() or record_dynamics() (the Lightning and Hugging Face callbacks do it for you), or set "
+                "policy={'channels': ['index'], 'require': 1}; until then only the collapse sentinels and a "
+                "diverged check act",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _submit(self, request: tuple[Any, ...], step: int, lag: int | None, probe_ms: float = 0.0) -> None:
         """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker."""
@@ -883,12 +941,12 @@ def _mean(values: list[Any]) -> float | None:
 
 
 def _snapshot(actuator: Actuator) -> Any:
-    """``actuator.snapshot()``, with a clear error for an actuator that takes none."""
+    """``actuator.snapshot()``; SnapshotUnsupported for an actuator that takes none (snapshots are then off)."""
     take = getattr(actuator, "snapshot", None)
     if take is None:
-        raise InputError(
-            f"the policy can roll back, but {type(actuator).__name__} takes no snapshots: give it `snapshot()` and "
-            "`restore()` (LoopActuator(..., model=model) has them)"
+        raise SnapshotUnsupported(
+            f"{type(actuator).__name__} takes no snapshots: give it `snapshot()` and `restore()` "
+            "(LoopActuator(..., model=model) has them)"
         )
     return take()
 

@@ -20,7 +20,8 @@ from ._state import StateFields, Stateful
 from ._validation import as_points
 from .check import ORIENTATION, CheckRecord, measure
 from .exceptions import InputError, NonFiniteError
-from .functional.collapse import calibrate_epsilon
+from .functional.collapse import DEGREE_BAND, calibrate_epsilon, mean_degree
+from .functional.sentinels import SentinelValues, sentinel_values
 from .functional.topology import _persistence_diagrams, _subsample
 from .mmhm import MMHM
 from .policy import Decision, Policy
@@ -48,6 +49,10 @@ def _channels(dynamics: Mapping[str, float | None] | None) -> tuple[float | None
 
 def _density(edges: int, n: int) -> float:
     return edges / (n * (n - 1) / 2) if n > 1 else 0.0
+
+
+#: Streaming: the sentinels look at the newest this many points pushed since the last check.
+RECENT_POINTS = 512
 
 
 class Evaluation:
@@ -88,7 +93,7 @@ class CheckPipeline(Stateful):
     """
 
     _state = StateFields(
-        version=2,
+        version=3,
         fields={
             "epsilon": "epsilon_",
             "transform": "transform",
@@ -98,6 +103,7 @@ class CheckPipeline(Stateful):
             "engine": "_engine_state",
             "checks": "checks_",
             "stream_diverged": "stream_diverged_",
+            "rescales": "rescales_",
         },
         encode={"diagrams": _diagrams_to_lists, "reference_diagrams": _diagrams_to_lists},
         decode={"diagrams": _diagrams_from_lists, "reference_diagrams": _diagrams_from_lists},
@@ -113,11 +119,15 @@ class CheckPipeline(Stateful):
         self.engine_: MMHM | None = None
         self._engine_saved: dict[str, Any] | None = None  # a loaded engine state, until the engine exists again
         self._diagrams: Diagrams | None = None  # the last check's
-        # The last check whose index stayed below its threshold: diagram drift is measured against them, so a
-        # collapse that persists keeps its drift high instead of reading 0 once the features stop moving.
+        # The last check that was not flagged (index, collapse or divergence). Diagram drift is the smaller of the
+        # distances to the last check's diagrams and to these: a one-off excursion is not flagged again when the
+        # features come back, and a run that moved on after a marginal alarm is not measured against a frozen past.
         self._reference: Diagrams | None = None
         self.checks_ = 0
         self.stream_diverged_ = False  # streaming: a batch with NaN or Inf arrived since the last check
+        #: Streaming: how many times ε was recalibrated because a healthy window left DEGREE_BAND.
+        self.rescales_ = 0
+        self._recent: list[NDArray[np.float64]] = []  # streaming: the projected batches since the last check
 
     @property
     def streaming(self) -> bool:
@@ -141,7 +151,8 @@ class CheckPipeline(Stateful):
 
         The window's points came from the abandoned steps.
         """
-        self._reference = diagrams
+        self._reference = self._diagrams = diagrams
+        self._recent = []
         if self.streaming and self.engine_ is not None:
             self.engine_ = MMHM(epsilon=self.engine_.epsilon, window=self.engine_.window)
 
@@ -158,10 +169,12 @@ class CheckPipeline(Stateful):
         cloud = self._as_cloud(features)
         if cloud is None:
             return self._diverged(step, start, dynamics)
-        cloud = self.transform(cloud)
+        projected = self.transform.project(cloud)
+        cloud = self.transform.normalise(projected)
         engine = self._engine(cloud)
         betti = engine._update(cloud)
-        return self._measure(cloud, (betti.b0, betti.b1), step, start, engine, dynamics)
+        sentinels = sentinel_values([projected], projected, cloud, self.epsilon_)
+        return self._measure(cloud, (betti.b0, betti.b1), step, start, engine, dynamics, sentinels)
 
     def push(self, batches: Sequence[tuple[int, Any]]) -> None:
         """Streaming mode: add training batches' features ``[(step, (b, d)), ...]`` to the window, oldest first.
@@ -184,8 +197,12 @@ class CheckPipeline(Stateful):
                 self._push_clouds(clouds)
                 clouds = []
                 self._reframe()
-            clouds.append(self.transform(cloud))
+            projected = self.transform.project(cloud)
+            self._recent.append(projected)
+            clouds.append(self.transform.normalise(projected))
         self._push_clouds(clouds)
+        while len(self._recent) > 1 and sum(len(c) for c in self._recent[1:]) >= RECENT_POINTS:
+            self._recent.pop(0)
 
     def _push_clouds(self, clouds: list[NDArray[np.float64]]) -> None:
         if clouds:
@@ -212,8 +229,39 @@ class CheckPipeline(Stateful):
         engine = self.engine_
         if engine is None or engine.n_points < 2:
             return Evaluation(None, self.share())
+        sentinels = self._recent_sentinels()
+        if sentinels is None or not sentinels.holding:
+            engine = self._rescaled(engine)
         betti = engine.betti_numbers()
-        return self._measure(engine.points, (betti.b0, betti.b1), step, start, engine, dynamics)
+        return self._measure(engine.points, (betti.b0, betti.b1), step, start, engine, dynamics, sentinels)
+
+    def _recent_sentinels(self) -> SentinelValues | None:
+        """Streaming: the sentinels of the batches pushed since the last check (None: none were)."""
+        recent, self._recent = self._recent, []
+        if not recent or self.epsilon_ is None:
+            return None
+        pooled = np.concatenate(recent)[-RECENT_POINTS:]
+        if pooled.shape[0] < 2:
+            return None
+        return sentinel_values(recent, pooled, self.transform.normalise(pooled), self.epsilon_)
+
+    def _rescaled(self, engine: MMHM) -> MMHM:
+        """Streaming: the engine at a new ε when the window's mean degree left :data:`DEGREE_BAND` (else as is).
+
+        Only for a calibrated ε (not a fixed ``index.epsilon``) and a check whose newest points are not collapsed:
+        a collapse keeps the scale it is measured at.
+        """
+        low, high = DEGREE_BAND
+        degree = mean_degree(engine.n_edges, engine.n_points)
+        if self.settings.index.epsilon is not None or low <= degree <= high:
+            return engine
+        self.epsilon_ = calibrate_epsilon(engine.points, self.settings.index, self.settings.seed, size=engine.window)
+        rescaled = MMHM(epsilon=self.epsilon_, window=engine.window)
+        rescaled.cost_model = engine.cost_model
+        rescaled._push_batch(engine.points)
+        self.engine_ = rescaled
+        self.rescales_ += 1
+        return rescaled
 
     # --- internals ----------------------------------------------------------------------------------------
 
@@ -228,11 +276,14 @@ class CheckPipeline(Stateful):
     def _engine(self, cloud: NDArray[np.float64]) -> MMHM:
         """The engine, created at the first check once ε is calibrated on its (transformed) cloud."""
         if self.engine_ is None:
+            window = self._window(cloud.shape[1])
             if self.epsilon_ is None:
                 if cloud.shape[0] < 2:
                     raise InputError("ε calibration needs at least 2 points in the first check or batch")
-                self.epsilon_ = calibrate_epsilon(cloud, self.settings.index, self.settings.seed)
-            self.engine_ = MMHM(epsilon=self.epsilon_, window=self._window(cloud.shape[1]))
+                # Streaming: the points that will fill the window, the degree aimed at for a full window.
+                sample = cloud if window is None else cloud[-window:]
+                self.epsilon_ = calibrate_epsilon(sample, self.settings.index, self.settings.seed, size=window)
+            self.engine_ = MMHM(epsilon=self.epsilon_, window=window)
             if self._engine_saved is not None:
                 self.engine_.load_state_dict(self._engine_saved)
                 self._engine_saved = None
@@ -254,17 +305,22 @@ class CheckPipeline(Stateful):
         start: float,
         engine: MMHM,
         dynamics: Mapping[str, float | None] | None,
+        sentinels: SentinelValues | None = None,
     ) -> Evaluation:
         s = self.settings
         if self.epsilon_ is None:  # pragma: no cover - the engine exists, so ε was calibrated
             raise RuntimeError("the pipeline evaluated a cloud before calibrating ε")
-        found = measure(cloud, self.epsilon_, s.index, previous=self._reference, betti=betti, seed=s.seed)
+        alternative = None if self._reference is self._diagrams else self._reference
+        found = measure(
+            cloud, self.epsilon_, s.index, previous=self._diagrams, alternative=alternative, betti=betti, seed=s.seed
+        )
         self._diagrams = found.diagrams
         value = found.index_value
         loss, grad_norm = _channels(dynamics)
         oriented = None if value is None else ORIENTATION[s.index.name] * value
-        decision = self.policy.decide(step, oriented, loss=loss, grad_norm=grad_norm)
-        if not {"index", "diverged"} & set(decision.flagged):  # a loss or gradient alarm leaves the features' reference
+        collapsed = None if sentinels is None else sentinels.describe() or None
+        decision = self.policy.decide(step, oriented, loss=loss, grad_norm=grad_norm, collapsed=collapsed)
+        if not {"index", "diverged", "collapse"} & set(decision.flagged):  # a loss alarm leaves it as it is
             self._reference = found.diagrams
         self.checks_ += 1
         record = CheckRecord(
@@ -279,6 +335,7 @@ class CheckPipeline(Stateful):
             n_points=int(cloud.shape[0]),
             window=engine.window,
             density=_density(engine.n_edges, int(cloud.shape[0])),
+            sentinels=sentinels,
         )
         figures = None  # full (unthresholded) diagrams for a TensorBoard figure, when one is due
         output = s.output

@@ -33,6 +33,9 @@ from .settings import Action, PolicySettings
 
 #: The training channels the adapters pass beside the probe's index.
 _TRAINING = ("loss", "grad_norm")
+#: A training channel's noise estimate is at least this fraction of its scale (the largest value it reached at a
+#: healthy check): a loss that has fallen to 1e-5 from 3 does not read a blip to 0.04 as thousands of deviations.
+TRAINING_NOISE_FLOOR = 0.01
 
 __all__ = [
     "Action",
@@ -156,7 +159,7 @@ def trailing_zscore(
     return _zscore(np.asarray(past, dtype=np.float64), value, direction, window)
 
 
-def _zscore(values: NDArray[np.float64], value: float, direction: int, window: int) -> float | None:
+def _zscore(values: NDArray[np.float64], value: float, direction: int, window: int, floor: float = 0.0) -> float | None:
     if not math.isfinite(value):
         return None
     recent = values[-window:]
@@ -168,7 +171,7 @@ def _zscore(values: NDArray[np.float64], value: float, direction: int, window: i
     level = float(np.median(recent))
     spread = np.abs(diffs)
     noise = 1.4826 * float(np.median(spread)) or 1.2533 * float(np.mean(spread))
-    noise = max(noise / math.sqrt(2), 1e-9 * max(abs(level), 1e-12))  # a constant history: any change is far out
+    noise = max(noise / math.sqrt(2), 1e-9 * max(abs(level), 1e-12), floor)  # constant history: any change is far
     deviation = (value - level) / noise
     return abs(deviation) if direction == 0 else direction * deviation
 
@@ -198,6 +201,8 @@ class Reference:
         self.rebase_after = rebase_after
         self.values: list[float] = []
         self.held: list[float] = []
+        #: The largest value ever admitted: a training channel's scale, whose 1 % floors its noise estimate.
+        self.scale = 0.0
 
     def add(self, value: float, flagged: bool) -> None:
         """Admit ``value`` (or hold it out when its check reached the threshold)."""
@@ -209,6 +214,7 @@ class Reference:
         else:
             admitted, self.held = [value], []
         self.values = [*self.values, *admitted][-self.size :]
+        self.scale = max(self.scale, *(abs(v) for v in admitted))
 
 
 def score_value(
@@ -301,11 +307,16 @@ class _Channel:
         self.warmup: list[float] = []
         self.over = 0  # consecutive checks at or above the threshold
         self.onset: int | None = None  # the step of the first of them
+        #: The last check at which the channel's rule held: {"check", "step", "onset", "rule", "reason"} (a rule that
+        #: requires several channels counts a channel that held at the check before, see Policy).
+        self.last_hold: dict[str, Any] | None = None
 
     def state(self) -> dict[str, Any]:
         return {
+            "last_hold": self.last_hold,
             "reference": list(self.reference.values),
             "held": list(self.reference.held),
+            "scale": self.reference.scale,
             "warmup": list(self.warmup),
             "over": self.over,
             "onset": self.onset,
@@ -314,9 +325,11 @@ class _Channel:
     def load(self, state: Mapping[str, Any]) -> None:
         self.reference.values = [float(v) for v in state["reference"]]
         self.reference.held = [float(v) for v in state["held"]]
+        self.reference.scale = float(state["scale"])
         self.warmup = [float(v) for v in state["warmup"]]
         self.over = int(state["over"])
         self.onset = None if state["onset"] is None else int(state["onset"])
+        self.last_hold = None if state["last_hold"] is None else dict(state["last_hold"])
 
 
 class Policy(Stateful):
@@ -331,18 +344,21 @@ class Policy(Stateful):
     * trend (the index only, when ``trend_window`` is set): the least-squares slope of its last ``trend_window``
       values, per check, is ``>= trend_slope``.
 
-    The rule holds when ``require`` channels hold at once. It then returns ``action``, escalated once its budget is
-    spent: ``lower_lr`` to ``after_max_lr_cuts`` after ``max_lr_cuts`` cuts, ``rollback`` to
-    ``after_max_rollbacks`` after ``max_rollbacks`` rollbacks (the second and later rollbacks also cut the learning
-    rate). Within ``cooldown`` checks of an action, the *same* action is held back (the decision says so) unless
-    the score is above the one that started the cooldown; a stronger action (``warn`` < ``lower_lr`` <
-    ``rollback`` < ``stop``) always goes through, so a warning never silences a stop, and so does a rollback (after
-    one, the state is the snapshot's: a new alarm is a new fault). A diverged check (NaN or Inf
-    features, loss or gradient norm) returns ``on_diverged`` at once, warm-up or cooldown or not. After an action
-    the patience count starts again.
+    The rule holds when ``require`` channels hold at once; when it requires several, a channel whose rule held at
+    the check just before counts too (the training loss is the mean since the last check, so a jump in the index at
+    one check is often confirmed by the loss at the next), as long as one channel holds at this check. It then
+    returns ``action``, escalated once its budget is spent: ``lower_lr`` to ``after_max_lr_cuts`` after
+    ``max_lr_cuts`` cuts, ``rollback`` to ``after_max_rollbacks`` after ``max_rollbacks`` rollbacks. Within
+    ``cooldown`` checks of an action, the *same* action is held back (the decision says so) unless the score is
+    above the one that started the cooldown; a stronger action (``warn`` < ``lower_lr`` < ``rollback`` < ``stop``)
+    always goes through, so a warning never silences a stop, and so does a rollback (after one, the state is the
+    snapshot's: a new alarm is a new fault). A diverged check (NaN or Inf features, loss or gradient norm) returns
+    ``on_diverged`` at once, and a check whose features an absolute sentinel finds collapsed (``collapsed``)
+    returns ``action`` at once, warm-up or not; neither enters any reference. After an action the patience count
+    starts again.
 
     Args:
-        settings: a :class:`~topocallbacks.settings.PolicySettings` (default: the tuned default rule).
+        settings: a :class:`~topocallbacks.settings.PolicySettings` (default: the library's default rule).
         **overrides: any of its fields, e.g. ``Policy(action="stop", threshold=0.8)``.
 
     Raises:
@@ -350,17 +366,22 @@ class Policy(Stateful):
         ConfigError: an unknown field (with the closest one).
 
     Example:
-        >>> policy = Policy(action="stop", score="value", threshold=0.8, patience=2, warmup=1)
+        >>> policy = Policy(action="stop", score="value", threshold=0.8, patience=2, warmup=1, channels=["index"],
+        ...                 require=1)
         >>> [policy.decide(step, value).action.value for step, value in enumerate([0.5, 0.9, 0.9])]
         ['none', 'none', 'stop']
+        >>> policy = Policy()  # the default rule: the index and the loss jump together (or at consecutive checks)
+        >>> decisions = [policy.decide(step, 1.0 + 0.01 * (step % 3), loss=2.0 - 0.01 * step) for step in range(12)]
+        >>> policy.decide(12, 9.0, loss=1.9).action.value, policy.decide(13, 1.0, loss=5.0).action.value
+        ('none', 'rollback')
     """
 
     _state = StateFields(
-        version=6,
+        version=7,
         fields={
             "checks": "checks_",
             "channels": "_channel_state",
-            "sentinels": "_sentinel_state",
+            "unwatched": "_unwatched_state",
             "recent": "recent_",
             "last_action_check": "last_action_check_",
             "last_action": "last_action_",
@@ -385,7 +406,7 @@ class Policy(Stateful):
         # the index's score): a check where one of them spikes is not healthy (no rollback snapshot), though nothing
         # acts on it (Decision.unsettled).
         self._spike = PolicySettings(zscore_window=self.settings.zscore_window, patience=self.settings.patience)
-        self.sentinels_ = {name: _Channel(self._spike) for name in _TRAINING if name not in self.channels_}
+        self.unwatched_ = {name: _Channel(self._spike) for name in _TRAINING if name not in self.channels_}
         self.recent_: list[float] = []  # the last trend_window index values, for the trend rule
         self.last_action_check_: int | None = None
         self.last_action_: str | None = None
@@ -407,14 +428,14 @@ class Policy(Stateful):
             self.channels_[name].load(saved)
 
     @property
-    def _sentinel_state(self) -> dict[str, dict[str, Any]]:
-        return {name: channel.state() for name, channel in self.sentinels_.items()}
+    def _unwatched_state(self) -> dict[str, dict[str, Any]]:
+        return {name: channel.state() for name, channel in self.unwatched_.items()}
 
-    @_sentinel_state.setter
-    def _sentinel_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+    @_unwatched_state.setter
+    def _unwatched_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         for name, saved in state.items():
-            if name in self.sentinels_:
-                self.sentinels_[name].load(saved)
+            if name in self.unwatched_:
+                self.unwatched_[name].load(saved)
 
     @property
     def reference_(self) -> Reference:
@@ -447,6 +468,7 @@ class Policy(Stateful):
         diverged: bool = False,
         loss: float | None = None,
         grad_norm: float | None = None,
+        collapsed: str | None = None,
     ) -> Decision:
         """The decision for one check.
 
@@ -457,6 +479,10 @@ class Policy(Stateful):
             diverged: the features held NaN or Inf.
             loss: the mean training loss since the last check (the ``"loss"`` channel), or None.
             grad_norm: the mean gradient norm (before clipping) since the last check, or None.
+            collapsed: why the features count as totally collapsed by an absolute sentinel
+                (:meth:`SentinelValues.describe <topocallbacks.functional.sentinels.SentinelValues.describe>`), or
+                None. With ``settings.sentinels`` such a check acts at once (warm-up or not) and, whatever the
+                setting, none of its values enters a reference: a collapsed state is never learned as healthy.
         """
         s = self.settings
         self.checks_ += 1
@@ -470,8 +496,19 @@ class Policy(Stateful):
             )
             action, reason = self._escalate(Action(s.on_diverged), what)
             return self._act(action, step, None, None, "diverged", reason, ("diverged",), step, None)
+        if collapsed and not s.sentinels:
+            collapsed = None  # judged like any other check: the user counts such features as healthy
+        if collapsed:
+            action, reason = self._escalate(Action(s.action), collapsed)
+            held = self._held_back(action, None)
+            if held is not None:
+                return Decision(
+                    Action.NONE, f"{reason}; {held}", step, value, None, "sentinel", held_back=action,
+                    flagged=("collapse",), onset=step,
+                )  # fmt: skip
+            return self._act(action, step, value, None, "sentinel", reason, ("collapse",), step, None)
         if self.checks_ <= s.warmup:
-            for name, channel in [*self.channels_.items(), *self.sentinels_.items()]:
+            for name, channel in [*self.channels_.items(), *self.unwatched_.items()]:
                 seen = observed[name]
                 if seen is not None:
                     channel.warmup.append(seen)
@@ -479,8 +516,8 @@ class Policy(Stateful):
             return Decision(Action.NONE, f"warm-up check {self.checks_} of {s.warmup}", step, value)
         unsettled = tuple(
             name
-            for name, channel in self.sentinels_.items()
-            if _flagged(self._score(channel, observed[name], step, self._spike), self._spike.threshold)
+            for name, channel in self.unwatched_.items()
+            if _flagged(self._score(channel, observed[name], step, self._spike, name), self._spike.threshold)
         )
         decision = self._judge(step, value, observed)
         return dataclasses.replace(decision, unsettled=unsettled) if unsettled else decision
@@ -490,20 +527,33 @@ class Policy(Stateful):
         s = self.settings
         scores: dict[str, float | None] = {}
         for name, channel in self.channels_.items():
-            scores[name] = self._score(channel, observed[name], step)
-        flagged = tuple(name for name, score in scores.items() if _flagged(score, s.threshold))
+            scores[name] = self._score(channel, observed[name], step, None, name)
+        flagged = tuple(name for name, score in scores.items() if _flagged(score, self._threshold(name)))
         shown = None if list(self.channels_) == ["index"] else scores
         if "index" in self.channels_ and value is not None and s.trend_window is not None:
             self.recent_ = [*self.recent_, value][-s.trend_window :]
         holding: list[tuple[str, str, str]] = []  # (channel, rule, reason)
+        carried: list[tuple[str, str, str]] = []  # channels that held at the check before (see the class docstring)
+        onsets: dict[str, int | None] = {}
         waiting: list[str] = []
         for name, channel in self.channels_.items():
+            hold = channel.last_hold
+            before = hold if hold is not None and hold["check"] == self.checks_ - 1 else None
             if observed[name] is None:
-                continue
-            rule, reason = self._rule(name, channel, observed[name], scores[name])  # type: ignore[arg-type]
+                rule, reason = None, ""
+            else:
+                rule, reason = self._rule(name, channel, observed[name], scores[name])  # type: ignore[arg-type]
             if rule is not None:
                 holding.append((name, rule, reason))
-            else:
+                onsets[name] = channel.onset
+                channel.last_hold = {"check": self.checks_, "step": step, "onset": channel.onset, "rule": rule,
+                                "reason": reason}  # fmt: skip
+            elif before is not None and s.require > 1:
+                carried.append(
+                    (name, before["rule"], f"{before['reason']} at the check before (step {before['step']})")
+                )
+                onsets[name] = before["onset"]
+            elif reason:
                 waiting.append(reason)
         score = (
             scores.get("index")
@@ -512,7 +562,7 @@ class Policy(Stateful):
         )
         if not holding and all(observed[name] is None for name in self.channels_):
             return Decision(Action.NONE, "no index value at this check", step)
-        if len(holding) < s.require:
+        if not holding or len(holding) + len(carried) < s.require:
             reason = "; ".join([r for _, _, r in holding] + waiting)
             if holding:
                 reason += f" ({len(holding)} of the {s.require} channels required)"
@@ -520,8 +570,8 @@ class Policy(Stateful):
         held_scores = [v for name, _, _ in holding if (v := scores[name]) is not None]
         if "index" not in [name for name, _, _ in holding]:  # the cooldown compares the strongest channel's score
             score = max(held_scores, default=score)
-        onsets = [self.channels_[name].onset for name, _, _ in holding]
-        onset = min((o for o in onsets if o is not None), default=step)
+        holding = holding + carried
+        onset = min((o for o in onsets.values() if o is not None), default=step)
         rule = holding[0][1] if len({r for _, r, _ in holding}) == 1 else "+".join(r for _, r, _ in holding)
         action, reason = self._escalate(Action(s.action), "; ".join(r for _, _, r in holding))
         held = self._held_back(action, score)
@@ -533,15 +583,29 @@ class Policy(Stateful):
         return self._act(action, step, value, score, rule, reason, flagged, onset, shown)
 
     def _score(
-        self, channel: _Channel, value: float | None, step: int, settings: PolicySettings | None = None
+        self,
+        channel: _Channel,
+        value: float | None,
+        step: int,
+        settings: PolicySettings | None = None,
+        name: str = "index",
     ) -> float | None:
-        """A channel's score at this check (None: no value or no score yet); updates its reference and run."""
+        """A channel's score at this check (None: no value or no score yet); updates its reference and run.
+
+        The index is scored by ``settings.score``; a training channel by the z-score with its noise floored at
+        :data:`TRAINING_NOISE_FLOOR` of its scale.
+        """
         s = self.settings if settings is None else settings
         if value is None:
             channel.over, channel.onset = 0, None
             return None
-        score = score_value(s, channel.reference.values, value, self._baseline(channel))
-        flagged = _flagged(score, s.threshold)
+        if name in _TRAINING:
+            reference = channel.reference
+            floor = TRAINING_NOISE_FLOOR * reference.scale
+            score = _zscore(np.asarray(reference.values, dtype=np.float64), value, 1, s.zscore_window, floor)
+        else:
+            score = score_value(s, channel.reference.values, value, self._baseline(channel))
+        flagged = _flagged(score, s.threshold if settings is not None else self._threshold(name))
         channel.reference.add(value, flagged)
         if flagged:
             channel.over += 1
@@ -551,10 +615,19 @@ class Policy(Stateful):
             channel.over, channel.onset = 0, None
         return score
 
+    def _threshold(self, name: str) -> float:
+        """A channel's threshold: ``threshold``, but for a training channel under a value or baseline score.
+
+        Training channels are always z-scored: under ``score="value"`` or ``"baseline"`` their threshold is the
+        default rule's z-score threshold, not the index's.
+        """
+        s = self.settings
+        return s.threshold if name not in _TRAINING or s.score == "zscore" else self._spike.threshold
+
     def _describe(self, name: str, value: float, score: float | None) -> str:
         s = self.settings
         what = "index" if name == "index" else name.replace("_", " ")
-        if s.score == "zscore":
+        if s.score == "zscore" or name in _TRAINING:
             shown = "none yet" if score is None else f"{score:.2f}"
             return f"{what} {value:.4g} at z = {shown} against its last {s.zscore_window} checks"
         if s.score == "baseline":
@@ -568,7 +641,7 @@ class Policy(Stateful):
         s = self.settings
         what = self._describe(name, value, score)
         if channel.over >= s.patience:
-            return "threshold", f"{what} >= threshold {s.threshold} for {channel.over} consecutive checks"
+            return "threshold", f"{what} >= threshold {self._threshold(name)} for {channel.over} consecutive checks"
         trend = name == "index" and s.trend_window is not None and s.trend_slope is not None
         if trend and len(self.recent_) >= s.trend_window:  # type: ignore[operator]
             slope = float(np.polyfit(np.arange(s.trend_window), np.asarray(self.recent_), 1)[0])  # type: ignore[arg-type]
@@ -578,9 +651,10 @@ class Policy(Stateful):
                 )
         if channel.over:
             return None, (
-                f"{what} >= threshold {s.threshold} for {channel.over} of {s.patience} required consecutive checks"
+                f"{what} >= threshold {self._threshold(name)} for {channel.over} of {s.patience} required "
+                "consecutive checks"
             )
-        return None, f"{what} below threshold {s.threshold}"
+        return None, f"{what} below threshold {self._threshold(name)}"
 
     def _escalate(self, action: Action, reason: str) -> tuple[Action, str]:
         """``lower_lr`` and ``rollback`` become ``after_max_lr_cuts``/``after_max_rollbacks`` once spent."""
@@ -590,7 +664,13 @@ class Policy(Stateful):
             return escalated, f"{reason}; {self.lr_cuts_} learning-rate cuts made already, so {escalated.value}"
         if action is Action.ROLLBACK and self.rollbacks_ >= s.max_rollbacks:
             escalated = Action(s.after_max_rollbacks)
-            return escalated, f"{reason}; {self.rollbacks_} rollbacks made already, so {escalated.value}"
+            cause = (
+                f"{self.rollbacks_} rollbacks made already and the alarm came back after them: its cause outlives a "
+                "rollback (structural: the model, the data or the learning-rate schedule, not a passing burst)"
+                if self.rollbacks_
+                else "no rollbacks allowed (max_rollbacks 0)"
+            )
+            return escalated, f"{reason}; {cause}, so {escalated.value}"
         return action, reason
 
     def _held_back(self, action: Action, score: float | None) -> str | None:
@@ -637,7 +717,7 @@ class Policy(Stateful):
         self.last_action_ = action.value
         self.last_action_score_ = score
         for channel in self.channels_.values():
-            channel.over, channel.onset = 0, None
+            channel.over, channel.onset, channel.last_hold = 0, None, None
         factor = None
         if action is Action.LOWER_LR:
             self.lr_cuts_ += 1

@@ -87,8 +87,8 @@ _MEANING: dict[tuple[str, int], str] = {
     ),
     ("entropy", -1): "The persistence bars became more even: the points spread out more uniformly.",
     ("betti", 1): (
-        "Loops at the scale ε disappeared relative to the components (β1/β0 fell). At 0.5 x the median distance "
-        "this term sits at 1 most of the time in high dimension, so on its own it is weak evidence."
+        "Loops at the scale ε disappeared relative to the components (β1/β0 fell). A Betti ratio at one scale "
+        "saturates (at 0 or 1) much of the time, so on its own it is weak evidence."
     ),
     ("betti", -1): (
         "Loops appeared at the scale ε relative to the components (β1/β0 rose): at that scale the cloud got "

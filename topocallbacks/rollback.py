@@ -30,6 +30,8 @@ class Snapshot:
         payload: the training state in host memory, or None when it lives in :attr:`path`.
         path: the file holding it (``snapshot_dir``), or None.
         lr_factor: the monitor's cumulative learning-rate factor when it was taken.
+        rollback_cut: the product of the rollbacks' learning-rate cuts already in its rates (a rollback to it cuts
+            only by what the rule asks beyond that).
     """
 
     step: int
@@ -38,6 +40,7 @@ class Snapshot:
     payload: Any = None
     path: str | None = None
     lr_factor: float = 1.0
+    rollback_cut: float = 1.0
 
     def load(self) -> Any:
         """The training state (read from :attr:`path` when it lives on disk)."""

@@ -379,9 +379,18 @@ class IndexSettings(_Section):
             policy negated, as collapse lowers it). The composite and its components are computed and logged
             either way. ``index`` as an override.
         epsilon: a fixed ε, or None to calibrate at the first check.
-        epsilon_quantile: the calibration's quantile of pairwise distances, in ``(0, 1]`` (0.5: the median, the
-            paper's heuristic)...
-        epsilon_factor: ...times this factor.
+        epsilon_degree: the calibration's target: ε is the distance at which the points of the first check's
+            cloud (or streaming window) have this many ε-neighbours on average, so that the ε-graph is informative
+            whatever the feature dimension: neither every point isolated (β0 = n) nor one blob (β0 = 1). On real
+            clouds (an MLP's and a GPT's features, MiniLM sentence embeddings, Gaussians in 8 and 384 dimensions)
+            a mean degree of 8 leaves 8-27 % of the points as components and β1 near its largest; the median
+            heuristic (``epsilon_quantile=0.5, epsilon_factor=0.5``) isolated 93-100 % of the points of the 384-d
+            and GPT clouds and left the MLP's one blob. A streaming window whose mean degree leaves
+            :data:`~topocallbacks.functional.collapse.DEGREE_BAND` at a check that is not flagged is recalibrated
+            to this degree (the record's ``report.epsilon`` says which ε a check used).
+        epsilon_quantile: a fixed quantile of pairwise distances in ``(0, 1]`` to calibrate on instead of
+            ``epsilon_degree`` (0.5: the median, the paper's heuristic), or None...
+        epsilon_factor: ...times this factor (the paper's heuristic: 0.5).
         weights: the composite's weights, ``"paper"`` (0.4/0.3/0.3) or a mapping of component weights.
         max_points: size of the seeded subsample the persistence diagrams are computed on (full H1 persistence
             is cubic; 256 points take tens of milliseconds).
@@ -389,25 +398,33 @@ class IndexSettings(_Section):
 
     name: str = _option("diagram_drift", _choice(INDEX_NAMES), alias="index")
     epsilon: float | None = _option(None, _optional(_positive))
-    epsilon_quantile: float = _option(0.5, _number(0.0, 1.0, high_open=False))
-    epsilon_factor: float = _option(0.5, _positive)
+    epsilon_degree: float = _option(8.0, _positive)
+    epsilon_quantile: float | None = _option(None, _optional(_number(0.0, 1.0, high_open=False)))
+    epsilon_factor: float = _option(1.0, _positive)
     weights: str | dict[str, float] = _option("paper", _weights)
     max_points: int = _option(256, _integer(2))
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicySettings(_Section):
-    """When to act on the watched index (see :class:`~topocallbacks.policy.Policy`).
+    """When to act, and how (see :class:`~topocallbacks.policy.Policy`).
 
-    The defaults are the rule the collapse-evidence suite (``benchmarks/collapse/``) tuned for diagram drift on
-    its 18 healthy runs (<= 2 % flagged checks): a jump of 4.5 robust standard deviations above the last 10
-    checks, after a warm-up of 10 checks.
+    The defaults are the rule the rescue suite chose (``benchmarks/rescue/``, results in
+    ``benchmarks/results/rescue.md``; its selection rule was fixed before the runs): roll back when the probe's index
+    (diagram drift) and the training loss both jump, 4.5 robust standard deviations above their recent checks, with a
+    compounding learning-rate cut of 0.5 from the first rollback, the updates of two check intervals skipped after
+    each, at most 4 rollbacks, then stop at the last healthy state. The loss confirms the index: alone, the index
+    raised false alarms on healthy runs. Absolute sentinels (:mod:`topocallbacks.functional.sentinels`) act on a
+    total collapse at any check, warm-up or not. ``action`` changes only what is done.
 
     Attributes:
-        action: ``"warn"``, ``"lower_lr"``, ``"stop"`` or ``"none"`` (log only).
-        score: ``"value"`` (the index itself), ``"baseline"`` (its excess over the warm-up mean) or ``"zscore"``
-            (:func:`~topocallbacks.policy.trailing_zscore` against the last ``zscore_window`` scored checks that did
-            not reach the threshold).
+        action: ``"rollback"`` (to the newest healthy snapshot), ``"warn"``, ``"lower_lr"``, ``"stop"`` or
+            ``"none"`` (log only).
+        score: how the index is scored: ``"value"`` (the index itself), ``"baseline"`` (its excess over the warm-up
+            mean) or ``"zscore"`` (:func:`~topocallbacks.policy.trailing_zscore` against the last ``zscore_window``
+            scored checks that did not reach the threshold). The training channels are always scored by the
+            z-score, with a noise floor of 1 % of their own scale (the largest value they reached at a healthy
+            check), so a loss near zero does not turn a tiny blip into thousands of standard deviations.
         threshold: the score a check must reach.
         patience: consecutive checks at or above the threshold.
         warmup: checks that only build the reference.
@@ -423,15 +440,20 @@ class PolicySettings(_Section):
         checkpoint: ask for a rescue checkpoint with ``lower_lr``, ``rollback`` and ``stop``.
         on_diverged: the action for a diverged check (NaN or Inf features, loss or gradient norm), at once, warm-up
             or not.
+        sentinels: act on a total collapse of the features (constant, on one line, or one point at the scale;
+            :mod:`topocallbacks.functional.sentinels`) with ``action``, at any check, warm-up or not.
         rollback_lr_factor: ``rollback`` also multiplies the learning rate by this factor (None: the first rollback
-            keeps the rate; every later one cuts it by ``rollback_lr_factor`` or else ``lr_factor``). The cuts
-            compound: after the k-th cutting rollback the rates are the snapshot's times the product of the k cuts
-            (restoring a snapshot would otherwise undo the earlier ones).
+            keeps the rate; every later one cuts it by ``lr_factor``). The cuts compound: after the k-th cutting
+            rollback the rates are the snapshot's times the product of the k cuts (restoring a snapshot would
+            otherwise undo the earlier ones), and a stop after the last rollback keeps them.
         rollback_skip: after a rollback, the next this many optimizer updates are skipped (their batches are
             seen, their gradients dropped, the schedulers step as usual), so training also moves past a burst of
             bad data longer than the steps a rollback undoes (PaLM skipped 200-500 batches after its rollbacks).
+            None: the updates of two check intervals (``2 * check_every``; the rescue suite's 20 at checks every
+            10).
         max_rollbacks: rollbacks before ``rollback`` escalates to ``after_max_rollbacks``.
-        after_max_rollbacks: ``"stop"``, ``"warn"`` or ``"none"``.
+        after_max_rollbacks: ``"stop"``, ``"warn"`` or ``"none"``. A stop first restores the last healthy
+            snapshot, so it never leaves the weights of the fault.
         channels: what the rule watches: ``"index"`` (the probe's index), ``"loss"`` and ``"grad_norm"`` (the
             training loss and gradient norm the adapters pass, averaged over the steps since the last check; each
             scored like the index, as a rise). Non-finite loss or gradient norm makes the check a diverged one.
@@ -442,7 +464,7 @@ class PolicySettings(_Section):
             acts once, whatever the number of layers, and its reason says which layer moved first and by how much.
     """
 
-    action: str = _option("warn", _choice(tuple(a.value for a in Action)))
+    action: str = _option("rollback", _choice(tuple(a.value for a in Action)))
     score: str = _option("zscore", _choice(SCORES))
     threshold: float = _option(4.5, _number())
     patience: int = _option(1, _integer(1))
@@ -455,13 +477,14 @@ class PolicySettings(_Section):
     max_lr_cuts: int = _option(3, _integer(0))
     after_max_lr_cuts: str = _option("stop", _choice(("warn", "stop", "none")))
     checkpoint: bool = _option(False, _boolean)
-    on_diverged: str = _option("stop", _choice(tuple(a.value for a in Action)))
-    rollback_lr_factor: float | None = _option(None, _optional(_number(0.0, 1.0)))
-    rollback_skip: int = _option(0, _integer(0))
-    max_rollbacks: int = _option(2, _integer(0))
+    on_diverged: str = _option("rollback", _choice(tuple(a.value for a in Action)))
+    sentinels: bool = _option(True, _boolean)
+    rollback_lr_factor: float | None = _option(0.5, _optional(_number(0.0, 1.0)))
+    rollback_skip: int | None = _option(None, _optional(_integer(0)))
+    max_rollbacks: int = _option(4, _integer(0))
     after_max_rollbacks: str = _option("stop", _choice(("warn", "stop", "none")))
-    channels: tuple[str, ...] = _option(("index",), _channels)
-    require: int = _option(1, _integer(1))
+    channels: tuple[str, ...] = _option(("index", "loss"), _channels)
+    require: int = _option(2, _integer(1))
     layer_rule: str | int = _option("primary", _layer_rule)
 
     @classmethod
@@ -472,7 +495,7 @@ class PolicySettings(_Section):
                 f"`{prefix}trend_window` and `{prefix}trend_slope` go together, got trend_window={window!r}, "
                 f"trend_slope={slope!r}"
             )
-        channels, require = values.get("channels", ("index",)), values.get("require", 1)
+        channels, require = values.get("channels", ("index", "loss")), values.get("require", 2)
         if require > len(channels):
             raise InputError(
                 f"`{prefix}require` must be at most the number of `{prefix}channels` ({len(channels)}: "
@@ -522,13 +545,14 @@ class OutputSettings(_Section):
     summary: bool = _option(True, _boolean)
 
 
-#: The default rule of each index, when no policy is given: the suite's tuned z-score rule (the
-#: :class:`PolicySettings` defaults), and for the paper's composite, which lives in ``[0, 1]``, a fixed threshold.
+#: The default rule of each index, when no policy is given: the rescue suite's rule (the :class:`PolicySettings`
+#: defaults), and for the paper's composite, which lives in ``[0, 1]``, a fixed threshold on the index alone (the
+#: same actions).
 DEFAULT_RULES: Mapping[str, PolicySettings] = types.MappingProxyType(
     {
         "diagram_drift": PolicySettings(),
         "rankme": PolicySettings(),
-        "paper": PolicySettings(score="value", threshold=0.7, patience=3, warmup=3),
+        "paper": PolicySettings(score="value", threshold=0.7, patience=3, warmup=3, channels=("index",), require=1),
     }
 )
 
@@ -609,6 +633,12 @@ class MonitorSettings:
     def rule(self) -> PolicySettings:
         """The policy in effect: ``policy``, or the default rule of the watched index."""
         return self.policy if self.policy is not None else DEFAULT_RULES[self.index.name]
+
+    @property
+    def rollback_skip(self) -> int:
+        """The updates skipped after a rollback: ``policy.rollback_skip``, or two check intervals."""
+        skip = self.rule.rollback_skip
+        return 2 * self.schedule.check_every if skip is None else skip
 
     def merged(self, overrides: Mapping[str, Any], *, origin: str | None = None) -> MonitorSettings:
         """A copy with ``overrides`` applied and validated.

@@ -10,6 +10,7 @@ from numpy.typing import NDArray
 
 from ._state import StateFields, Stateful
 from .exceptions import InputError
+from .functional._distances import power_of_two_scale
 from .settings import TransformSettings
 
 __all__ = ["FeatureTransform"]
@@ -36,6 +37,11 @@ class FeatureTransform(Stateful):
     first cloud, ``"random"`` a seeded Gaussian map ``N(0, 1/projection_dim)``, or none. Both are fitted at the first
     call and kept, so that point ``i`` means the same thing at every check.
 
+    Every cloud is first multiplied by a power of two that brings its largest coordinate into ``[0.5, 1)`` (exact in
+    binary floating point; in streaming mode the first batch's factor is kept, so the window shares one frame), so
+    that huge or tiny but finite features (up to the dtype's largest, down to subnormals) are neither overflowed nor
+    flushed to zero: a cloud and the same cloud times 1e300 give the same result.
+
     Normalisation (``settings.normalize``): in probe mode each cloud is centred and scaled to unit RMS radius, so a
     fixed ε keeps its meaning while the network's feature scale drifts. In streaming mode the window's points must
     share one frame: the centre and radius are fitted on the first batch and kept while a running estimate of them
@@ -58,9 +64,10 @@ class FeatureTransform(Stateful):
     """
 
     _state = StateFields(
-        version=1,
+        version=2,
         fields={
             "input_dim": "input_dim_",
+            "prescale": "prescale_",
             "mean": "mean_",
             "components": "components_",
             "matrix": "matrix_",
@@ -98,6 +105,7 @@ class FeatureTransform(Stateful):
     def reset(self) -> None:
         """Forget the fit."""
         self.input_dim_: int | None = None
+        self.prescale_: float | None = None  # streaming: the power of two every batch is multiplied by first
         self.mean_: NDArray[np.float64] | None = None
         self.components_: NDArray[np.float64] | None = None
         self.matrix_: NDArray[np.float64] | None = None
@@ -116,6 +124,9 @@ class FeatureTransform(Stateful):
         """Fit the projection (and, streaming, the centre and radius) on a validated cloud; returns ``self``."""
         s = self.settings
         self.input_dim_ = int(cloud.shape[1])
+        if self.streaming:
+            self.prescale_ = power_of_two_scale(cloud)
+        cloud = cloud * self._prescale(cloud)
         if s.projection == "pca":
             self.mean_ = cloud.mean(axis=0)
             _, _, vt = np.linalg.svd(cloud - self.mean_, full_matrices=False)
@@ -124,7 +135,7 @@ class FeatureTransform(Stateful):
             rng = np.random.default_rng(self.seed)
             self.matrix_ = rng.normal(size=(cloud.shape[1], s.projection_dim)) / math.sqrt(s.projection_dim)
         if self.streaming and s.normalize:
-            projected = self._project(cloud)
+            projected = self._linear(cloud)
             self.running_mean_ = projected.mean(axis=0)
             self.running_square_ = float(np.mean(np.sum(projected**2, axis=1)))
             self.centre_, self.radius_ = self._running_frame()
@@ -150,7 +161,7 @@ class FeatureTransform(Stateful):
             return False
         if self.running_mean_ is None or self.running_square_ is None or self.centre_ is None or self.radius_ is None:
             return False  # not normalising: nothing to track
-        projected = self._project(cloud)
+        projected = self.project(cloud)
         weight = min(1.0, projected.shape[0] / self.window)
         self.running_mean_ = (1 - weight) * self.running_mean_ + weight * projected.mean(axis=0)
         square = float(np.mean(np.sum(projected**2, axis=1)))
@@ -176,14 +187,27 @@ class FeatureTransform(Stateful):
         return scale, offset
 
     def __call__(self, cloud: NDArray[np.float64]) -> NDArray[np.float64]:
-        """The transformed cloud (fitting first if this is the first one).
+        """The transformed cloud (fitting first if this is the first one): :meth:`normalise` of :meth:`project`.
+
+        Raises:
+            InputError: the feature dimension changed since the fit.
+        """
+        return self.normalise(self.project(cloud))
+
+    def project(self, cloud: NDArray[np.float64]) -> NDArray[np.float64]:
+        """The cloud times its power-of-two scale, through the projection (fitting first): not yet normalised.
 
         Raises:
             InputError: the feature dimension changed since the fit.
         """
         if not self.fitted:
             self.fit(cloud)
-        projected = self._project(cloud)
+        if cloud.shape[1] != self.input_dim_:
+            raise InputError(f"`features` must keep dimension {self.input_dim_} between checks, got {cloud.shape[1]}")
+        return self._linear(cloud * self._prescale(cloud))
+
+    def normalise(self, projected: NDArray[np.float64]) -> NDArray[np.float64]:
+        """A :meth:`project`-ed cloud centred and scaled (per cloud, or in the streaming frame), if normalising."""
         if not self.settings.normalize:
             return projected
         if self.streaming and self.centre_ is not None and self.radius_ is not None:  # fitted on the first batch
@@ -191,9 +215,14 @@ class FeatureTransform(Stateful):
             return result
         return _normalise(projected)
 
-    def _project(self, cloud: NDArray[np.float64]) -> NDArray[np.float64]:
-        if cloud.shape[1] != self.input_dim_:
-            raise InputError(f"`features` must keep dimension {self.input_dim_} between checks, got {cloud.shape[1]}")
+    def _prescale(self, cloud: NDArray[np.float64]) -> float:
+        """The power of two a cloud is multiplied by first: its own (probe), or the first batch's (streaming)."""
+        if self.streaming:
+            return 1.0 if self.prescale_ is None else self.prescale_
+        return power_of_two_scale(cloud) if self.settings.normalize else 1.0
+
+    def _linear(self, cloud: NDArray[np.float64]) -> NDArray[np.float64]:
+        """The fitted projection of an already prescaled cloud."""
         if self.components_ is not None and self.mean_ is not None:
             result: NDArray[np.float64] = (cloud - self.mean_) @ self.components_.T
             return result

@@ -36,52 +36,38 @@ def ours(detector: str, action: str, description: str, policy: dict[str, Any]) -
     return DetectorSpec(detector, action, "ours", description, _ours(policy), policy)
 
 
-ROLLBACK = {"action": "rollback", "on_diverged": "rollback"}
-ROLLBACK_CUT = {**ROLLBACK, "rollback_lr_factor": 0.5}
-# Skip the updates of two check intervals after a rollback (PaLM skipped 200-500 batches after ~100-step rollbacks).
-SKIP = {"rollback_skip": 20}
-GRAD_NORM = {"channels": ["grad_norm"]}
-COMBINATION = {"channels": ["index", "grad_norm", "loss"], "require": 1}
+# The library's rule before the default-rule issue (#22): diagram drift alone, z >= 4.5, with action rollback; no
+# cut on the first rollback, no skip, 2 rollbacks, no sentinels. Kept as the row that shows what the change moved.
+OLD_DEFAULT = {
+    "channels": ["index"], "require": 1, "action": "rollback", "on_diverged": "rollback", "rollback_lr_factor": None,
+    "rollback_skip": 0, "max_rollbacks": 2, "sentinels": False,
+}  # fmt: skip
 
 DETECTORS: dict[str, DetectorSpec] = {
     spec.key: spec
     for spec in [
         ours("ours_default", "rollback",
-             "TopoMonitor default rule (diagram drift, z >= 4.5)",
-             ROLLBACK),
-        ours("ours_default", "rollback_cut",
-             "default rule; rollback_lr_factor 0.5",
-             ROLLBACK_CUT),
-        ours("ours_default", "rollback_max4",
-             "default rule; rollback, max_rollbacks 4 (not 2)",
-             {**ROLLBACK, "max_rollbacks": 4}),
-        ours("ours_default", "rollback_skip",
-             "default rule; rollback, rollback_skip 20, max_rollbacks 4",
-             {**ROLLBACK, **SKIP, "max_rollbacks": 4}),
-        ours("ours_default", "rollback_cut_skip",
-             "default rule; rollback, rollback_lr_factor 0.5, rollback_skip 20, max_rollbacks 4",
-             {**ROLLBACK_CUT, **SKIP, "max_rollbacks": 4}),
-        ours("ours_default", "lower_lr",
-             "default rule; lower_lr (x0.5, 3 cuts, then stop)",
-             {"action": "lower_lr"}),
+             "the library's default rule, nothing overridden (index and loss, require 2; rollback x0.5 compounding, "
+             "skip 2 check intervals, max 4 rollbacks, then stop at the last healthy state; sentinels)",
+             {}),
         ours("ours_default", "stop",
-             "default rule; stop",
+             "the default rule with action stop (restores the last healthy snapshot first)",
              {"action": "stop"}),
-        ours("ours_grad_norm", "rollback_cut",
-             "policy channel grad_norm only",
-             {**GRAD_NORM, **ROLLBACK_CUT}),
-        ours("ours_grad_norm", "rollback_cut_skip",
-             "policy channel grad_norm only; rollback_lr_factor 0.5, rollback_skip 20, max_rollbacks 4",
-             {**GRAD_NORM, **ROLLBACK_CUT, **SKIP, "max_rollbacks": 4}),
-        ours("ours_patience2", "rollback_cut_skip",
-             "default rule held for 2 checks (patience 2); rollback_lr_factor 0.5, rollback_skip 20, max_rollbacks 4",
-             {"patience": 2, **ROLLBACK_CUT, **SKIP, "max_rollbacks": 4}),
-        ours("ours_index_and_loss", "rollback_cut_skip",
-             "channels index and loss, both (require 2); rollback_lr_factor 0.5, rollback_skip 20, max_rollbacks 4",
-             {"channels": ["index", "loss"], "require": 2, **ROLLBACK_CUT, **SKIP, "max_rollbacks": 4}),
-        ours("ours_combination", "rollback_cut",
-             "channels index, grad_norm, loss; require 1",
-             {**COMBINATION, **ROLLBACK_CUT}),
+        ours("ours_default", "lower_lr",
+             "the default rule with action lower_lr (x0.5, 3 cuts, then stop)",
+             {"action": "lower_lr"}),
+        ours("ours_no_sentinels", "rollback",
+             "the default rule without the absolute sentinels",
+             {"sentinels": False}),
+        ours("ours_index_only", "rollback",
+             "the default rule on the index alone (no loss confirmation)",
+             {"channels": ["index"], "require": 1}),
+        ours("ours_loss_only", "rollback",
+             "the default rule's actions on the loss alone (what does the topology add?)",
+             {"channels": ["loss"], "require": 1, "sentinels": False}),
+        ours("ours_old_default", "rollback",
+             "the library's rule before #22 with rollback: drift alone, no first cut, no skip, 2 rollbacks",
+             OLD_DEFAULT),
         DetectorSpec("lightning_spike", "stop", "baseline", "Lightning SpikeDetection defaults",
                      lambda arch, setup: LightningSpikeDetection()),
         DetectorSpec("olmo_skip", "skip", "baseline", "OLMo-core skip step (6 sigma, 128 steps)",

@@ -20,12 +20,12 @@ OURS = "ours_default+rollback"  # the library's default rule with action "rollba
 
 
 def choose_default(rows: dict[str, dict[str, Any]]) -> tuple[str | None, str]:
-    """The rule the presets ship, chosen by the suite, and why (a rule fixed before the results were seen).
+    """The library's default rule, chosen by the suite, and why (a rule fixed before the results were seen).
 
     Among our rows whose healthy twins meet the healthy targets (mean final-metric change >= -0.5 %, <= 1
     intervention per 1,000 steps), the one that rescues the most faulted runs (transient + structural); ties go to
     fewer healthy interventions. None when no row rescues a run within the healthy targets: then acting by default
-    costs healthy runs more than it saves, and the presets keep the library's ``warn``.
+    costs healthy runs more than it saves, and the default action would have to be ``warn``.
     """
     eligible = [
         key for key, row in rows.items()
@@ -227,11 +227,12 @@ def write_markdown(
             lines.append(f"- {'met' if met else '**not met**'}: {what}: {numbers}")
     lines += [
         "",
-        "## The presets' default",
+        "## The library's default rule",
         "",
         choose_default.__doc__.split("\n\n")[1].replace("\n    ", " ").strip(),
         "",
-        f"Chosen: {why}." if chosen else f"Chosen: none, so the presets keep `warn`: {why}.",
+        f"Chosen: {why}." if chosen else f"Chosen: none, so the default action would be `warn`: {why}.",
+        "" if chosen in (None, OURS) else f"**The suite chose {chosen}, not the library's default rule {OURS}.**",
     ]
     lines += ["", "## Per scenario: final metric change against the healthy twin (median over seeds; rescued runs)", ""]
     scenarios = [(a, f) for a in archs for f in FAULTS]
@@ -290,7 +291,7 @@ def plot(
 ) -> list[Path]:  # fmt: skip
     """One PNG per (architecture, fault): the metric curves of seed ``seed`` with interventions marked.
 
-    The curves: no intervention, ours (the default rule + rollback, and ``chosen``, the presets' default), the
+    The curves: no intervention, ours (the default rule, and ``chosen``, the suite's choice if another), the
     best baseline of the scenario.
     """
     import matplotlib
@@ -307,9 +308,9 @@ def plot(
             axis.plot(*zip(*healthy["curve"], strict=True), color="0.6", ls="--", label="healthy twin")
             shown = [(NONE, "tab:red", "no intervention")]
             if OURS in keys:
-                shown.append((OURS, "tab:green", "ours: default rule + rollback"))
+                shown.append((OURS, "tab:green", "ours: the default rule"))
             if chosen is not None and chosen != OURS and chosen in keys:
-                shown.append((chosen, "tab:purple", f"ours, the presets' default: {chosen}"))
+                shown.append((chosen, "tab:purple", f"ours, the suite's choice: {chosen}"))
             other = best_baseline(records, arch, fault)
             if other is not None:
                 shown.append((other, "tab:blue", f"best baseline: {other}"))

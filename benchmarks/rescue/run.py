@@ -45,7 +45,7 @@ SEEDS = (0, 1, 2)
 QUICK_ARCH = ("vit",)
 QUICK_DETECTORS = (
     "ours_default+rollback",
-    "ours_default+rollback_cut_skip",
+    "ours_old_default+rollback",
     "olmo_skip+skip",
     "zclip+clip",
     "metric+rollback_cut",

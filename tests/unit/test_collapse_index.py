@@ -41,18 +41,33 @@ def test_entropy_comes_from_the_finite_bars_of_the_mst_thresholded_subsample():
     assert report.persistence_entropy == pytest.approx(F.persistence_entropy(np.vstack([h0, h1])))
 
 
-def test_default_epsilon_is_half_the_median_distance():
+def test_default_epsilon_gives_every_point_eight_neighbours_on_average():
     features = clustered(n=100)
     distances = np.linalg.norm(features[:, None] - features[None], axis=-1)[np.triu_indices(100, 1)]
-    assert F.epsilon_heuristic(features) == pytest.approx(0.5 * np.median(distances))
-    assert F.collapse_index(features).epsilon == pytest.approx(0.5 * np.median(distances))
+    epsilon = F.epsilon_heuristic(features)
+    assert epsilon == pytest.approx(np.quantile(distances, 8 / 99))
+    assert 2 * np.sum(distances <= epsilon) / 100 == pytest.approx(8.0, abs=0.1)  # the mean degree
+    assert F.collapse_index(features).epsilon == pytest.approx(epsilon)
+    assert F.epsilon_heuristic(features, degree=20) == pytest.approx(np.quantile(distances, 20 / 99))
+    # A fixed quantile replaces the degree: the paper's heuristic is 0.5 x the median.
+    assert F.epsilon_heuristic(features, quantile=0.5, factor=0.5) == pytest.approx(0.5 * np.median(distances))
     assert F.epsilon_heuristic(features, quantile=0.1, factor=2.0) == pytest.approx(2.0 * np.quantile(distances, 0.1))
 
 
+@pytest.mark.parametrize("dim", [2, 8, 64, 384])
+def test_the_default_epsilon_is_informative_in_any_dimension(dim):
+    # Neither every point isolated nor one blob, whatever the dimension (the median heuristic isolated every point of
+    # a 384-d cloud and joined a 2-d one into one component).
+    cloud = np.random.default_rng(dim).normal(size=(256, dim))
+    b0, _ = F.betti_numbers(cloud, F.epsilon_heuristic(cloud))
+    assert 0.02 * 256 < b0 < 0.5 * 256
+
+
 def test_epsilon_heuristic_degenerate_clouds():
-    # Most points coincide: the median distance is 0, the smallest positive distance is used.
+    # Most points coincide: the quantile is 0, the smallest positive distance is used.
     cloud = np.vstack([np.zeros((20, 2)), [[3.0, 4.0]]])
-    assert F.epsilon_heuristic(cloud) == pytest.approx(2.5)
+    assert F.epsilon_heuristic(cloud) == pytest.approx(5.0)
+    assert F.epsilon_heuristic(cloud, quantile=0.5, factor=0.5) == pytest.approx(2.5)
     with pytest.warns(RuntimeWarning, match="all points are identical"):
         assert F.epsilon_heuristic(np.ones((5, 3))) == 1.0
 
@@ -65,10 +80,14 @@ def test_full_collapse_gives_one_in_every_component():
 
 
 def test_isotropic_gaussian_documented_value():
-    report = F.collapse_index(np.random.default_rng(0).normal(size=(512, 32)))
-    assert report.ci == pytest.approx(0.43, abs=0.03)
-    assert report.betti_term == 1.0  # the saturation the docs warn about
+    cloud = np.random.default_rng(0).normal(size=(512, 32))
+    report = F.collapse_index(cloud)
+    assert report.ci == pytest.approx(0.04, abs=0.03)
+    assert report.betti_term == 0.0  # saturated at the other end: loops outnumber components at mean degree 8
     assert report.anisotropy_term < 0.1
+    paper = F.collapse_index(cloud, epsilon=F.epsilon_heuristic(cloud, quantile=0.5, factor=0.5))
+    assert paper.ci == pytest.approx(0.43, abs=0.03)
+    assert paper.betti_term == 1.0  # the saturation the docs warn about, at the paper's ε
 
 
 def test_collapse_raises_the_index_relative_to_healthy_features():
@@ -243,8 +262,8 @@ def test_collapse_index_validates_in_init(kwargs, match):
 
 def test_collapse_index_repr_echoes_the_settings():
     assert repr(CollapseIndex(epsilon=1.5, seed=2)) == (
-        "CollapseIndex(IndexSettings(name='diagram_drift', epsilon=1.5, epsilon_quantile=0.5, epsilon_factor=0.5, "
-        "weights='paper', max_points=256), seed=2)"
+        "CollapseIndex(IndexSettings(name='diagram_drift', epsilon=1.5, epsilon_degree=8.0, epsilon_quantile=None, "
+        "epsilon_factor=1.0, weights='paper', max_points=256), seed=2)"
     )
     with pytest.raises(ConfigError, match="unknown argument `epsilon_quantil`; did you mean `epsilon_quantile`"):
         CollapseIndex(epsilon_quantil=0.4)

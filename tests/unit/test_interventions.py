@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from tests.unit.rules import old_policy
 from topocallbacks import InputError
 from topocallbacks.interventions import current_learning_rates, scale_learning_rate
 
@@ -109,7 +110,7 @@ def test_factor_must_lower_the_rate(factor):
 def test_loop_actuator_cuts_then_stops_a_plain_loop_and_its_rescue_checkpoint_holds_why(tmp_path):
     from sklearn.datasets import load_digits
 
-    from topocallbacks import Policy, TopoMonitor
+    from topocallbacks import TopoMonitor
     from topocallbacks.interventions import LoopActuator
 
     data = load_digits()
@@ -119,7 +120,9 @@ def test_loop_actuator_cuts_then_stops_a_plain_loop_and_its_rescue_checkpoint_ho
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     # Every check after the first fires: two cuts, then the escalation to stop.
-    policy = Policy(action="lower_lr", score="value", threshold=-1.0, patience=1, warmup=1, cooldown=0, max_lr_cuts=2)
+    policy = old_policy(
+        action="lower_lr", score="value", threshold=-1.0, patience=1, warmup=1, cooldown=0, max_lr_cuts=2
+    )
     monitor = TopoMonitor(probe=x[:64], layer="1", check_every=3, policy=policy, background=False)
     actuator = LoopActuator(
         optimizer,
@@ -128,20 +131,32 @@ def test_loop_actuator_cuts_then_stops_a_plain_loop_and_its_rescue_checkpoint_ho
         state=lambda: {"model": model.state_dict(), "monitor": monitor.state_dict()},
     )
     rates = {}
-    for step in range(30):
-        batch = torch.arange(step * 32, step * 32 + 32) % len(x)
-        loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        for record in monitor.on_step(step, model=model):
-            monitor.act(record, actuator)
-        rates[step] = optimizer.param_groups[0]["lr"]
-        if actuator.stop_requested:
-            break
+    # The rule can stop (after its cuts), so it would keep snapshots to restore first; without `model=` the actuator
+    # takes none: said once, and the stop stops where it is.
+
+    def train() -> int:
+        for step in range(30):
+            batch = torch.arange(step * 32, step * 32 + 32) % len(x)
+            loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            for record in monitor.on_step(step, model=model):
+                monitor.act(record, actuator)
+            rates[step] = optimizer.param_groups[0]["lr"]
+            if actuator.stop_requested:
+                break
+        return step
+
+    with pytest.warns(RuntimeWarning, match=r"keeps no rollback snapshots: `rollback` needs the model") as caught:
+        step = train()
+    assert len(caught) == 1
     done = [(r.step, r.action) for r in monitor.history if r.kind == "intervention"]
     assert done == [(3, "lower_lr"), (6, "lower_lr"), (9, "stop")]
+    stop = monitor.history[-1]
+    assert stop.detail.startswith("stop requested;")  # nothing to restore first
+    assert "restored" not in stop.reason + stop.detail
     assert step == 9
     # Each cut is in effect at every later scheduler step: 0.1 / (1 + s) x 0.5 per cut so far.
     for s, rate in rates.items():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
+from tests.unit.rules import old_rule
 from topocallbacks import InputError, TopoMonitor
 from topocallbacks.exceptions import ConfigError
 from topocallbacks.interventions import LoopActuator
@@ -70,8 +71,9 @@ def test_one_probe_forward_per_check_whatever_the_number_of_layers():
 
 def test_each_layer_is_what_a_monitor_of_that_layer_alone_computes():
     model = mlp()
-    several = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=5, policy={"warmup": 1})
-    alone = {layer: TopoMonitor(probe=PROBE, layer=layer, check_every=5, policy={"warmup": 1}) for layer in LAYERS}
+    rule = old_rule(warmup=1)  # the index alone: the records' decisions are the index rule's
+    several = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=5, policy=rule)
+    alone = {layer: TopoMonitor(probe=PROBE, layer=layer, check_every=5, policy=rule) for layer in LAYERS}
     for step in range(0, 16):
         several.on_step(step, model=model)
         for monitor in alone.values():
@@ -88,27 +90,31 @@ def test_each_layer_is_what_a_monitor_of_that_layer_alone_computes():
     assert several.epsilon_ == alone["0"].epsilon_
 
 
-def clouds(collapses: dict[str, set[int]], steps: int = 8) -> list[dict[str, np.ndarray]]:
-    """Two layers' features per check: ``a`` and ``b`` the same points, but collapsed onto a line at the checks
-    ``collapses`` names for each (diagram drift is measured against the last check that was not flagged, so a
-    layer back to its points has no drift)."""
+def clouds(collapses: dict[str, set[int]], steps: int = 8, kind: str = "line") -> list[dict[str, np.ndarray]]:
+    """Two layers' features per check: ``a`` and ``b`` the same points, but collapsed onto a line (``kind`` "line": a
+    collapse the one-direction sentinel sees) or moved to other points ("moved": only the index sees it) at the checks
+    ``collapses`` names for each (diagram drift is the smaller distance to the previous check or to the last one
+    that was not flagged, so a layer back to its points has no drift)."""
     rng = np.random.default_rng(0)
     still = {"a": rng.normal(size=(60, 5)), "b": rng.normal(size=(60, 7))}
     line = rng.normal(size=(60, 1)) * np.ones((1, 7))
+    if kind == "moved":
+        line = rng.normal(size=(60, 7))
     collapsed = {"a": line[:, :5], "b": line}
     return [{k: (collapsed[k] if i in collapses.get(k, set()) else v) for k, v in still.items()} for i in range(steps)]
 
 
-RULE = {"score": "value", "threshold": 1e-6, "patience": 1, "warmup": 2, "cooldown": 0}
+RULE = old_rule(score="value", threshold=1e-6, patience=1, warmup=2, cooldown=0)
 
 
+@pytest.mark.parametrize(("kind", "rule"), [("moved", "threshold"), ("line", "sentinel")])
 @pytest.mark.parametrize(("layer_rule", "fires"), [("primary", False), ("any", True), (2, False), ("all", False)])
-def test_a_move_on_a_non_primary_layer_acts_only_under_any(layer_rule, fires):
+def test_a_move_on_a_non_primary_layer_acts_only_under_any(layer_rule, fires, kind, rule):
     monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "layer_rule": layer_rule})
-    records = [monitor.process(features, step) for step, features in enumerate(clouds({"b": {5}}))]
+    records = [monitor.process(features, step) for step, features in enumerate(clouds({"b": {5}}, kind=kind))]
     assert {r.layer for r in records} == {"a"}  # process() returns the primary layer's record
-    held = [r.step for r in checks(monitor, "b") if r.decision.rule is not None]
-    assert held == [5]  # layer b's own rule held at the collapse, whatever the layer rule
+    held = [(r.step, r.decision.rule) for r in checks(monitor, "b") if r.decision.rule is not None]
+    assert held == [(5, rule)]  # layer b's own rule held at the move, whatever the layer rule
     assert all(not r.decision.fired for r in checks(monitor, "b"))  # a layer's own verdict never acts
     fired = [r for r in records if r.decision.fired]
     assert [r.step for r in fired] == ([5] if fires else [])
@@ -124,11 +130,16 @@ def test_a_move_on_a_non_primary_layer_acts_only_under_any(layer_rule, fires):
 def test_two_layers_moving_at_one_check_cut_the_learning_rate_once():
     monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "action": "lower_lr", "layer_rule": "any"})
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
-    actuator = LoopActuator(optimizer)
-    for step, cloud in enumerate(clouds({"a": {4}, "b": {4}})):  # both layers collapse at step 4
-        monitor.process(cloud, step)
-        for record in [r for r in checks(monitor) if r.step == step]:
-            monitor.act(record, actuator)
+    actuator = LoopActuator(optimizer)  # no model: no snapshots for a stop to restore, said once
+
+    def run():
+        for step, cloud in enumerate(clouds({"a": {4}, "b": {4}})):  # both layers collapse at step 4
+            monitor.process(cloud, step)
+            for record in [r for r in checks(monitor) if r.step == step]:
+                monitor.act(record, actuator)
+
+    with pytest.warns(RuntimeWarning, match="keeps no rollback snapshots: `rollback` needs the model"):
+        run()
     cuts = [r for r in monitor.history if r.kind == "intervention"]
     assert [(r.step, r.action) for r in cuts] == [(4, "lower_lr")]
     assert optimizer.param_groups[0]["lr"] == 0.5
@@ -146,7 +157,7 @@ def test_k_of_n_needs_k_layers():
 
 def test_resume_keeps_every_layer_state_and_continues_identically():
     model = mlp()
-    settings = MonitorSettings().merged({"layers": LAYERS, "check_every": 4, "policy": {"warmup": 1}})
+    settings = MonitorSettings().merged({"layers": LAYERS, "check_every": 4, "policy": old_rule(warmup=1)})
     straight = TopoMonitor(settings, probe=PROBE)
     first = TopoMonitor(settings, probe=PROBE)
     for step in range(0, 9):

@@ -5,9 +5,10 @@ import pickle
 import numpy as np
 import pytest
 
+from tests.unit.rules import OLD_RULE, old_policy, old_settings
 from topocallbacks import ConfigError, InputError
 from topocallbacks.policy import Action, Decision, Policy, rule_holds, rule_scores, trailing_zscore
-from topocallbacks.settings import PolicySettings
+from topocallbacks.settings import DEFAULT_RULES, PolicySettings
 
 
 def run(policy, values, start=0):
@@ -19,7 +20,7 @@ def actions(decisions):
 
 
 def test_threshold_needs_patience_consecutive_checks_after_warmup():
-    policy = Policy(action="stop", score="value", threshold=0.7, patience=3, warmup=2, cooldown=0)
+    policy = old_policy(action="stop", score="value", threshold=0.7, patience=3, warmup=2, cooldown=0)
     decisions = run(policy, [0.9, 0.9, 0.8, 0.8, 0.6, 0.8, 0.8, 0.8])
     assert actions(decisions) == ["none"] * 7 + ["stop"]
     assert decisions[0].reason == "warm-up check 1 of 2"
@@ -29,7 +30,7 @@ def test_threshold_needs_patience_consecutive_checks_after_warmup():
 
 
 def test_cooldown_blocks_and_patience_restarts_after_an_action():
-    policy = Policy(action="warn", score="value", threshold=0.5, patience=2, warmup=0, cooldown=3)
+    policy = old_policy(action="warn", score="value", threshold=0.5, patience=2, warmup=0, cooldown=3)
     decisions = run(policy, [0.9] * 9)
     # Fires at check 2; checks 3-5 are in cooldown; patience counts again from check 3, so check 6 fires.
     assert actions(decisions) == ["none", "warn", "none", "none", "none", "warn", "none", "none", "none"]
@@ -39,7 +40,7 @@ def test_cooldown_blocks_and_patience_restarts_after_an_action():
 
 
 def test_rising_trend_fires_below_the_threshold():
-    policy = Policy(
+    policy = old_policy(
         action="warn", score="value", threshold=0.95, patience=1, warmup=1, trend_window=4, trend_slope=0.04
     )
     decisions = run(policy, [0.40, 0.40, 0.41, 0.40, 0.41, 0.45, 0.50, 0.55])
@@ -51,7 +52,7 @@ def test_rising_trend_fires_below_the_threshold():
 
 
 def test_score_relative_to_the_warmup_baseline():
-    policy = Policy(action="warn", score="baseline", threshold=0.1, patience=1, warmup=3)
+    policy = old_policy(action="warn", score="baseline", threshold=0.1, patience=1, warmup=3)
     decisions = run(policy, [0.5, 0.6, 0.4, 0.55, 0.61])
     assert policy.baseline_ == pytest.approx(0.5)
     assert actions(decisions) == ["none", "none", "none", "none", "warn"]
@@ -59,7 +60,7 @@ def test_score_relative_to_the_warmup_baseline():
 
 
 def test_learning_rate_cuts_escalate_after_the_cap():
-    policy = Policy(
+    policy = old_policy(
         action="lower_lr",
         score="value",
         threshold=0.5,
@@ -107,6 +108,7 @@ def test_diverged_learning_rate_cuts_are_capped_like_the_rules():
 def test_state_round_trip_never_refires():
     values = [0.2, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
     settings = {
+        **OLD_RULE,
         "action": "lower_lr",
         "score": "value",
         "threshold": 0.7,
@@ -160,8 +162,8 @@ def test_bad_arguments(kwargs, match):
 
 def test_load_state_errors():
     with pytest.raises(InputError, match=r"missing key\(s\)"):
-        Policy().load_state_dict({"version": 6})
-    with pytest.raises(InputError, match=r"`state\['version'\]` must be 6, got 1"):
+        Policy().load_state_dict({"version": 7})
+    with pytest.raises(InputError, match=r"`state\['version'\]` must be 7, got 1"):
         Policy().load_state_dict({**Policy().state_dict(), "version": 1})
 
 
@@ -211,7 +213,7 @@ def test_zscore_score_is_the_trailing_zscore_with_warmup_and_patience():
 
     rng = np.random.default_rng(0)
     values = [*list(1.0 + 0.01 * rng.normal(size=15)), 1.5, 1.5, 1.0]
-    policy = Policy(action="stop", score="zscore", threshold=4.5, patience=1, warmup=10, cooldown=0)
+    policy = old_policy(action="stop", score="zscore", threshold=4.5, patience=1, warmup=10, cooldown=0)
     decisions = [policy.decide(step, value) for step, value in enumerate(values)]
     assert [d.action for d in decisions[:10]] == [Action.NONE] * 10  # warm-up
     expected = trailing_zscore(values[-20 - 3 : 15], values[15], window=10)
@@ -220,10 +222,10 @@ def test_zscore_score_is_the_trailing_zscore_with_warmup_and_patience():
     assert decisions[15].action is Action.STOP
     assert decisions[15].rule == "threshold"
     # The same series through a saved and restored policy gives the same decisions.
-    first = Policy(action="stop", score="zscore", threshold=4.5, patience=1, warmup=10, cooldown=0)
+    first = old_policy(action="stop", score="zscore", threshold=4.5, patience=1, warmup=10, cooldown=0)
     for step, value in enumerate(values[:12]):
         first.decide(step, value)
-    restored = Policy(action="stop", score="zscore", threshold=4.5, patience=1, warmup=10, cooldown=0)
+    restored = old_policy(action="stop", score="zscore", threshold=4.5, patience=1, warmup=10, cooldown=0)
     restored.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert [restored.decide(s, v).action for s, v in enumerate(values[12:], 12)] == [d.action for d in decisions[12:]]
 
@@ -247,10 +249,45 @@ def test_the_default_policy_is_the_tuned_zscore_rule():
     assert Policy(PolicySettings(action="stop"), patience=2).settings == PolicySettings(action="stop", patience=2)
 
 
+def test_the_default_rule_is_the_rescue_suites_rule():
+    s = Policy().settings
+    assert (s.channels, s.require, s.action, s.on_diverged) == (("index", "loss"), 2, "rollback", "rollback")
+    assert (s.rollback_lr_factor, s.rollback_skip, s.max_rollbacks, s.after_max_rollbacks) == (0.5, None, 4, "stop")
+    assert s.sentinels is True
+    assert DEFAULT_RULES["diagram_drift"] == DEFAULT_RULES["rankme"] == s
+    paper = DEFAULT_RULES["paper"]
+    assert (paper.channels, paper.require, paper.action, paper.score, paper.threshold) == (
+        ("index",), 1, "rollback", "value", 0.7,
+    )  # fmt: skip
+    # The rule names both channels: watching one alone must also say how many are required.
+    with pytest.raises(InputError, match=r"`require` must be at most the number of `channels` \(1"):
+        Policy(channels=["index"])  # require 2 is the default: one channel must say require=1
+
+
+def test_the_first_rollback_already_cuts_and_the_escalation_names_the_structural_cause():
+    policy = Policy(warmup=0, cooldown=0)  # the default rule: rollback, cut 0.5 from the first one, at most 4
+    decisions = [policy.decide(step, 0.3, loss=2.0, collapsed="the features are constant") for step in range(6)]
+    assert actions(decisions) == ["rollback"] * 4 + ["stop"] * 2
+    assert [d.lr_factor for d in decisions] == [0.5] * 4 + [None] * 2
+    assert decisions[0].reason == (
+        "the features are constant: roll back to the newest healthy snapshot before step 0, learning rate x 0.5 "
+        "(rollback 1 of 4)"
+    )
+    assert decisions[4].reason == (
+        "the features are constant; 4 rollbacks made already and the alarm came back after them: its cause outlives "
+        "a rollback (structural: the model, the data or the learning-rate schedule, not a passing burst), so stop"
+    )
+    none = Policy(max_rollbacks=0).decide(0, 0.3, collapsed="the features are constant")
+    assert (none.action, none.reason) == (
+        Action.STOP,
+        "the features are constant; no rollbacks allowed (max_rollbacks 0), so stop",
+    )
+
+
 def test_series_functions_give_the_scores_and_holds_the_policy_computes():
     rng = np.random.default_rng(4)
     values = [*list(1.0 + 0.05 * rng.normal(size=25)), 2.5, 2.6, 1.0, math.nan, 1.02, 3.0]
-    settings = PolicySettings(action="warn", threshold=4.5, patience=2, warmup=10, cooldown=0)
+    settings = old_settings(action="warn", threshold=4.5, patience=2, warmup=10, cooldown=0)
     policy = Policy(settings)
     decisions = [policy.decide(i, None if math.isnan(v) else v, diverged=math.isnan(v)) for i, v in enumerate(values)]
     scores = rule_scores(values, settings)
@@ -280,7 +317,7 @@ def replay(policy, values, first_step=-8):
 @pytest.mark.parametrize("action", ["warn", "lower_lr", "stop"])
 def test_a_false_alarm_does_not_silence_the_collapse_that_follows(action):
     # The issue's case: step 152 a false alarm (healthy), 160 the fault starts, 168 the collapse (drift x60).
-    decisions = replay(Policy(action=action), [*drift_history(), 0.840, 0.658, 31.38])
+    decisions = replay(old_policy(action=action), [*drift_history(), 0.840, 0.658, 31.38])
     assert decisions[144].action is Action.NONE
     assert decisions[152].action.value == action  # the false alarm (its z is above 4.5)
     assert decisions[168].action.value == action  # was "none (in cooldown)": now fires through
@@ -307,7 +344,7 @@ def test_a_jump_stays_out_of_the_reference_so_it_does_not_hide_itself():
 
 
 def test_a_sustained_collapse_after_a_false_alarm_is_flagged_at_every_check_until_it_becomes_the_level():
-    policy = Policy(action="warn", cooldown=5)
+    policy = old_policy(action="warn", cooldown=5)
     history = drift_history()
     decisions = replay(policy, [*history, 0.9, 0.35, 0.33, *([4.0] * 14)])
     steps = sorted(decisions)
@@ -324,7 +361,7 @@ def test_a_sustained_collapse_after_a_false_alarm_is_flagged_at_every_check_unti
 
 
 def test_a_stronger_action_is_never_held_back_by_a_cooldown():
-    policy = Policy(action="lower_lr", max_lr_cuts=1, after_max_lr_cuts="stop", cooldown=10)
+    policy = old_policy(action="lower_lr", max_lr_cuts=1, after_max_lr_cuts="stop", cooldown=10)
     decisions = replay(policy, [*drift_history(), 2.0, 1.9])
     last, previous = decisions[max(decisions)], decisions[max(decisions) - 8]
     assert previous.action is Action.LOWER_LR
@@ -334,7 +371,7 @@ def test_a_stronger_action_is_never_held_back_by_a_cooldown():
 
 
 def test_a_warning_does_not_start_a_cooldown_for_a_stronger_action():
-    policy = Policy(action="warn")
+    policy = old_policy(action="warn")
     replay(policy, [*drift_history(), 0.9])
     policy.settings = policy.settings.replace(action="stop")  # e.g. a rule over several channels escalating
     decision = policy.decide(200, 0.8)
@@ -342,12 +379,152 @@ def test_a_warning_does_not_start_a_cooldown_for_a_stronger_action():
 
 
 def test_held_back_decisions_and_the_new_state_round_trip():
-    first = Policy(action="warn")
+    first = old_policy(action="warn")
     values = [*drift_history(), 0.84, 0.66]
     decisions = replay(first, values)
     held = decisions[max(decisions)]
     assert Decision.from_dict(json.loads(json.dumps(held.as_dict()))) == held
-    restored = Policy(action="warn")
+    restored = old_policy(action="warn")
     restored.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert restored == first
     assert restored.decide(500, 31.38).action is Action.WARN
+
+
+# --- issue 22: the absolute sentinels, the training channels' noise floor, the state of the new fields -------------
+
+
+def healthy_checks(policy, count, start=0):
+    """``count`` healthy checks: the index about 0.35, the loss falling slowly, a steady gradient norm about 1."""
+    return [
+        policy.decide(
+            step,
+            0.35 + 0.01 * (-1) ** step,
+            loss=2.0 - 0.01 * step + 0.01 * (-1) ** step,
+            grad_norm=1.0 + 0.02 * (-1) ** step,
+        )
+        for step in range(start, start + count)
+    ]
+
+
+def channel_states(policy):
+    state = policy.state_dict()
+    return state["channels"], state["unwatched"]
+
+
+def test_a_sentinel_acts_at_once_in_the_warm_up_and_its_values_enter_no_reference():
+    policy = Policy()  # the default rule: warm-up 10 checks, rollback
+    assert actions(healthy_checks(policy, 3)) == ["none"] * 3
+    before = channel_states(policy)
+    collapse = "the features are constant (spread 1e-09 of their size, at most 0.0001)"
+    decision = policy.decide(3, 9.0, loss=50.0, grad_norm=40.0, collapsed=collapse)
+    assert decision.action is Action.ROLLBACK  # the 4th check of a warm-up of 10: a sentinel needs no baseline
+    assert (decision.rule, decision.flagged, decision.onset, decision.step) == ("sentinel", ("collapse",), 3, 3)
+    assert (decision.value, decision.score, decision.lr_factor) == (9.0, None, 0.5)
+    assert decision.reason == (
+        f"{collapse}: roll back to the newest healthy snapshot before step 3, learning rate x 0.5 (rollback 1 of 4)"
+    )
+    assert not decision.healthy
+    assert channel_states(policy) == before  # no index, loss or gradient norm value entered a reference or warm-up
+    assert (policy.checks_, policy.rollbacks_) == (4, 1)
+    # The rest of the warm-up only builds the reference; the collapsed values never reach it.
+    assert actions(healthy_checks(policy, 8, start=4)) == ["none"] * 8
+    index = policy.channels_["index"]
+    assert 9.0 not in index.reference.values
+    assert 9.0 not in index.warmup
+    assert policy.channels_["loss"].reference.scale == pytest.approx(2.0 + 0.01)  # the healthy maximum, not 50
+    assert 40.0 not in policy.unwatched_["grad_norm"].reference.values
+    # After the warm-up, a sentinel acts again at once; an index that merely comes back is not an alarm.
+    again = policy.decide(12, 0.35, loss=1.9, collapsed=collapse)
+    assert (again.action, again.rule) == (Action.ROLLBACK, "sentinel")
+    assert "(rollback 2 of 4)" in again.reason
+    quiet = policy.decide(13, 0.35, loss=1.88)
+    assert quiet.healthy
+
+
+def test_a_sentinel_acts_with_the_rules_action_or_only_reports_when_off():
+    collapse = "the features lie on one line"
+    warn = Policy(action="warn")
+    decision = warn.decide(0, None, collapsed=collapse)
+    assert (decision.action, decision.reason, decision.rule) == (Action.WARN, collapse, "sentinel")
+    on = Policy()
+    before = channel_states(on)
+    decision = on.decide(0, 0.4, loss=2.0, collapsed=collapse)
+    assert decision.action is Action.ROLLBACK and decision.flagged == ("collapse",)
+    assert channel_states(on) == before  # a collapsed check's values enter no reference
+    # Off, the user counts such features as healthy (a binary classifier's terminal phase, say): the check is judged
+    # like any other, its values enter the references, and nothing acts on the sentinel.
+    off = Policy(sentinels=False)
+    decision = off.decide(0, 0.4, loss=2.0, collapsed=collapse)
+    assert decision.action is Action.NONE
+    assert decision.reason == "warm-up check 1 of 10"
+    assert decision.flagged == ()
+    assert off.channels_["index"].reference.values == [0.4]
+    assert off.channels_["loss"].reference.values == [2.0]
+    assert off.rollbacks_ == 0
+
+
+def test_the_loss_channel_is_scored_on_its_own_scale_so_a_blip_near_zero_is_not_an_alarm():
+    # A contrastive loss that fell from 3 to 1e-5 (the issue's MiniLM case): one batch at 0.04.
+    losses = [3.0, 2.0, 1.0, 0.3, 0.05, 0.01, 1e-3, 1e-4, *[1e-5 * (1 + 0.1 * (-1) ** i) for i in range(14)]]
+    assert trailing_zscore(losses, 0.04) > 10_000  # the raw z-score: thousands of deviations
+    for score in ("zscore", "value"):  # the index's score does not change how the loss is scored
+        policy = Policy(score=score, threshold=4.5 if score == "zscore" else 0.7)
+        for step, loss in enumerate(losses):
+            policy.decide(step, 0.35, loss=loss)
+        assert policy.channels_["loss"].reference.scale == 3.0  # the largest value admitted, long out of the window
+        blip = policy.decide(len(losses), 0.35, loss=0.04)
+        # The noise is floored at 1 % of the scale: z = (0.04 - 1e-5) / 0.03.
+        assert blip.scores["loss"] == pytest.approx((0.04 - 1e-5) / 0.03)
+        if score == "zscore":
+            assert blip.flagged == ()
+    # The loss the rule does not watch is scored the same way: the blip leaves the check healthy.
+    policy = Policy(channels=["index"], require=1)
+    for step, loss in enumerate(losses):
+        policy.decide(step, 0.35, loss=loss)
+    assert policy.decide(len(losses), 0.35, loss=0.04).healthy
+
+
+def test_a_real_jump_of_the_loss_scores_far_above_the_threshold():
+    # A loss whose scale is 2.3, settled at 0.3 (check-to-check noise 0.02), jumps to 2.0.
+    losses = [*np.linspace(2.3, 0.3, 10).tolist(), *[0.3 + 0.01 * (-1) ** i for i in range(12)]]
+    policy = Policy()
+    for step, loss in enumerate(losses):
+        policy.decide(step, 0.35 + 0.01 * (-1) ** step, loss=loss)
+    jump = policy.decide(len(losses), 0.35, loss=2.0)
+    # The raw noise, 1.4826 x 0.02 / sqrt(2) = 0.021, is below the floor 0.023: z = (2.0 - 0.3) / 0.023.
+    assert jump.scores["loss"] == pytest.approx((2.0 - 0.3) / 0.023)
+    assert jump.scores["loss"] > 70
+    assert jump.flagged == ("loss",)
+    assert jump.action is Action.NONE  # the loss alone: the default rule requires the index too
+    assert "loss 2 at z = 73.91 against its last 10 checks" in jump.reason
+    assert jump.reason.endswith("(1 of the 2 channels required)")
+    both = policy.decide(len(losses) + 1, 5.0, loss=2.0)  # the index jumps with it: the rule holds
+    assert both.action is Action.ROLLBACK
+    assert both.flagged == ("index", "loss")
+
+
+def test_the_state_of_the_new_fields_round_trips_through_json_and_pickle():
+    policy = Policy()
+    healthy_checks(policy, 12)
+    policy.decide(12, 9.0, loss=40.0, collapsed="the features are constant")
+    policy.decide(13, 0.35, loss=9.0, grad_norm=30.0)  # the loss and the unwatched gradient norm spike
+    state = policy.state_dict()
+    assert state["version"] == 7
+    assert "unwatched" in state
+    assert "sentinels" not in state  # the key's old name
+    assert set(state["unwatched"]) == {"grad_norm"}
+    assert state["channels"]["loss"]["scale"] == pytest.approx(2.01)  # neither 40 (collapse) nor 9 (held out)
+    assert state["channels"]["loss"]["held"] == [9.0]
+    assert state["unwatched"]["grad_norm"]["scale"] == pytest.approx(1.02)  # not 30 (held out)
+    assert state["unwatched"]["grad_norm"]["held"] == [30.0]
+    assert (state["checks"], state["rollbacks"], state["last_action"]) == (14, 1, "rollback")
+    restored = Policy()
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored == policy
+    assert restored.channels_["loss"].reference.scale == policy.channels_["loss"].reference.scale
+    assert pickle.loads(pickle.dumps(policy)) == policy
+    # The scale is what the floor is made of: the same checks give the same scores after a restore.
+    for step, loss in [(14, 0.04), (15, 1.96), (16, 1.95)]:
+        assert restored.decide(step, 0.35, loss=loss) == policy.decide(step, 0.35, loss=loss)
+    with pytest.raises(InputError, match=r"`state\['version'\]` must be 7, got 6"):
+        Policy().load_state_dict({**state, "version": 6})

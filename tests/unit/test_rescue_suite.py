@@ -103,7 +103,7 @@ def test_rollback_records_count_the_updates_undone(quick, suite):
 
 @slow
 @needs_data
-@pytest.mark.parametrize("key", ["ours_default+rollback", "ours_default+rollback_cut_skip"])
+@pytest.mark.parametrize("key", ["ours_default+rollback", "ours_old_default+rollback"])
 def test_a_branched_run_equals_a_live_run_from_scratch(quick, suite, key):
     engine, faults, detectors = suite["engine"], suite["faults"], suite["detectors"]
     arch, setup = faults.ARCHITECTURES["vit"], faults.QUICK
@@ -160,23 +160,23 @@ def test_zclip_clips_outliers_to_the_adaptive_threshold(suite):
     assert change.clip_to == pytest.approx(mean + 2.5 * std * 2.5 / z)
 
 
-def test_the_presets_default_is_the_row_rescuing_most_within_the_healthy_targets(suite):
+def test_the_default_rule_is_the_row_rescuing_most_within_the_healthy_targets(suite):
     choose = suite["outputs"].choose_default
 
     def row(rescued, change, rate):
         return {"rescued": rescued, "healthy_change": change, "healthy_rate": rate}
 
     rows = {
-        "ours_default+rollback": row(9, -0.0166, 2.2),  # rescues most, but hurts healthy runs: not eligible
-        "ours_grad_norm+rollback_cut": row(2, 0.0024, 0.83),
-        "ours_grad_norm+rollback_cut_skip": row(2, -0.001, 0.5),  # a tie on rescues: fewer interventions wins
+        "ours_index_only+rollback": row(9, -0.0166, 2.2),  # rescues most, but hurts healthy runs: not eligible
+        "ours_default+rollback": row(2, 0.0024, 0.83),
+        "ours_loss_only+rollback": row(2, -0.001, 0.5),  # a tie on rescues: fewer interventions wins
         "ours_default+lower_lr": row(0, 0.0076, 0.2),
-        "metric+rollback_cut": row(7, 0.009, 0.1),  # a baseline is never the presets' default
+        "metric+rollback_cut": row(7, 0.009, 0.1),  # a baseline is never the default rule
     }
     key, why = choose(rows)
-    assert key == "ours_grad_norm+rollback_cut_skip"
-    assert why.startswith("ours_grad_norm+rollback_cut_skip: 2 faulted runs rescued within the healthy targets")
-    rows = {k: v for k, v in rows.items() if k in ("ours_default+rollback", "ours_default+lower_lr")}
+    assert key == "ours_loss_only+rollback"
+    assert why.startswith("ours_loss_only+rollback: 2 faulted runs rescued within the healthy targets")
+    rows = {k: v for k, v in rows.items() if k in ("ours_index_only+rollback", "ours_default+lower_lr")}
     key, why = choose(rows)
     assert key is None
     assert "ours_default+lower_lr 0" in why

@@ -5,15 +5,18 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from sklearn.datasets import load_digits
 
+from tests.unit.rules import old_policy, old_rule
 from topocallbacks import TopoMonitor
 from topocallbacks.check import CheckRecord, InterventionRecord
 from topocallbacks.exceptions import InputError, SnapshotUnsupported
+from topocallbacks.functional.indices import diagram_distance
 from topocallbacks.interventions import (
     LoopActuator,
     capture_state,
@@ -22,7 +25,7 @@ from topocallbacks.interventions import (
     skip_updates,
     state_nbytes,
 )
-from topocallbacks.policy import Decision, Policy
+from topocallbacks.policy import Action, Decision, Policy
 from topocallbacks.rollback import SnapshotStore
 
 DIGITS = load_digits()
@@ -61,6 +64,7 @@ class Loop:
         )
         self.states: dict[int, dict] = {}  # our own copy of the state after each step
         self.batches: list[int] = []
+        self.losses: dict[int, float] | None = None  # set to {} to pass each check's training loss to the monitor
 
     def run(self, steps: range, features) -> list:
         done = []
@@ -75,7 +79,11 @@ class Loop:
             self.scheduler.step()
             self.states[step] = copy.deepcopy(capture_state(self.model, [self.optimizer], [self.scheduler]))
             if step % CHECK_EVERY == 0:
-                record = self.monitor.process(features(step), step)
+                if self.losses is None:
+                    record = self.monitor.process(features(step), step)
+                else:
+                    self.losses[step] = loss.item()
+                    record = self.monitor.process(features(step), step, loss=self.losses[step])
                 done.append(self.monitor.act(record, self.actuator))
                 if self.actuator.stop_requested:
                     break
@@ -95,7 +103,7 @@ def assert_state_equal(model, optimizer, scheduler, saved) -> None:
 
 
 def rollback_monitor(**policy) -> TopoMonitor:
-    rule = {"action": "rollback", "warmup": 3, **policy}
+    rule = old_rule(action="rollback", warmup=3, **policy)
     return TopoMonitor(check_every=CHECK_EVERY, policy=rule, summary=False)
 
 
@@ -141,22 +149,58 @@ def test_the_snapshot_stays_intact_for_a_second_rollback_and_the_data_moves_on()
     assert [s.step for s in loop.monitor.snapshots.snapshots] == [65, 70]
 
 
-def test_repeated_rollbacks_cut_the_rate_then_stop_and_keep_the_last_healthy_state(tmp_path):
+STRUCTURAL = (
+    "rollbacks made already and the alarm came back after them: its cause outlives a rollback (structural: the "
+    "model, the data or the learning-rate schedule, not a passing burst), so stop"
+)
+
+
+def assert_restored_with_cut(loop, saved, cut) -> None:
+    """The loop's state is ``saved``'s bit for bit, but for the learning rates: the snapshot's times ``cut``."""
+    for name, tensor in loop.model.state_dict().items():
+        assert torch.equal(tensor, saved["model"][name]), name
+    state = loop.optimizer.state_dict()
+    expected = saved["optimizers"][0]
+    assert state["state"].keys() == expected["state"].keys()
+    for key, entry in state["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, expected["state"][key][name]), (key, name)
+    for group, before in zip(state["param_groups"], expected["param_groups"], strict=True):
+        assert group["lr"] == pytest.approx(before["lr"] * cut)
+        assert {k: v for k, v in group.items() if k not in ("lr", "initial_lr")} == {
+            k: v for k, v in before.items() if k not in ("lr", "initial_lr")
+        }
+    scheduler = loop.scheduler.state_dict()
+    assert scheduler["last_epoch"] == saved["schedulers"][0]["last_epoch"]
+    assert scheduler["base_lrs"] == pytest.approx([lr * cut for lr in saved["schedulers"][0]["base_lrs"]])
+
+
+def test_repeated_rollbacks_cut_the_rate_then_stop_at_the_last_healthy_state(tmp_path):
     loop = Loop(rollback_monitor(cooldown=0, max_rollbacks=2), directory=tmp_path)
     done = loop.run(range(0, 100), fault_at(50))  # the collapse persists after every rollback
     assert [(d.step, d.action) for d in done] == [(50, "rollback"), (55, "rollback"), (60, "stop")]
     # The second rollback undoes only the 5 updates since the first one (the state was step 45's at step 50).
-    assert [(d.snapshot_step, d.steps_lost) for d in done[:2]] == [(45, 5), (45, 5)]
+    assert [(d.snapshot_step, d.steps_lost) for d in done] == [(45, 5), (45, 5), (45, 5)]
     assert done[0].lr_factor == 1.0  # the first rollback keeps the rate
     assert done[1].lr_factor == 0.5  # the second cuts it by lr_factor
-    assert "2 rollbacks made already, so stop" in done[2].reason
+    assert done[2].reason.endswith(f"; 2 {STRUCTURAL}; the last healthy state (step 45) is restored first")
+    # The stop does not leave the weights of the fault: step 45's state is restored first, the cut kept.
+    assert done[2].detail.startswith(
+        "restored the last healthy state, the snapshot of step 45 (5 updates undone), before stopping; model, "
+        "optimizer and scheduler state restored; the rollbacks' cut kept: learning rate x 0.5; stop requested"
+    )
+    assert done[2].lr_factor == 0.5
     assert loop.actuator.stop_requested
+    assert_restored_with_cut(loop, loop.states[45], 0.5)
     kept = tmp_path / "topo-last-healthy-step45.pt"
     assert f"last healthy state (step 45) saved to {kept}" in done[2].detail
     saved = torch.load(kept, weights_only=True)
     for name, tensor in saved["model"].items():
         assert torch.equal(tensor, loop.states[45]["model"][name])
-    assert (tmp_path / "topo-stop-step60.pt").is_file()  # the stop checkpoint of checkpoint_on_stop
+    # The stop checkpoint of checkpoint_on_stop is saved after the restore: it holds the healthy weights too.
+    stopped = torch.load(tmp_path / "topo-stop-step60.pt", weights_only=True)
+    for name, tensor in stopped["model"].items():
+        assert torch.equal(tensor, loop.states[45]["model"][name])
 
 
 def test_a_rollback_with_nothing_to_go_back_to_warns_and_says_why():
@@ -182,32 +226,70 @@ def test_diverged_features_roll_back_when_asked():
     assert "the features diverged" in done[0].reason
 
 
-def test_no_snapshots_are_taken_when_no_rule_can_roll_back():
-    loop = Loop(TopoMonitor(check_every=CHECK_EVERY, policy={"action": "warn", "warmup": 3}, summary=False))
+@pytest.mark.parametrize(
+    ("rule", "keeps"),
+    [
+        ({"action": "warn", "on_diverged": "warn"}, False),
+        ({"action": "none", "on_diverged": "lower_lr"}, True),  # its cuts escalate to a stop (after_max_lr_cuts)
+        ({"action": "none", "on_diverged": "lower_lr", "after_max_lr_cuts": "warn"}, False),
+        ({"action": "lower_lr", "on_diverged": "warn", "after_max_lr_cuts": "warn"}, False),
+        ({"action": "rollback", "on_diverged": "warn", "after_max_rollbacks": "warn"}, True),
+        ({"action": "warn", "on_diverged": "rollback"}, True),
+        ({"action": "warn", "on_diverged": "stop"}, True),  # the old default: a stop restores a snapshot first
+        ({"action": "stop", "on_diverged": "warn"}, True),
+        ({"action": "lower_lr", "on_diverged": "warn", "after_max_lr_cuts": "stop"}, True),
+    ],
+)
+def test_snapshots_are_taken_only_when_the_rule_can_roll_back_or_stop(rule, keeps):
+    loop = Loop(TopoMonitor(check_every=CHECK_EVERY, policy=old_rule(warmup=3, **rule), summary=False))
+    assert loop.monitor.keeps_snapshots is keeps
     loop.run(range(0, 30), healthy_features)
-    assert loop.monitor.snapshots.snapshots == []
+    assert [s.step for s in loop.monitor.snapshots.snapshots] == ([20, 25] if keeps else [])
 
 
-def test_an_actuator_without_snapshots_is_refused_clearly():
+class Plain:
+    """An actuator with none of the optional means (no snapshots)."""
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (
+            lambda: LoopActuator(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)),
+            "`rollback` needs the model: LoopActuator(optimizer, scheduler, model=model)",
+        ),
+        (
+            Plain,
+            "Plain takes no snapshots: give it `snapshot()` and `restore()` (LoopActuator(..., model=model) has them)",
+        ),
+    ],
+)
+def test_an_actuator_without_snapshots_is_said_once_and_a_rollback_warns_instead(make, why):
     monitor = rollback_monitor()
-    record = monitor.process(healthy_features(0), 0)
-    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-    with pytest.raises(
-        InputError, match=r"`rollback` needs the model: LoopActuator\(optimizer, scheduler, model=model\)"
-    ):
-        monitor.act(record, LoopActuator(optimizer))
-
-    class Plain:
-        pass
-
-    with pytest.raises(InputError, match="Plain takes no snapshots"):
-        monitor.act(record, Plain())  # type: ignore[arg-type]
+    actuator = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(0, 40, CHECK_EVERY):
+            assert monitor.act(monitor.process(healthy_features(step), step), actuator) is None
+    assert [str(w.message) for w in caught] == [
+        f"topocallbacks keeps no rollback snapshots: {why}. A rollback decision warns instead."
+    ]  # said once, at the first healthy check, not at every one
+    assert all(w.category is RuntimeWarning for w in caught)
+    assert monitor.snapshots_off == why
+    assert monitor.snapshots.snapshots == []
+    record = monitor.process(collapsed_features(40), 40)
+    assert record.decision.action.value == "rollback"  # the rule asks for a rollback...
+    with pytest.warns(RuntimeWarning, match="so warn$"):
+        done = monitor.act(record, actuator)
+    assert done is not None
+    assert (done.action, done.snapshot_step, done.detail) == ("warn", None, "warned")  # ...which becomes a warning
+    assert done.reason.endswith(f"; no healthy snapshot before step 40 (no snapshots are kept: {why}), so warn")
 
 
 def test_snapshots_on_disk_are_kept_to_their_number_and_summarised(tmp_path):
     monitor = TopoMonitor(
         check_every=CHECK_EVERY,
-        policy={"action": "rollback", "warmup": 3},
+        policy=old_rule(action="rollback", warmup=3),
         snapshots=2,
         snapshot_dir=str(tmp_path / "snaps"),
         summary=False,
@@ -236,28 +318,89 @@ def test_snapshot_store_keeps_the_newest_and_finds_the_one_before_an_onset():
 # --- the rule that cannot look away ------------------------------------------------------------------------
 
 
+def constant_features(step: int) -> np.ndarray:
+    """Every sample the same point, up to float32 rounding (relative noise 1e-7): a collapse the sentinels see."""
+    rng = np.random.default_rng(step)
+    return np.tile(DIGITS.data[:1] / 16.0, (200, 1)) * (1 + 1e-7 * rng.normal(size=(200, 64)))
+
+
 @pytest.mark.parametrize("patience", [1, 3, 5, 12])
-def test_a_collapse_that_persists_is_flagged_whatever_the_patience(patience):
-    monitor = TopoMonitor(check_every=1, policy={"patience": patience, "warmup": 5}, summary=False)
-    fired = []
+def test_a_collapse_that_persists_is_flagged_at_every_check_whatever_the_patience(patience):
+    monitor = TopoMonitor(check_every=1, policy=old_rule(patience=patience, warmup=5), summary=False)
+    records = []
     for step in range(40):
-        features = collapsed_features(step) if step >= 20 else healthy_features(step)
-        record = monitor.process(features, step)
-        if record.decision.fired:
-            fired.append(step)
-    # Every collapsed check stays flagged (drift is measured against the last healthy check), so the rule holds
-    # after `patience` of them; with drift against the previous check it would read 0 from step 21 on.
-    assert fired
-    assert fired[0] == 20 + patience - 1
+        features = constant_features(step) if step >= 20 else healthy_features(step)
+        records.append(monitor.process(features, step))
+        if step == 19:
+            healthy_reference = list(monitor.policy.reference_.values)
+            healthy_diagrams = monitor.pipeline.reference_diagrams
+    assert all(not r.decision.flagged and not r.decision.fired for r in records[:20])
+    collapsed = [r.decision for r in records[20:]]
+    # The sentinels flag every collapsed check and act at once, whatever the patience: the index's drift no longer
+    # has to stay high for a collapse to stay flagged.
+    assert all((d.rule, d.flagged) == ("sentinel", ("collapse",)) for d in collapsed)
+    assert all(d.reason.startswith("the features are constant (spread ") for d in collapsed)
+    fired = [r.step for r in records if r.decision.fired]
+    assert fired == [20, 26, 32, 38]  # a repeated warning waits out the cooldown of 5 checks...
+    assert all(d.held_back is Action.WARN for d in collapsed if not d.fired)  # ...and says so in between
+    # The collapsed state never becomes the reference: neither the index's values nor the features' diagrams.
+    assert monitor.policy.reference_.values == healthy_reference
+    assert monitor.policy.reference_.held == []
+    assert monitor.pipeline.reference_diagrams is healthy_diagrams
 
 
-def test_drift_after_a_collapse_is_measured_against_the_last_healthy_check():
-    monitor = TopoMonitor(check_every=1, policy={"warmup": 5}, summary=False)
-    values = []
+def diagram_drift(first, second) -> float:
+    return sum(diagram_distance(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_drift_is_the_smaller_distance_to_the_previous_check_or_the_last_unflagged_one():
+    # Collapsed onto one point up to a noise (relative spread 2.3e-4) that no sentinel reads as a collapse: the
+    # index alone sees it, at its onset; then the cloud is measured against its previous check, not a frozen past.
+    monitor = TopoMonitor(check_every=1, policy=old_rule(warmup=5), summary=False)
+    values, expected, to_healthy = [], [], []
     for step in range(30):
+        previous, reference = monitor.pipeline.last_diagrams, monitor.pipeline.reference_diagrams
         record = monitor.process(collapsed_features(step) if step >= 20 else healthy_features(step), step)
+        diagrams = monitor.pipeline.last_diagrams
         values.append(record.index_value)
-    assert min(values[21:25]) > 0.5 * values[20]  # still far from the healthy cloud, not 0
+        if previous is not None:
+            expected.append(min(diagram_drift(previous, diagrams), diagram_drift(reference, diagrams)))
+        if step == 19:
+            last_healthy = diagrams
+        if step >= 20:
+            assert record.sentinels.holding == ()
+            to_healthy.append(diagram_drift(last_healthy, diagrams))
+            if record.decision.flagged:
+                assert monitor.pipeline.reference_diagrams is last_healthy  # a flagged check is no reference
+    assert values[1:] == pytest.approx(expected, rel=1e-12)
+    assert values[20] == pytest.approx(to_healthy[0], rel=1e-12)  # the onset: far from the last healthy check
+    assert values[20] > 30 * max(values[1:20])
+    # Once collapsed, each check is near the one before it: the drift falls back (against the last healthy check
+    # it would stay about as high as at the onset: the job of flagging a collapse that persists is the sentinels').
+    assert max(values[21:]) < 0.1 * values[20]
+    assert min(to_healthy[1:]) > 0.9 * values[20]
+
+
+def test_a_marginal_alarm_does_not_freeze_the_reference():
+    def moved(step):  # from step 20 on, half the features are twice as large: a marginal jump, then a new level
+        features = healthy_features(step)
+        if step >= 20:
+            features[:, :32] *= 2.0
+        return features
+
+    monitor = TopoMonitor(check_every=1, policy=old_rule(warmup=5), summary=False)
+    records, diagrams = [], []
+    for step in range(30):
+        records.append(monitor.process(moved(step), step))
+        diagrams.append(monitor.pipeline.last_diagrams)
+    assert [(r.step, r.decision.action.value) for r in records if r.decision.flagged] == [(20, "warn")]
+    assert 4.5 <= records[20].decision.score < 10  # a marginal alarm
+    # The checks after it are measured against their previous check (the nearer), and each becomes the reference
+    # in turn; against step 19's diagrams, frozen, the moved run would stay farther at every check.
+    assert monitor.pipeline.reference_diagrams is diagrams[-1]
+    for step in range(21, 30):
+        assert records[step].index_value == pytest.approx(diagram_drift(diagrams[step - 1], diagrams[step]))
+        assert records[step].index_value < diagram_drift(diagrams[19], diagrams[step])
 
 
 @pytest.mark.parametrize("schedule", ["warmup", "restarts"])
@@ -299,7 +442,7 @@ def feed(policy: Policy, losses, grads=None):
 
 
 def test_a_loss_spike_is_flagged_on_the_loss_channel():
-    policy = Policy(channels=["index", "loss"], warmup=5, action="warn")
+    policy = old_policy(channels=["index", "loss"], warmup=5, action="warn")
     losses = [2.0 - 0.01 * i + 0.01 * (-1) ** i for i in range(20)] + [6.0]
     decisions = feed(policy, losses)
     assert [d.step for d in decisions if d.fired] == [20]
@@ -312,19 +455,19 @@ def test_a_loss_spike_is_flagged_on_the_loss_channel():
 def test_require_two_channels_needs_both_to_hold():
     base = [2.0 - 0.01 * i + 0.01 * (-1) ** i for i in range(20)]
     grads = [1.0 + 0.02 * (-1) ** i for i in range(20)]
-    policy = Policy(channels=["loss", "grad_norm"], require=2, warmup=5)
+    policy = old_policy(channels=["loss", "grad_norm"], require=2, warmup=5)
     decisions = feed(policy, [*base, 6.0], [*grads, 1.0])
     assert not decisions[-1].fired
     assert decisions[-1].flagged == ("loss",)
     assert "(1 of the 2 channels required)" in decisions[-1].reason
-    policy = Policy(channels=["loss", "grad_norm"], require=2, warmup=5)
+    policy = old_policy(channels=["loss", "grad_norm"], require=2, warmup=5)
     decisions = feed(policy, [*base, 6.0], [*grads, 9.0])
     assert decisions[-1].fired
     assert decisions[-1].flagged == ("loss", "grad_norm")
 
 
 def test_a_nan_loss_is_a_diverged_check():
-    policy = Policy(channels=["index", "loss"], warmup=5)
+    policy = old_policy(channels=["index", "loss"], warmup=5)
     decision = policy.decide(0, 1.0, loss=math.nan)
     assert decision.action.value == "stop"
     assert decision.rule == "diverged"
@@ -332,7 +475,7 @@ def test_a_nan_loss_is_a_diverged_check():
 
 
 def test_the_monitor_averages_the_steps_dynamics_and_reads_tensors_once():
-    monitor = TopoMonitor(check_every=5, policy={"channels": ["index", "loss"], "warmup": 0}, summary=False)
+    monitor = TopoMonitor(check_every=5, policy=old_rule(channels=["index", "loss"], warmup=0), summary=False)
     for step in range(4):
         monitor.record_dynamics(torch.tensor(float(step)), None)
     monitor.process(healthy_features(0), 5, loss=4.0)  # this step's own value joins the four before it
@@ -350,13 +493,13 @@ def test_channel_settings_are_validated():
 
 
 def test_rollback_policy_state_round_trips():
-    policy = Policy(action="rollback", channels=["index", "grad_norm"], warmup=2)
+    policy = old_policy(action="rollback", channels=["index", "grad_norm"], warmup=2)
     for step in range(6):
         policy.decide(step, 1.0 + 0.1 * step, grad_norm=2.0)
-    copy_ = Policy(action="rollback", channels=["index", "grad_norm"], warmup=2)
+    copy_ = old_policy(action="rollback", channels=["index", "grad_norm"], warmup=2)
     copy_.load_state_dict(policy.state_dict())
     assert copy_ == policy
-    other = Policy(action="rollback")
+    other = old_policy(action="rollback")
     with pytest.raises(InputError, match="watched channels"):
         other.load_state_dict(policy.state_dict())
     assert isinstance(InterventionRecord.from_dict({"kind": "intervention", "step": 1, "action": "warn", "reason": "r",
@@ -364,7 +507,7 @@ def test_rollback_policy_state_round_trips():
 
 
 def test_a_nan_loss_with_nothing_to_roll_back_to_escalates_like_diverged_features():
-    monitor = TopoMonitor(check_every=1, policy={"on_diverged": "rollback"}, summary=False)
+    monitor = TopoMonitor(check_every=1, policy=old_rule(on_diverged="rollback"), summary=False)
     loop = Loop(monitor)
     done = monitor.act(monitor.process(healthy_features(0), 0, loss=math.nan), loop.actuator)
     assert done is not None
@@ -386,7 +529,7 @@ def test_a_rollback_undoes_the_cuts_made_since_its_snapshot_in_the_lr_factor():
 
 
 def test_a_spiking_training_loss_the_rule_does_not_watch_keeps_the_check_from_being_healthy():
-    policy = Policy(channels=["index"], warmup=5, action="rollback")
+    policy = old_policy(channels=["index"], warmup=5, action="rollback")
     losses = [2.0 - 0.01 * i + 0.01 * (-1) ** i for i in range(20)] + [6.0, 1.78]
     decisions = feed(policy, losses)
     assert [d.fired for d in decisions] == [False] * 22  # nothing acts on an unwatched channel
@@ -395,12 +538,12 @@ def test_a_spiking_training_loss_the_rule_does_not_watch_keeps_the_check_from_be
     assert all(d.healthy and d.unsettled == () for d in decisions[:20])
     assert decisions[21].healthy  # the spike entered no reference: the next ordinary loss is quiet again
     assert Decision.from_dict(decisions[20].as_dict()) == decisions[20]
-    copy_ = Policy(channels=["index"], warmup=5, action="rollback")
+    copy_ = old_policy(channels=["index"], warmup=5, action="rollback")
     copy_.load_state_dict(policy.state_dict())
     assert copy_ == policy
-    assert copy_.sentinels_["loss"].reference.values == policy.sentinels_["loss"].reference.values
-    assert set(policy.sentinels_) == {"loss", "grad_norm"}
-    assert set(Policy(channels=["index", "grad_norm"]).sentinels_) == {"loss"}
+    assert copy_.unwatched_["loss"].reference.values == policy.unwatched_["loss"].reference.values
+    assert set(policy.unwatched_) == {"loss", "grad_norm"}
+    assert set(old_policy(channels=["index", "grad_norm"]).unwatched_) == {"loss"}
 
 
 def test_no_snapshot_is_taken_while_the_training_loss_spikes_so_a_rollback_goes_to_the_one_before():
@@ -426,7 +569,10 @@ def test_the_cuts_of_repeated_rollbacks_compound_on_the_snapshots_rates():
     assert [(d.step, d.action, d.snapshot_step) for d in done] == [(s, "rollback", 45) for s in (50, 55, 60, 65)]
     assert [d.lr_factor for d in done] == [0.5, 0.25, 0.125, 0.0625]
     assert done[0].reason.endswith("(rollback 1 of 4)")  # nothing earlier to compound with
-    assert "with the earlier rollbacks' cuts, x 0.0625 of the snapshot's learning rate" in done[3].reason
+    assert done[3].reason.endswith(
+        "(rollback 4 of 4); with the earlier rollbacks' cuts, x 0.0625 of the rate before the first rollback "
+        "(x 0.0625 of the snapshot's)"
+    )  # every rollback went back to step 45's snapshot, taken before any cut
     # Every restore put back the snapshot's rates; the rates in effect are theirs times the product of the cuts.
     assert loop.scheduler.base_lrs == [0.1 * 0.0625]
     snapshot_lr = loop.states[45]["optimizers"][0]["param_groups"][0]["lr"]
@@ -485,6 +631,44 @@ def test_an_actuator_that_cannot_skip_is_refused_clearly_and_counts_are_checked(
         Policy(rollback_skip=-1)
 
 
+def test_the_default_rule_stops_after_its_rollbacks_at_the_last_healthy_state_bit_for_bit(tmp_path):
+    # The default rule (no policy given), the loss passed: a total collapse from step 30 on, inside the warm-up of
+    # 10 checks, whose cause outlives every rollback.
+    loop = Loop(TopoMonitor(check_every=CHECK_EVERY, summary=False), directory=tmp_path)
+    loop.losses = {}
+    done = loop.run(range(0, 100), lambda s: constant_features(s) if s >= 30 else healthy_features(s))
+    assert loop.monitor.settings.rule.warmup == 10  # the checks of steps 0-45
+    # The sentinels act in the warm-up: four rollbacks to step 25's snapshot, the cut compounding from the first.
+    assert [(d.step, d.action, d.snapshot_step, d.steps_lost, d.lr_factor) for d in done] == [
+        (30, "rollback", 25, 5, 0.5),
+        (35, "rollback", 25, 5, 0.25),
+        (40, "rollback", 25, 5, 0.125),
+        (45, "rollback", 25, 5, 0.0625),
+        (50, "stop", 25, 5, 0.0625),
+    ]
+    assert all(d.reason.startswith("the features are constant (spread ") for d in done)
+    assert all("the next 10 optimizer update(s) skipped" in d.detail for d in done[:4])  # 2 x check_every
+    assert done[4].reason.endswith(f"; 4 {STRUCTURAL}; the last healthy state (step 25) is restored first")
+    assert done[4].detail.startswith(
+        "restored the last healthy state, the snapshot of step 25 (5 updates undone), before stopping; model, "
+        "optimizer and scheduler state restored; the rollbacks' cut kept: learning rate x 0.0625; stop requested; "
+        f"last healthy state (step 25) saved to {tmp_path / 'topo-last-healthy-step25.pt'}"
+    )
+    assert loop.actuator.stop_requested
+    # The state the run stops with is the snapshot's, bit for bit, at the compounded cut rate.
+    snapshot = loop.monitor.snapshots.snapshots[-1]
+    assert snapshot.step == 25
+    assert_restored_with_cut(loop, snapshot.load(), 0.0625)
+    assert_restored_with_cut(loop, loop.states[25], 0.0625)
+    assert loop.monitor.lr_factor_ == loop.monitor.rollback_cut_ == 0.0625
+    assert loop.scheduler.base_lrs == [0.1 * 0.0625]
+    # None of the collapsed checks' values entered a reference: the index's and the loss's are the healthy ones.
+    history = [r for r in loop.monitor.history if isinstance(r, CheckRecord)]
+    assert loop.monitor.policy.channels_["index"].reference.values == [r.index_value for r in history[1:6]]
+    assert loop.monitor.policy.channels_["loss"].reference.values == [loop.losses[s] for s in range(0, 30, 5)]
+    assert [r.decision.rule for r in history[6:]] == ["sentinel"] * 5
+
+
 def test_a_stop_without_a_directory_keeps_the_last_healthy_state_in_memory():
     loop = Loop(rollback_monitor(cooldown=0, max_rollbacks=1))
     done = loop.run(range(0, 100), fault_at(50))
@@ -492,6 +676,10 @@ def test_a_stop_without_a_directory_keeps_the_last_healthy_state_in_memory():
     assert "kept in memory as LoopActuator.last_healthy" in done[1].detail
     for name, tensor in loop.actuator.last_healthy["model"].items():
         assert torch.equal(tensor, loop.states[45]["model"][name])
+    # The stop restored step 45's state first; the one rollback cut nothing (old rule), so no cut is kept.
+    assert "before stopping" in done[1].detail
+    assert "cut kept" not in done[1].detail
+    assert_restored_with_cut(loop, loop.states[45], 1.0)
 
 
 # --- where snapshots cannot be kept, the rule warns instead of failing the run -----------------------------------
@@ -541,7 +729,7 @@ def test_a_training_setup_that_cannot_snapshot_degrades_to_warnings(tmp_path):
 def test_snapshots_on_disk_skip_the_memory_check(monkeypatch, tmp_path):
     monkeypatch.setattr("topocallbacks.monitor.host_memory_available", lambda: 2**16)
     monitor = TopoMonitor(
-        check_every=CHECK_EVERY, policy={"action": "rollback", "warmup": 3}, snapshot_dir=str(tmp_path), summary=False
+        check_every=CHECK_EVERY, policy=old_rule(action="rollback", warmup=3), snapshot_dir=str(tmp_path), summary=False
     )
     loop = Loop(monitor)
     done = loop.run(range(0, 61), fault_at(50, 51))

@@ -23,6 +23,7 @@ from .topology import _betti_numbers, _persistence_diagrams, _persistence_entrop
 
 __all__ = [
     "COMPONENTS",
+    "DEGREE_BAND",
     "PAPER_WEIGHTS",
     "CollapseReport",
     "betti_term",
@@ -31,33 +32,44 @@ __all__ = [
     "entropy_term",
     "epsilon_heuristic",
     "longest_mst_edge",
+    "mean_degree",
     "mst_edge_lengths",
     "resolve_weights",
 ]
 
 #: Points of the seeded subsample whose pairwise distances the ε heuristic takes its quantile of.
 EPSILON_SAMPLE = 2048
+#: The mean ε-degrees between which a cloud's ε-graph is informative: from about 65 % of the points isolated (a mean
+#: degree of 1) to about 2 % (32), on the real clouds measured for ``IndexSettings.epsilon_degree``. A streaming
+#: window outside this band at a check that is not flagged gets a new ε.
+DEGREE_BAND = (1.0, 32.0)
 
 
 def epsilon_heuristic(
     points: Any,
-    quantile: float = IndexSettings.epsilon_quantile,
+    quantile: float | None = IndexSettings.epsilon_quantile,
     factor: float = IndexSettings.epsilon_factor,
     max_points: int = EPSILON_SAMPLE,
     seed: int = 0,
+    *,
+    degree: float = IndexSettings.epsilon_degree,
 ) -> float:
-    """The default scale: ``factor`` times the ``quantile`` of pairwise distances (0.5 × median by default).
+    """The default scale: the distance at which the points have ``degree`` ε-neighbours on average.
 
-    Distances are taken over distinct pairs of a seeded subsample of at most ``max_points`` rows. When that
-    quantile is 0 (most points coincide), the smallest positive distance is used instead; when every point is
-    the same, any ε gives the same topology and 1.0 is returned with a warning.
+    That is the ``degree / (n - 1)`` quantile of the pairwise distances of ``n`` points, times ``factor``; a fixed
+    ``quantile`` replaces ``degree / (n - 1)`` (``quantile=0.5, factor=0.5`` is the paper's 0.5 x median).
+    Distances are taken over distinct pairs of a seeded subsample of at most ``max_points`` rows (the degree is
+    the whole cloud's: the quantile is the same). When that quantile is 0 (most points coincide), the smallest
+    positive distance is used instead; when every point is the same, any ε gives the same topology and 1.0 is
+    returned with a warning.
 
     Args:
         points: ``(n_samples, dim)`` array-like or torch tensor, ``n_samples >= 2``.
-        quantile: which quantile of the pairwise distances, in ``(0, 1]``.
+        quantile: which quantile of the pairwise distances, in ``(0, 1]``, or None to follow ``degree``.
         factor: multiplier applied to that quantile, finite and > 0.
         max_points: subsample size cap for the distance computation, an integer >= 2.
         seed: seed of the subsample.
+        degree: the mean number of ε-neighbours aimed at, > 0 (at most ``n - 1``: every pair).
 
     Returns:
         ε, a finite float > 0.
@@ -68,30 +80,55 @@ def epsilon_heuristic(
 
     Example:
         >>> import numpy as np
-        >>> epsilon_heuristic(np.array([[0.0], [1.0], [3.0]]))  # distances 1, 2, 3: median 2
+        >>> line = np.arange(5.0)[:, None]  # distances 1 (4 pairs), 2 (3), 3 (2), 4 (1)
+        >>> epsilon_heuristic(line, degree=1.2)  # the 0.3 quantile of the 10 distances
+        1.0
+        >>> epsilon_heuristic(np.array([[0.0], [1.0], [3.0]]), quantile=0.5, factor=0.5)  # the paper's: 0.5 x 2
         1.0
     """
     cloud = as_points(points)
-    q = check_number(quantile, "quantile", low=0.0, high=1.0, high_open=False)
+    q = None if quantile is None else check_number(quantile, "quantile", low=0.0, high=1.0, high_open=False)
     scale = check_positive_float(factor, "factor")
-    return _epsilon_heuristic(cloud, q, scale, check_int(max_points, "max_points", minimum=2), check_seed(seed))
+    target = check_positive_float(degree, "degree")
+    cap = check_int(max_points, "max_points", minimum=2)
+    return _epsilon_heuristic(cloud, q, scale, cap, check_seed(seed), target)
 
 
-def calibrate_epsilon(cloud: NDArray[np.float64], settings: IndexSettings, seed: int = 0) -> float:
-    """The scale a monitor keeps: ``settings.epsilon``, or the quantile heuristic of a validated ``cloud``.
+def calibrate_epsilon(
+    cloud: NDArray[np.float64], settings: IndexSettings, seed: int = 0, *, size: int | None = None
+) -> float:
+    """The scale a monitor keeps: ``settings.epsilon``, or :func:`epsilon_heuristic` of a validated ``cloud``.
 
-    The heuristic is :func:`epsilon_heuristic` with ``settings.epsilon_quantile`` and ``settings.epsilon_factor``.
+    The heuristic follows ``settings.epsilon_degree``, or ``settings.epsilon_quantile`` when it is set, times
+    ``settings.epsilon_factor``. ``size``: the number of points the degree is aimed at, when the cloud is a sample of
+    them (a streaming window not yet full); None: the cloud's.
     """
     if settings.epsilon is not None:
         return settings.epsilon
-    return _epsilon_heuristic(cloud, settings.epsilon_quantile, settings.epsilon_factor, EPSILON_SAMPLE, seed)
+    s = settings
+    return _epsilon_heuristic(cloud, s.epsilon_quantile, s.epsilon_factor, EPSILON_SAMPLE, seed, s.epsilon_degree, size)
 
 
-def _epsilon_heuristic(cloud: NDArray[np.float64], quantile: float, factor: float, max_points: int, seed: int) -> float:
-    """:func:`epsilon_heuristic` on a validated cloud."""
+def mean_degree(edges: int, n_points: int) -> float:
+    """The mean number of ε-neighbours of ``n_points`` joined by ``edges`` edges (0 for fewer than 2 points)."""
+    return 2.0 * edges / n_points if n_points > 1 else 0.0
+
+
+def _epsilon_heuristic(
+    cloud: NDArray[np.float64],
+    quantile: float | None,
+    factor: float,
+    max_points: int,
+    seed: int,
+    degree: float,
+    size: int | None = None,
+) -> float:
+    """:func:`epsilon_heuristic` on a validated cloud (the degree aimed at for ``size`` points, default the cloud's)."""
     sample = _subsample(cloud, max_points, seed)
     distances = pairwise_distances(sample)[np.triu_indices(sample.shape[0], 1)]
-    value = float(np.quantile(distances, quantile))
+    n = max(cloud.shape[0] if size is None else size, 2)
+    q = min(degree / (n - 1), 1.0) if quantile is None else quantile
+    value = float(np.quantile(distances, q))
     if value == 0.0:
         positive = distances[distances > 0]
         if positive.size == 0:
@@ -157,7 +194,8 @@ def betti_term(b0: int, b1: int) -> float:
     r"""Betti-ratio component :math:`1 - \mathrm{clip}(\beta_1 / \beta_0, 0, 1)`, in ``[0, 1]``.
 
     1 when the complex has no loops (full collapse: β = (1, 0)), lower as loops outnumber components.
-    Isotropic Gaussian in high dimension at 0.5 × median distance: usually 1 (β1 = 0).
+    Isotropic Gaussian (``n = 512``, ``d = 32``) at the default ε (mean degree 8): 0 (β1 ≈ 190 > β0 ≈ 95); at the
+    paper's 0.5 × median distance: 1 (β1 = 0). A single-ε Betti ratio saturates at one end or the other.
 
     Example:
         >>> betti_term(1, 0), betti_term(4, 1), betti_term(1, 3)
@@ -257,13 +295,14 @@ def collapse_index(
     weights are normalised to sum to 1, so ``CI`` lies in ``[0, 1]``.
 
     Full collapse (all points equal): every component is 1, so ``CI = 1``. Isotropic Gaussian (``n = 512``,
-    ``d = 32``, paper weights): about 0.43, nearly all of it from the Betti term, which is 1 whenever the complex at
-    ε has no loop. That saturation is why the index's components are reported beside it.
+    ``d = 32``, paper weights): about 0.04 at the default ε (the Betti term is 0: loops outnumber components);
+    about 0.43 at the paper's 0.5 × median distance, nearly all of it from the Betti term, which is 1 whenever the
+    complex at ε has no loop. That saturation is why the index's components are reported beside it.
 
     Args:
         features: ``(n_samples, dim)`` array-like or torch tensor (any device), ``n_samples >= 2``.
-        epsilon: the scale of the Betti numbers, finite and > 0; None uses :func:`epsilon_heuristic`
-            (0.5 × the median pairwise distance).
+        epsilon: the scale of the Betti numbers, finite and > 0; None uses :func:`epsilon_heuristic` (the
+            distance at which the points have 8 ε-neighbours on average).
         weights: ``"paper"``/None or a mapping of component weights (see :func:`resolve_weights`).
         max_points: subsample size for the persistence diagrams, an integer >= 2.
         seed: seed of the subsamples.
