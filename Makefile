@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 LATEST ?= .venv-latest
 # The dev set's lock (test-latest points it at the day's newest versions).
 DEV_LOCK ?= requirements/dev.txt
-# uv installs from the lock (the dev set: about 10 s with an empty cache, where pip took about 50 s). It is
+# uv installs from the lock (the dev set: 6 s, or 10-16 s with an empty uv cache, where pip took 50-60 s). It is
 # pip-installed beside the venv's packages (--target), so that `uv pip sync` does not count it as one to remove.
 UV_VERSION ?= 0.13.9
 UV := $(VENV)/uv/bin/uv
