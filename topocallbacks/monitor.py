@@ -360,7 +360,8 @@ class TopoMonitor(Stateful):
             intervention.append(entry)
             self._emit(entry)
 
-        newest = self.snapshots.snapshots[-1] if self.snapshots.snapshots else None
+        # What a stop writes to a file: the state it restored (the last healthy one before the onset), else the newest.
+        newest = target if target is not None else (self.snapshots.snapshots[-1] if self.snapshots.snapshots else None)
         apply(
             decision,
             actuator,

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.integration.models import TinyCNN, digits, digits_loader, quiet_trainer
+from tests.integration.models import OLD_RULE, TinyCNN, digits, digits_loader, quiet_trainer
 from topocallbacks import Policy
 from topocallbacks.lightning import TopoCollapseCallback
 
@@ -35,7 +35,8 @@ class Report(pl.Callback):
 
 def main(out: str, action: str, probe_size: int, background: bool) -> None:
     probe, _ = digits(probe_size)
-    policy = Policy(action=action, threshold=0.15, score="baseline", patience=2, warmup=2, cooldown=5)
+    rule = {"action": action, "threshold": 0.15, "score": "baseline", "patience": 2, "warmup": 2, "cooldown": 5}
+    policy = Policy(**{**OLD_RULE, **rule})
     callback = TopoCollapseCallback(
         probe=probe,
         layer="avgpool",

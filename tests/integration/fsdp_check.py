@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.integration.models import digits
+from tests.integration.models import OLD_RULE, digits
 from topocallbacks import TopoMonitor
 from topocallbacks.interventions import scale_learning_rate
 from topocallbacks.probe import FeatureExtractor, Probe
@@ -64,7 +64,8 @@ def main(out: str) -> None:
     # The probe pass through the sharded model gives the unsharded model's features (every rank runs it whole).
     sharded = FeatureExtractor(layer="2", batch_size=8)(net, Probe(probe))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    policy = {"action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1, "cooldown": 0}
+    policy = {**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
+    policy |= {"cooldown": 0}
     # batch_size 8: rank 0's 17 samples would take 3 forward passes and rank 1's 16 only 2 without the padding
     monitor = TopoMonitor(probe=probe, layer="2", check_every=5, policy=policy, batch_size=8)
     generator = torch.Generator().manual_seed(rank)

@@ -18,7 +18,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.integration.models import digits
+from tests.integration.models import OLD_RULE, digits
 from topocallbacks.hf import TopoCollapseTrainerCallback
 
 
@@ -63,8 +63,8 @@ def main(out: str, action: str, fsdp: bool) -> None:
     images, labels = digits()
     x = images.flatten(1)
     data = [{"x": x[i], "labels": labels[i]} for i in range(512)]
-    policy = {"action": action, "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1, "cooldown": 0,
-              "max_lr_cuts": 2, "after_max_lr_cuts": "stop"}  # fmt: skip
+    policy = {**OLD_RULE, "action": action, "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1,
+              "cooldown": 0, "max_lr_cuts": 2, "after_max_lr_cuts": "stop"}  # fmt: skip
     callback = TopoCollapseTrainerCallback(
         probe=x[:33], layer="encoder", check_every=3, policy=policy, history_path=str(Path(out, "history.jsonl"))
     )

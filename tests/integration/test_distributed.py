@@ -73,6 +73,8 @@ def test_two_process_ddp_agrees_on_every_check_and_stops_together(tmp_path, mode
     lag = 3 if mode == "background" else 0
     assert all(r["applied_step"] == r["step"] + lag for r in checks)
     assert stop["step"] == checks[-1]["step"] + lag
+    # Both ranks restored the same healthy snapshot before stopping (the histories are equal).
+    assert stop["detail"].startswith(f"restored the last healthy state, the snapshot of step {stop['snapshot_step']} ")
     assert Path(tmp_path, f"topo-stop-step{stop['step']}.ckpt").exists()
     # Only rank 0 writes the history file: one line per check and per intervention, none twice.
     assert JsonlSink.read(tmp_path / "history.jsonl") == ranks[0]["history"]

@@ -13,7 +13,7 @@ import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from tests.integration.models import digits, zen_texts, zen_tokenizer
+from tests.integration.models import OLD_RULE, digits, zen_texts, zen_tokenizer
 from topocallbacks import InputError, Policy
 from topocallbacks.exceptions import ConfigError
 from topocallbacks.hf import TopoCollapseTrainerCallback
@@ -86,8 +86,10 @@ class Recorder(TrainerCallback):
 
 
 def always(action, **kwargs):
-    """A policy that fires at the first check after a one-check warm-up."""
-    return Policy(action=action, score="value", threshold=-1.0, patience=1, warmup=1, cooldown=100, **kwargs)
+    """A policy that fires at the first check after a one-check warm-up (the index alone: the old default rule's
+    channels, so that the loss channel's confirmation is not needed)."""
+    settings = {**OLD_RULE, "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1, "cooldown": 100}
+    return Policy(**{**settings, "action": action, **kwargs})
 
 
 def checks(callback):
@@ -131,6 +133,9 @@ def test_a_stop_saves_a_checkpoint_then_stops_in_this_exact_hook_sequence(tmp_pa
     assert stop.action == "stop"
     assert "control.should_save set (the Trainer saves checkpoint-2)" in stop.detail
     assert "control.should_training_stop set" in stop.detail
+    # The rule can stop, so healthy checks keep snapshots, and the stop restores the newest one first.
+    assert stop.snapshot_step == 0
+    assert stop.detail.startswith("restored the last healthy state, the snapshot of step 0 (2 updates undone)")
 
 
 def test_the_learning_rate_cut_is_still_in_effect_steps_later_under_the_linear_schedule(tmp_path):
@@ -169,6 +174,7 @@ def test_a_warning_names_the_step_and_the_reason(tmp_path):
 def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp_path, rebuild):
     # The rule holds at every check: one LR cut at step 2, then nothing (the cut count is in the saved state).
     policy = {
+        **OLD_RULE,
         "action": "lower_lr",
         "score": "value",
         "threshold": -1.0,
@@ -287,7 +293,8 @@ def test_two_callbacks_on_two_layers_log_under_their_layer(tmp_path, capsys):
 
 
 def test_the_callback_writes_a_report_of_its_run(tmp_path):
-    policy = Policy(action="lower_lr", score="value", threshold=-1.0, patience=1, warmup=1, cooldown=0)
+    policy = Policy(**{**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1,
+                       "warmup": 1, "cooldown": 0})  # fmt: skip
     callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, policy=policy)
     Trainer(model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[callback]).train()
     page = callback.report(tmp_path / "report", title="digits")

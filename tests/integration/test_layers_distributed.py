@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch.multiprocessing
 sys.path.insert(0, {root!r})
-from tests.integration.models import TinyCNN, digits, digits_loader, quiet_trainer
+from tests.integration.models import OLD_RULE, TinyCNN, digits, digits_loader, quiet_trainer
 from topocallbacks.lightning import TopoCollapseCallback
 
 
@@ -38,7 +38,7 @@ if __name__ == "__main__":
     torch.multiprocessing.set_sharing_strategy("file_system")
     out = sys.argv[1]
     probe, _ = digits(33)
-    policy = {{"action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1,
+    policy = {{**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1,
                "cooldown": 100, "max_lr_cuts": 1, "after_max_lr_cuts": "none", "layer_rule": "any"}}
     callback = TopoCollapseCallback(probe=probe, layer="avgpool", layers=["backbone.1", "backbone.3"],
                                     check_every=10, policy=policy, background=sys.argv[2] == "background", lag=3)

@@ -6,6 +6,7 @@ import pickle
 import pytest
 from transformers import Trainer
 
+from tests.integration.models import OLD_RULE
 from tests.integration.test_hf import PROBE, DigitsNet, arguments, digits_dataset
 from topocallbacks import InputError, TopoMonitor
 from topocallbacks.hf import TopoCollapseTrainerCallback
@@ -58,7 +59,7 @@ def test_each_layer_equals_a_callback_on_that_layer_alone(tmp_path):
 
 
 def test_an_any_rule_acts_once_per_check_and_a_resume_keeps_every_layer(tmp_path):
-    policy = {"action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
+    policy = {**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
     policy |= {"max_lr_cuts": 1, "after_max_lr_cuts": "none", "layer_rule": "any"}
     first = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", layers=LAYERS, check_every=2, policy=policy)
     args = arguments(tmp_path, max_steps=8, save_strategy="steps", save_steps=4)

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from tests.integration.models import TinyCNN, digits, digits_loader
+from tests.integration.models import OLD_RULE, TinyCNN, digits, digits_loader
 from tests.integration.models import quiet_trainer as trainer
 from topocallbacks import InputError, TopoMonitor
 from topocallbacks.lightning import TopoCollapseCallback
@@ -60,8 +60,8 @@ def test_every_layer_reaches_tensorboard_and_equals_a_callback_on_that_layer_alo
 
 
 def test_an_any_rule_acts_once_per_check_and_resumes_with_every_layer(tmp_path):
-    policy = {"action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1, "cooldown": 0}
-    policy |= {"max_lr_cuts": 5, "layer_rule": "any"}
+    policy = {**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
+    policy |= {"cooldown": 0, "max_lr_cuts": 5, "layer_rule": "any"}
     callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy)
     trainer(tmp_path, [callback], 30).fit(TinyCNN(lr=0.05), digits_loader())
     cuts = [r for r in callback.history if r.kind == "intervention"]
@@ -96,7 +96,7 @@ def test_bad_layers_fail_in_setup_with_close_matches(tmp_path):
 def test_a_resume_from_a_checkpoint_keeps_every_layer_and_never_refires(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    policy = {"action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
+    policy = {**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
     policy |= {"max_lr_cuts": 1, "after_max_lr_cuts": "none", "layer_rule": "any", "cooldown": 100}
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=20, save_top_k=-1)
     first = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy)

@@ -3,13 +3,14 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-from tests.integration.models import TinyCNN, digits, digits_loader
+from tests.integration.models import OLD_RULE, TinyCNN, digits, digits_loader
 from tests.integration.models import quiet_trainer as trainer
 from topocallbacks import InputError, Policy
 from topocallbacks.functional.collapse import DEGREE_BAND
@@ -36,15 +37,21 @@ def interventions(callback):
     return [r for r in callback.history if r.kind == "intervention"]
 
 
+def old_rule(**settings):
+    """A policy on the old default rule (the index alone, see ``OLD_RULE``) with ``settings`` on top."""
+    return Policy(**{**OLD_RULE, **settings})
+
+
 def always(action, **kwargs):
     """A policy that fires at every check after a one-check warm-up."""
-    return Policy(action=action, score="value", threshold=-1.0, patience=1, warmup=1, cooldown=0, **kwargs)
+    return old_rule(action=action, score="value", threshold=-1.0, patience=1, warmup=1, cooldown=0, **kwargs)
 
 
 def blow_up_policy(action):
-    # The paper composite with a baseline-relative threshold (these tests pin index="paper"); the default index,
-    # diagram drift with its z-score rule, has its own test below.
-    return Policy(action=action, threshold=0.15, score="baseline", patience=2, warmup=2, cooldown=5)
+    # The paper composite with a baseline-relative threshold (these tests pin index="paper"); the default index
+    # and rule have their own test below. The blow-up kills the ReLUs (constant features from step 60): the absolute
+    # sentinels would name that first, so they are off here and the paper index's own rule is what acts.
+    return old_rule(action=action, threshold=0.15, score="baseline", patience=2, warmup=2, cooldown=5, sentinels=False)
 
 
 def test_checks_run_every_n_steps_are_logged_and_leave_the_module_training(tmp_path):
@@ -106,7 +113,7 @@ def test_a_stop_from_another_callback_is_never_cleared(tmp_path):
 
 @pytest.mark.parametrize("scheduler", ["cosine", "warmup", "onecycle", "plateau"])
 def test_the_learning_rate_stays_cut_after_the_scheduler_steps(tmp_path, scheduler):
-    cut_policy = Policy(
+    cut_policy = old_rule(
         action="lower_lr",
         score="value",
         threshold=-1.0,
@@ -132,7 +139,7 @@ def test_the_learning_rate_stays_cut_after_the_scheduler_steps(tmp_path, schedul
 
 
 def test_a_background_check_cuts_the_learning_rate_at_the_announced_step(tmp_path):
-    policy = Policy(
+    policy = old_rule(
         action="lower_lr",
         score="value",
         threshold=-1.0,
@@ -161,6 +168,7 @@ def test_a_background_check_cuts_the_learning_rate_at_the_announced_step(tmp_pat
 
 def test_resume_restores_history_and_never_refires(tmp_path):
     policy = {
+        **OLD_RULE,
         "action": "lower_lr",
         "score": "value",
         "threshold": -1.0,
@@ -432,7 +440,9 @@ def test_an_end_of_run_summary_names_the_checks_and_the_interventions(tmp_path, 
     )
     cut = "learning rate x 0.5 in 1 optimizer(s) and 0 scheduler(s), now 0.025"
     assert lines[1].startswith(f"  step 5: lower_lr ({cut}), because index ")
-    assert lines[-1] == f"  history: {history}"
+    # The rule can stop (a diverged check stops), so healthy checks keep snapshots: the summary says how many.
+    assert lines[-2] == f"  history: {history}"
+    assert lines[-1].startswith("  rollback snapshots: 1 of 2 snapshot(s) of ")  # the warm-up check's
     quiet = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5, summary=False)
     caplog.clear()
     with caplog.at_level("INFO"):
@@ -498,19 +508,48 @@ def test_streaming_with_nan_decides_once_per_check_and_cuts_the_rate_at_check_st
     assert len(lines) == len(records) + len(done)  # one line per check and per intervention, not per step
 
 
-def test_the_default_index_and_rule_warn_on_an_induced_lr_blow_up(tmp_path):
+def test_the_default_rule_rolls_an_induced_lr_blow_up_back_four_times_then_stops_at_the_last_healthy_state(tmp_path):
     callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=2)
     assert callback.monitor.settings.index.name == "diagram_drift"
-    with pytest.warns(RuntimeWarning, match=r"topocallbacks at step \d+: index .* at z = .* >= threshold 4.5"):
-        trainer(tmp_path, [callback], max_steps=120).fit(
-            TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader()
-        )
-    first = interventions(callback)[0]
-    assert first.action == "warn"
+    rates = LearningRates()
+    fit = trainer(tmp_path, [callback, rates], max_steps=300)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader())
+    assert not [w for w in caught if str(w.message).startswith("topocallbacks at step")]  # it acts, it never warns
     records = checks(callback)
     assert records[0].index_value is None  # nothing to drift from at the first check
-    # The warm-up is 10 checks (steps 0-18); the ramp (x1.1 per step) is flagged at the first check after it,
-    # while the drift has tripled, long before the features end fully collapsed (drift 0: empty diagrams).
-    assert first.step == 20
-    assert records[10].index_value > 3 * records[1].index_value
-    assert records[-1].index_value == 0.0
+    # The warm-up is 10 checks (steps 0-18). At the first check after it (step 20) the drift jumps (the ramp, x1.1
+    # per step), but the loss does not: the index alone does not act, the loss must confirm it.
+    assert records[10].step == 20
+    assert records[10].decision.flagged == ("index",)
+    assert records[10].decision.scores["loss"] < 4.5
+    assert not records[10].decision.fired
+    # The ramp is structural (the schedule multiplies the rate by 1.1 at every step, cut or not): the rule rolls back
+    # max_rollbacks = 4 times, each time with the learning rate cut by 0.5 more (compounding from the first) and the
+    # next 2 x check_every = 4 updates skipped, then stops.
+    done = interventions(callback)
+    assert [r.action for r in done] == ["rollback"] * 4 + ["stop"]
+    assert [r.lr_factor for r in done] == [0.5, 0.25, 0.125, 0.0625, 0.0625]
+    assert all(r.step > 20 for r in done)
+    for number, rollback in enumerate(done[:4], start=1):
+        assert rollback.snapshot_step < rollback.step
+        assert rollback.reason.endswith(f"learning rate x 0.5 (rollback {number} of 4)")
+        assert rollback.detail.startswith(f"rolled back to the snapshot of step {rollback.snapshot_step}: ")
+        assert "the next 4 optimizer update(s) skipped" in rollback.detail
+    # The dead ReLUs of the blow-up are constant features: the absolute sentinels name them.
+    assert any(r.reason.startswith("the features are constant") for r in done)
+    # The stop restores the newest healthy snapshot first, keeping the four rollbacks' compounded cut.
+    stop = done[-1]
+    assert fit.global_step == stop.step < 300
+    assert "4 rollbacks made already" in stop.reason
+    assert "structural" in stop.reason
+    assert stop.reason.endswith(f"the last healthy state (step {stop.snapshot_step}) is restored first")
+    healthy = [r.step for r in records if r.decision.healthy and r.step < stop.step]
+    assert stop.snapshot_step == healthy[-1]
+    assert stop.detail.startswith(f"restored the last healthy state, the snapshot of step {stop.snapshot_step} ")
+    assert "the rollbacks' cut kept: learning rate x 0.5" in stop.detail
+    cuts_in_snapshot = sum(r.step <= stop.snapshot_step for r in done[:4])  # the snapshot's rate holds them
+    expected = rates.rates[stop.snapshot_step][0] * 0.5 ** (4 - cuts_in_snapshot)
+    assert fit.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
+    assert (tmp_path / f"topo-stop-step{stop.step}.ckpt").is_file()

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from sklearn.datasets import load_digits
 
-from tests.integration.models import quiet_trainer
+from tests.integration.models import OLD_RULE, quiet_trainer
 from tests.integration.ranks import run_two_ranks
 from topocallbacks.lightning import TopoCollapseCallback
 
@@ -25,8 +25,12 @@ LABELS = torch.tensor(_DIGITS.target)
 PROBE = IMAGES[:128]
 BATCH = 32
 
-# A check is a rollback (or its escalation) exactly when the probe's effective rank is <= 4.
-RULE = {"action": "rollback", "score": "value", "threshold": -4.0, "patience": 1, "warmup": 1, "cooldown": 0}
+# A check is a rollback (or its escalation) exactly when the probe's effective rank is <= 4: the old default rule
+# (the index alone; no learning-rate cut at the first rollback, no skip, at most 2) on the effective rank. The
+# injected collapse puts the features on one line, which the absolute sentinels would name first: they are off, so
+# that this rule's verdicts are the ones the tests know in advance.
+RULE = {**OLD_RULE, "action": "rollback", "score": "value", "threshold": -4.0, "patience": 1, "warmup": 1}
+RULE |= {"cooldown": 0, "sentinels": False}
 
 
 def loader() -> torch.utils.data.DataLoader:
@@ -242,17 +246,19 @@ def test_rollback_skip_skips_the_next_updates_but_runs_their_training_steps(tmp_
     assert not hasattr(trainer.optimizers[0], "_topo_skip")
 
 
-def test_repeated_faults_roll_back_twice_then_stop_with_the_last_healthy_state_saved(tmp_path):
+def test_repeated_faults_roll_back_twice_then_stop_restoring_and_saving_the_last_healthy_state(tmp_path):
     callback = watcher(policy={"lr_factor": 0.5})
     recorder = Recorder()
     trainer = quiet_trainer(tmp_path, [callback, recorder], max_steps=100)
     trainer.fit(CollapsingMLP(collapse_at={12, 27, 42}), loader())
     done = [(r.action, r.step, r.snapshot_step, r.steps_lost, r.lr_factor) for r in interventions(callback)]
-    assert done == [("rollback", 15, 10, 5, 1.0), ("rollback", 30, 25, 5, 0.5), ("stop", 45, None, None, 0.5)]
+    # The stop goes back to the newest healthy snapshot before its alarm (step 40) first, as a rollback would.
+    assert done == [("rollback", 15, 10, 5, 1.0), ("rollback", 30, 25, 5, 0.5), ("stop", 45, 40, 5, 0.5)]
     first, second, stop = interventions(callback)
     assert first.reason.endswith("(rollback 1 of 2)")
     assert second.reason.endswith("learning rate x 0.5 (rollback 2 of 2)")
-    assert stop.reason.endswith("2 rollbacks made already, so stop")
+    assert "; 2 rollbacks made already and the alarm came back after them: " in stop.reason
+    assert stop.reason.endswith("so stop; the last healthy state (step 40) is restored first")
     # The second rollback restored step 25's state and cut its rate: the rate right after it is step 25's x 0.5,
     # and the scheduler's base rate was cut with it: the next rate is the schedule's x 0.5, the schedule counting
     # on from the snapshot's (step 25 was the scheduler's 20th: the first rollback took it back 5 steps).
@@ -265,6 +271,13 @@ def test_repeated_faults_roll_back_twice_then_stop_with_the_last_healthy_state_s
     assert_same(recorder.states[30]["optimizer"]["state"], recorder.states[25]["optimizer"]["state"])
     assert trainer.should_stop
     assert trainer.global_step == 45
+    # The stop restored step 40's state bit for bit (its rate holds the second rollback's cut already: no new cut),
+    # so the run does not end on the collapsed weights of step 44.
+    assert stop.detail.startswith("restored the last healthy state, the snapshot of step 40 (5 updates undone), ")
+    assert "cut kept" not in stop.detail
+    assert_same(recorder.states[45], recorder.states[40])
+    weight = recorder.states[44]["module"]["encoder.2.weight"]
+    assert float((weight - weight[:1]).abs().max()) < 0.02  # the collapsed rows before it
     # The stop kept the newest healthy snapshot (step 40) as a file, and the stop checkpoint holds the history.
     assert f"last healthy state (step 40) saved to {tmp_path / 'topo-last-healthy-step40.pt'}" in stop.detail
     kept = torch.load(tmp_path / "topo-last-healthy-step40.pt", weights_only=True)
@@ -273,6 +286,7 @@ def test_repeated_faults_roll_back_twice_then_stop_with_the_last_healthy_state_s
     assert kept["schedulers"][0]["last_epoch"] == recorder.states[40]["scheduler"]["last_epoch"] == 30
     saved = torch.load(tmp_path / "topo-stop-step45.ckpt", weights_only=False)
     assert saved["global_step"] == 45
+    assert_same(saved["state_dict"], recorder.states[40]["module"])  # the restored, healthy weights
     (state,) = saved["callbacks"].values()
     assert [r["action"] for r in state["monitor"]["history"] if r["kind"] == "intervention"] == [
         "rollback",
@@ -306,45 +320,69 @@ def test_a_resumed_run_keeps_its_rollback_and_does_not_make_it_again(tmp_path):
     assert_same(recorder.states[35]["module"], recorder.states[30]["module"])
 
 
+def fed(callback, channel):
+    """The values a training channel's reference admitted, oldest first: every check's value but a lone flagged one."""
+    return callback.monitor.policy.channels_[channel].reference.values
+
+
 def test_a_loss_spike_is_caught_on_the_loss_channel_with_the_step_losses_averaged(tmp_path):
-    callback = watcher(policy={"action": "warn", "channels": ["loss"], "threshold": 10.0})
+    # A training channel is scored by its z-score against its earlier checks whatever the index's score: it needs
+    # the losses of 4 earlier checks (5-20; the check at 0 has none), so the x 100 loss comes at step 22.
+    callback = watcher(policy={"action": "warn", "channels": ["loss"], "score": "zscore", "threshold": 10.0})
     recorder = Recorder()
-    with pytest.warns(RuntimeWarning, match=r"topocallbacks at step 10: loss \d+\.\d+ >= threshold 10.0"):
-        quiet_trainer(tmp_path, [callback, recorder], max_steps=20).fit(CollapsingMLP(loss_scale_at={7}), loader())
+    warning = r"topocallbacks at step 25: loss \d+\.\d+ at z = \d+\.\d+ against its last 10 checks >= threshold 10.0"
+    with pytest.warns(RuntimeWarning, match=warning):
+        quiet_trainer(tmp_path, [callback, recorder], max_steps=30).fit(CollapsingMLP(loss_scale_at={22}), loader())
     found = checks(callback)
-    assert {s: r.decision.flagged for s, r in found.items()} == {0: (), 5: (), 10: ("loss",), 15: (), 20: ()}
-    assert [(r.action, r.step) for r in interventions(callback)] == [("warn", 10)]
-    for step in (5, 10, 15, 20):  # each check sees the mean loss of the steps since the one before
-        losses = recorder.losses[step - 5 : step]  # batch s - 1 made update s
-        assert found[step].decision.scores == {"loss": pytest.approx(sum(losses) / 5, rel=1e-6)}
-    assert found[10].decision.scores["loss"] > 100.0 / 5  # the update of step 8 came from the x 100 loss
+    assert {s: r.decision.flagged for s, r in found.items()} == {
+        0: (), 5: (), 10: (), 15: (), 20: (), 25: ("loss",), 30: ()
+    }  # fmt: skip
+    assert [(r.action, r.step) for r in interventions(callback)] == [("warn", 25)]
+    assert [found[s].decision.scores["loss"] for s in (5, 10, 15, 20)] == [None] * 4  # < 4 earlier values
+    assert found[25].decision.scores["loss"] >= 10.0
+    # Each check sees the mean loss of the steps since the one before (batch s - 1 made update s).
+    means = {step: sum(recorder.losses[step - 5 : step]) / 5 for step in (5, 10, 15, 20, 25, 30)}
+    assert fed(callback, "loss") == pytest.approx([means[s] for s in (5, 10, 15, 20, 30)], rel=1e-6)
+    assert f"loss {means[25]:.4g} at z = " in found[25].decision.reason  # the spike, held out of the reference
+    others = recorder.losses[20:22] + recorder.losses[23:25]
+    assert recorder.losses[22] > 50 * max(others)  # the update of step 23 came from the x 100 loss
 
 
 def test_the_gradient_norm_is_taken_before_clipping_once_per_accumulated_step(tmp_path):
-    callback = watcher(policy={"action": "warn", "channels": ["loss", "grad_norm"], "threshold": 10.0})
+    policy = {"action": "warn", "channels": ["loss", "grad_norm"], "score": "zscore", "threshold": 10.0}
+    callback = watcher(policy=policy)
     recorder = Recorder(callback)
-    fit = quiet_trainer(tmp_path, [callback, recorder], max_steps=20, accumulate_grad_batches=2, gradient_clip_val=0.05)
-    with pytest.warns(RuntimeWarning, match="topocallbacks at step 15: grad norm"):
-        fit.fit(CollapsingMLP(grad_scale_at={12}), loader())
-    assert len(recorder.batches) == 40  # two micro-batches per optimizer step
+    # 25 steps: the 50 micro-batches stay in the first epoch (57 batches: an odd one ends it).
+    fit = quiet_trainer(tmp_path, [callback, recorder], max_steps=25, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    with pytest.warns(RuntimeWarning, match="topocallbacks at step 25: grad norm"):
+        fit.fit(CollapsingMLP(grad_scale_at={22}), loader())
+    assert len(recorder.batches) == 50  # two micro-batches per optimizer step
     # The monitor got one value pair per optimizer step, at its second micro-batch (batches 20-29 make updates
     # 11-15; the check at 15 takes them).
     assert recorder.pending[19:30] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 0]
     found = checks(callback)
-    assert {s: r.decision.flagged for s, r in found.items()} == {0: (), 5: (), 10: (), 15: ("grad_norm",), 20: ()}
-    for step in (5, 10, 15, 20):
+    assert {s: r.decision.flagged for s, r in found.items()} == {
+        0: (),
+        5: (),
+        10: (),
+        15: (),
+        20: (),
+        25: ("grad_norm",),
+    }
+    losses, norms = {}, {}
+    for step in (5, 10, 15, 20, 25):
         window = range(step - 4, step + 1)
         # The loss of an optimizer step is the mean of its two micro-batches' (not their share of it, not twice).
-        losses = [(recorder.losses[2 * s - 2] + recorder.losses[2 * s - 1]) / 2 for s in window]
-        norms = [recorder.norms[s] for s in window]
-        assert found[step].decision.scores == {
-            "loss": pytest.approx(sum(losses) / 5, rel=1e-6),
-            "grad_norm": pytest.approx(sum(norms) / 5, rel=1e-6),
-        }
+        losses[step] = sum((recorder.losses[2 * s - 2] + recorder.losses[2 * s - 1]) / 2 for s in window) / 5
+        norms[step] = sum(recorder.norms[s] for s in window) / 5
+    assert fed(callback, "loss") == pytest.approx([losses[s] for s in (5, 10, 15, 20, 25)], rel=1e-6)
+    assert fed(callback, "grad_norm") == pytest.approx([norms[s] for s in (5, 10, 15, 20)], rel=1e-6)
+    assert f"grad norm {norms[25]:.4g} at z = " in found[25].decision.reason  # the spike, held out of the reference
+    assert found[25].decision.scores["grad_norm"] >= 10.0
     # Before clipping: Lightning clipped every update to 0.05; the channel saw the norms above it.
-    assert all(recorder.clipped[s] <= 0.05 * (1 + 1e-5) for s in range(1, 21))
+    assert all(recorder.clipped[s] <= 0.05 * (1 + 1e-5) for s in range(1, 26))
     assert min(recorder.norms.values()) > 0.1
-    assert found[15].decision.scores["grad_norm"] > 1000 * 0.1 / 5
+    assert norms[25] > 1000 * 0.1 / 5
 
 
 def test_a_step_the_grad_scaler_skips_has_no_gradient_norm_and_is_no_divergence(tmp_path):
@@ -363,8 +401,8 @@ def test_a_step_the_grad_scaler_skips_has_no_gradient_norm_and_is_no_divergence(
     assert not any(r.decision.flagged for r in found.values())
     assert interventions(callback) == []
     # The check at 10 averages the gradient norms of updates 6, 7, 9 and 10: the skipped one has none.
-    expected = sum(recorder.norms[s] for s in (6, 7, 9, 10)) / 4
-    assert found[10].decision.scores["grad_norm"] == pytest.approx(expected, rel=1e-6)
+    expected = [sum(recorder.norms[s] for s in updates) / len(updates) for updates in ((1, 2, 3, 4, 5), (6, 7, 9, 10))]
+    assert fed(callback, "grad_norm")[:2] == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_nan_loss_makes_a_diverged_check_that_takes_the_on_diverged_action(tmp_path):

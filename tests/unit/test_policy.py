@@ -449,7 +449,8 @@ def test_a_sentinel_acts_with_the_rules_action_or_only_reports_when_off():
     on = Policy()
     before = channel_states(on)
     decision = on.decide(0, 0.4, loss=2.0, collapsed=collapse)
-    assert decision.action is Action.ROLLBACK and decision.flagged == ("collapse",)
+    assert decision.action is Action.ROLLBACK
+    assert decision.flagged == ("collapse",)
     assert channel_states(on) == before  # a collapsed check's values enter no reference
     # Off, the user counts such features as healthy (a binary classifier's terminal phase, say): the check is judged
     # like any other, its values enter the references, and nothing acts on the sentinel.
