@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from .exceptions import InputError
-from .settings import ProbeSettings
+from ..exceptions import InputError
+from ..settings import ProbeSettings
 
 __all__ = [
     "DEVICE_CACHE_BYTES",
