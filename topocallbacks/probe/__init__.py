@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
-import fnmatch
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -21,14 +19,21 @@ from numpy.typing import NDArray
 
 from ..exceptions import InputError
 from ..settings import ProbeSettings
+from .hooks import is_fsdp1_wrapper, is_sharded, register_forward_hook
+from .layers import WRAPPER_SEGMENTS, resolve_layer, resolve_layers, resolve_module
 
 __all__ = [
     "DEVICE_CACHE_BYTES",
+    "WRAPPER_SEGMENTS",
+    "AutocastFactory",
     "FeatureExtractor",
     "Probe",
     "ProbeSpec",
     "StreamCapture",
     "autocast_for",
+    "is_fsdp1_wrapper",
+    "is_sharded",
+    "register_forward_hook",
     "resolve_layer",
     "resolve_layers",
     "resolve_module",
@@ -308,142 +313,6 @@ def _check_uniform(items: Sequence[torch.Tensor | dict[str, torch.Tensor]], chos
             )
 
 
-#: Name segments that wrappers insert between a module and its children (FSDP1, activation checkpointing,
-#: ``torch.compile``); layer names are matched without them.
-WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
-
-def resolve_layer(model: torch.nn.Module, layer: str | Sequence[str]) -> str:
-    """The module name ``layer`` designates in ``model``.
-
-    ``layer`` is a module name, or one or more ``fnmatch`` patterns (``"*.ln_f"``) tried in order; the first pattern
-    that matches wins, and among several matches of one pattern the last module (in ``named_modules`` order).
-    Presets use patterns so that one preset fits a bare model and one wrapped in a LightningModule. Names are
-    compared without the segments wrappers insert (:data:`WRAPPER_SEGMENTS`: FSDP, activation checkpointing,
-    ``torch.compile``), so ``"encoder"`` designates the FSDP unit wrapping the encoder; the outermost module of a
-    name is returned.
-
-    Raises:
-        InputError: nothing matches; the message lists the patterns and the closest module names.
-    """
-    patterns: list[str] = [layer] if isinstance(layer, str) else [str(p) for p in layer]
-    full = _plain_names(model)
-    names = list(full)
-    for pattern in patterns:
-        if pattern in full:
-            return full[pattern]
-        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if matches:
-            return full[matches[-1]]
-    close = difflib.get_close_matches(patterns[0].replace("*", ""), names, n=5, cutoff=0.4)
-    hint = f"; closest: {close}" if close else f"; some names: {names[:8]}"
-    shown = patterns[0] if len(patterns) == 1 else patterns
-    raise InputError(f"`layer` {shown!r} is not a module of {type(model).__name__}{hint}")
-
-
-def _plain_names(model: torch.nn.Module) -> dict[str, str]:
-    """Each module's name without wrapper segments -> the outermost module's name (``named_modules`` order)."""
-    full: dict[str, str] = {}
-    for name, _ in model.named_modules():
-        plain = ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
-        if plain:
-            full.setdefault(plain, name)
-    return full
-
-
-def _outermost(names: Sequence[str], pattern: str) -> list[str]:
-    """The names ``pattern`` matches that are not inside another match (``"h.*"``: ``h.0``, not ``h.0.attn``)."""
-    matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-    return [n for n in matches if not any(n.startswith(m + ".") for m in matches)]
-
-
-def resolve_layers(
-    model: torch.nn.Module,
-    layers: Sequence[str],
-    *,
-    primary: str | Sequence[str] | None = None,
-    shortcuts: Mapping[str, Sequence[str]] | None = None,
-) -> list[str]:
-    """The module names several watched layers designate in ``model``, the primary one first.
-
-    Each entry of ``layers`` is a shortcut of ``shortcuts`` (name patterns tried in order: the first that matches
-    any module gives all its matches), a module name, or an ``fnmatch`` pattern that stands for every module it
-    matches that is not inside another match (``"h.*"``: the blocks ``h.0``, ``h.1``..., not their sublayers).
-    Names are compared without wrapper segments, as in :func:`resolve_layer`. ``primary`` (a name or patterns,
-    resolved by :func:`resolve_layer`) comes first, whether ``layers`` names it or not; without it the first layer
-    found is the primary one.
-
-    Raises:
-        InputError: an empty list, an entry that designates no module (with the closest names and the shortcuts),
-            or two entries that designate one module.
-
-    Example:
-        >>> import torch
-        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-        >>> resolve_layers(model, ["all_linear"], primary="1", shortcuts={"all_linear": ["[02]"]})
-        ['1', '0', '2']
-    """
-    if isinstance(layers, str) or not layers:
-        raise InputError(f"`layers` must be a non-empty list of module names, patterns or shortcuts, got {layers!r}")
-    shortcuts = shortcuts or {}
-    full = _plain_names(model)
-    names = list(full)
-    resolved: list[str] = []
-    origin: dict[str, str] = {}  # module -> the entry that designated it
-    if primary is not None:
-        first = resolve_layer(model, primary)
-        resolved.append(first)
-        origin[first] = "`layer`"
-    for entry in layers:
-        if entry in shortcuts:
-            patterns = list(shortcuts[entry])
-            found = next((m for m in (_outermost(names, p) for p in patterns) if m), [])
-            if not found:
-                raise InputError(
-                    f"`layers` shortcut {entry!r} (patterns {patterns}) matches no module of {type(model).__name__}"
-                )
-        elif entry in full:
-            found = [entry]
-        elif any(char in entry for char in "*?["):
-            found = _outermost(names, entry)
-            if not found:
-                close = difflib.get_close_matches(entry.replace("*", ""), names, n=5, cutoff=0.4)
-                raise InputError(
-                    f"`layers` pattern {entry!r} matches no module of {type(model).__name__}"
-                    + (f"; closest: {close}" if close else f"; some names: {names[:8]}")
-                )
-        else:
-            close = difflib.get_close_matches(entry, names, n=5, cutoff=0.4)
-            known = f"; shortcuts: {sorted(shortcuts)}" if shortcuts else ""
-            raise InputError(
-                f"`layers` entry {entry!r} is not a module of {type(model).__name__}"
-                + (f"; closest: {close}" if close else f"; some names: {names[:8]}")
-                + known
-            )
-        for plain in found:
-            name = full[plain]
-            if name in origin:
-                if origin[name] == "`layer`":
-                    continue  # the primary layer listed again
-                raise InputError(
-                    f"`layers` entries {origin[name]!r} and {entry!r} both designate module {name!r}; name each "
-                    "layer once"
-                )
-            origin[name] = entry
-            resolved.append(name)
-    return resolved
-
-
-def resolve_module(model: torch.nn.Module, name: str | Sequence[str]) -> torch.nn.Module:
-    """The submodule ``name`` designates (a name or patterns, see :func:`resolve_layer`).
-
-    Raises:
-        InputError: no module has that name; the message lists the closest names.
-    """
-    modules: dict[str, torch.nn.Module] = dict(model.named_modules())
-    return modules[resolve_layer(model, name)]
-
-
 def _pool(output: torch.Tensor, pooling: str, mask: torch.Tensor | None) -> torch.Tensor:
     """One float32 vector per sample, computed on the output's device (accumulated in float32 under autocast)."""
     if pooling == "none":
@@ -490,47 +359,6 @@ def _pooled(output: Any, pooling: str, mask: torch.Tensor | None) -> torch.Tenso
     """The ``(batch, d)`` float32 features of a layer's output, pooled on the output's device."""
     pooled = _pool(_first_tensor(output).detach(), pooling, mask)
     return pooled.reshape(pooled.shape[0], -1)
-
-
-def register_forward_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> torch.utils.hooks.RemovableHandle:
-    """``module.register_forward_hook(hook)`` under an id that no hook of ``module`` holds.
-
-    torch numbers hooks with one counter per process. A process started by ``spawn`` (``ddp_spawn``, ``mp.spawn``)
-    starts it at 0 while the modules it unpickled keep their hooks' ids, so a new hook could take the id of a
-    user's hook, replace it in the module's table, and remove it with its own removal. The counter is moved past
-    every id the module's hook tables hold first.
-    """
-    tables = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks)
-    used = [key for table in tables for key in table if isinstance(key, int)]
-    if used:
-        counter = torch.utils.hooks.RemovableHandle
-        counter.next_id = max(counter.next_id, max(used) + 1)
-    return module.register_forward_hook(hook)
-
-
-def _fsdp_classes() -> tuple[type, ...]:
-    """``(FSDPModule, FullyShardedDataParallel)`` (FSDP2, FSDP1), or () for a torch built without distributed."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return ()
-    return (FSDPModule, FullyShardedDataParallel)
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds FSDP-sharded modules (FSDP1 or ``fully_shard``) or is a DeepSpeed engine.
-
-    Their forward gathers parameters with collectives that every rank must reach in the same order, so a probe pass
-    is never stopped early there.
-    """
-    sharded = _fsdp_classes()
-    return any(isinstance(m, sharded) or type(m).__name__ == "DeepSpeedEngine" for m in model.modules())
-
-
-def is_fsdp1_wrapper(module: Any) -> bool:
-    """Whether ``module`` is an FSDP1 wrapper (``FullyShardedDataParallel``), e.g. Lightning's FSDPStrategy root."""
-    classes = _fsdp_classes()
-    return bool(classes) and isinstance(module, classes[1])
 
 
 class _StopForward(Exception):
