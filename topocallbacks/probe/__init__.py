@@ -21,6 +21,7 @@ from ..exceptions import InputError
 from ..settings import ProbeSettings
 from .hooks import is_fsdp1_wrapper, is_sharded, register_forward_hook
 from .layers import WRAPPER_SEGMENTS, resolve_layer, resolve_layers, resolve_module
+from .pooling import pooled_features
 
 __all__ = [
     "DEVICE_CACHE_BYTES",
@@ -313,54 +314,6 @@ def _check_uniform(items: Sequence[torch.Tensor | dict[str, torch.Tensor]], chos
             )
 
 
-def _pool(output: torch.Tensor, pooling: str, mask: torch.Tensor | None) -> torch.Tensor:
-    """One float32 vector per sample, computed on the output's device (accumulated in float32 under autocast)."""
-    if pooling == "none":
-        return output.float()
-    if pooling == "flatten":
-        return output.reshape(output.shape[0], -1).float()
-    if pooling == "auto":
-        if output.dim() == 2:
-            return output.float()
-        if output.dim() == 4:  # (batch, channels, height, width): global average pooling
-            return output.mean(dim=(2, 3), dtype=torch.float32)
-        if output.dim() == 3:  # (batch, tokens, features)
-            pooling = "mean"
-        else:
-            return output.reshape(output.shape[0], -1).float()
-    if output.dim() != 3:
-        raise InputError(
-            f"`pooling` {pooling!r} needs a (batch, tokens, features) output, got shape {tuple(output.shape)}"
-        )
-    if pooling == "cls":
-        return output[:, 0].float()
-    if mask is None:
-        mask = torch.ones(output.shape[:2], dtype=torch.bool, device=output.device)
-    mask = mask.to(output.device).bool()
-    if pooling == "last":
-        last = mask.long().cumsum(dim=1).argmax(dim=1)  # position of the last non-padding token
-        return output[torch.arange(output.shape[0], device=output.device), last].float()
-    weights = mask.unsqueeze(-1).to(torch.float32)
-    return (output * weights).sum(dim=1, dtype=torch.float32) / weights.sum(dim=1).clamp(min=1.0)
-
-
-def _first_tensor(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    hidden = getattr(output, "last_hidden_state", None)
-    if isinstance(hidden, torch.Tensor):
-        return hidden
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise InputError(f"the probed layer returned {type(output).__name__}, not a tensor (or a tuple starting with one)")
-
-
-def _pooled(output: Any, pooling: str, mask: torch.Tensor | None) -> torch.Tensor:
-    """The ``(batch, d)`` float32 features of a layer's output, pooled on the output's device."""
-    pooled = _pool(_first_tensor(output).detach(), pooling, mask)
-    return pooled.reshape(pooled.shape[0], -1)
-
-
 class _StopForward(Exception):
     """Raised by the probe's hook once the watched layer has run: nothing after it needs to."""
 
@@ -502,7 +455,7 @@ class FeatureExtractor:
                 if name in seen:  # a layer called twice per forward: its first call counts
                     return
                 seen.add(name)
-                captured[name].append(_pooled(output, pooling, current_mask[0]))
+                captured[name].append(pooled_features(output, pooling, current_mask[0]))
                 if stop and len(seen) == len(names):  # the deepest watched layer has run: nothing after it counts
                     raise _StopForward
 
@@ -631,7 +584,7 @@ class StreamCapture:
         if not module.training:
             return
         with torch.no_grad():
-            pooled = _pooled(output, self.pooling, None)
+            pooled = pooled_features(output, self.pooling, None)
             limit = self.points_per_batch
             if limit is not None and pooled.shape[0] > limit:
                 generator = torch.Generator(device=pooled.device)
