@@ -22,6 +22,7 @@ from ..settings import ProbeSettings
 from .hooks import is_fsdp1_wrapper, is_sharded, register_forward_hook
 from .layers import WRAPPER_SEGMENTS, resolve_layer, resolve_layers, resolve_module
 from .pooling import pooled_features
+from .text import attention_mask, column_length, forward, tokenize
 
 __all__ = [
     "DEVICE_CACHE_BYTES",
@@ -160,7 +161,7 @@ class Probe:
         if isinstance(source, torch.Tensor):
             kind, length = "tensor", (int(source.shape[0]) if source.dim() else 0)
         elif isinstance(source, Mapping):
-            kind, length = "columns", _column_length(source)
+            kind, length = "columns", column_length(source)
         elif isinstance(source, torch.utils.data.Dataset) and hasattr(source, "__len__"):
             kind, length = f"dataset:{type(source).__name__}", len(source)
         elif isinstance(source, (list, tuple)):
@@ -196,7 +197,7 @@ class Probe:
             columns = {str(k): _check_tensor(v, f"column {k!r}") for k, v in source.items()}
             items = [{k: column[i] for k, column in columns.items()} for i in chosen]
         elif kind == "texts":
-            items = _tokenize([source[i] for i in chosen], tokenizer, max_length)
+            items = tokenize([source[i] for i in chosen], tokenizer, max_length)
         elif kind == "list":
             items = [_as_item(source[i]) for i in chosen]
         else:
@@ -240,59 +241,6 @@ class Probe:
                 f"{self.spec.n_samples} samples, hash {self.spec.content_hash[:12]} vs {spec.source}, "
                 f"{spec.n_samples} samples, hash {spec.content_hash[:12]}): resuming would compare other points"
             )
-
-
-def _column_length(columns: Mapping[Any, Any]) -> int:
-    """The common number of rows of a mapping of columns (e.g. a ``BatchEncoding``)."""
-    if not columns:
-        raise InputError("`probe` is an empty mapping; pass columns such as input_ids and attention_mask")
-    lengths = {}
-    for key, value in columns.items():
-        try:
-            lengths[str(key)] = len(value)
-        except TypeError as exc:
-            raise InputError(
-                f"`probe` column {key!r} must hold one row per sample, got {type(value).__name__}"
-            ) from exc
-    if len(set(lengths.values())) > 1:
-        raise InputError(f"`probe` columns must have the same number of rows, got {lengths}")
-    return next(iter(lengths.values()))
-
-
-def _tokenize(texts: list[str], tokenizer: Any, max_length: int | None) -> list[torch.Tensor | dict[str, torch.Tensor]]:
-    """Texts as input_ids/attention_mask rows: truncated, padded to the longest on the tokenizer's side."""
-    if max_length is None:
-        limit = getattr(tokenizer, "model_max_length", None)
-        max_length = min(int(limit), 512) if isinstance(limit, int) and limit > 0 else 512
-    try:
-        encoded = tokenizer(list(texts), truncation=True, max_length=max_length, padding=False)
-    except Exception as exc:
-        raise InputError(f"`tokenizer` {type(tokenizer).__name__} failed on the probe's texts: {exc}") from exc
-    rows = encoded["input_ids"]
-    if not all(len(row) for row in rows):
-        empty = next(i for i, row in enumerate(rows) if not len(row))
-        raise InputError(f"`probe` text {empty} ({texts[empty]!r:.40}) gives no token")
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    pad = 0 if pad is None else int(pad)
-    width = max(len(row) for row in rows)
-    left = getattr(tokenizer, "padding_side", "right") == "left"
-    extra = ["token_type_ids"] if "token_type_ids" in encoded else []
-    items: list[torch.Tensor | dict[str, torch.Tensor]] = []
-    for i, row in enumerate(rows):
-        fill = width - len(row)
-
-        def padded(values: Any, value: int, fill: int = fill) -> torch.Tensor:
-            body = torch.as_tensor(list(values), dtype=torch.long)
-            pad_part = torch.full((fill,), value, dtype=torch.long)
-            return torch.cat([pad_part, body] if left else [body, pad_part])
-
-        item = {"input_ids": padded(row, pad), "attention_mask": padded([1] * len(row), 0)}
-        for key in extra:
-            item[key] = padded(encoded[key][i], 0)
-        items.append(item)
-    return items
 
 
 def _check_uniform(items: Sequence[torch.Tensor | dict[str, torch.Tensor]], chosen: Sequence[int]) -> None:
@@ -469,12 +417,8 @@ class FeatureExtractor:
                 for batch in self._batches(probe, indices, device):
                     seen.clear()
                     try:
-                        if isinstance(batch, dict):
-                            current_mask[0] = batch.get("attention_mask")
-                            model(**batch)
-                        else:
-                            current_mask[0] = None
-                            model(batch)
+                        current_mask[0] = attention_mask(batch)
+                        forward(model, batch)
                     except _StopForward:
                         pass
         finally:
