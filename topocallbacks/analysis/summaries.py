@@ -1,0 +1,98 @@
+"""Across checkpoints: each quantity's series, its rank correlation with every loss, the step where it flattens.
+
+Spearman's p-value is exact (over all orderings) for a few checkpoints, where scipy's approximation is not.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..functional.weights import flattening_step
+from .checkpoints import _Checkpoint
+from .evaluating import _NOT_CORRELATED, QUANTITIES
+
+__all__ = ["EXACT_UP_TO"]
+
+
+def _series(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
+    """``(source, layer, quantity) -> [(step, value)]`` of the finite values."""
+    result: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
+    for row in rows:
+        for quantity in QUANTITIES:
+            value = row.get(quantity)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                result.setdefault((row["source"], row["layer"], quantity), []).append((row["step"], float(value)))
+    return result
+
+
+#: Up to this many checkpoints, a correlation's p-value comes from all permutations (exact) instead of scipy's
+#: large-sample approximation, which gives p = 0 for a perfect rank correlation of 3 points (exactly: 1/3).
+EXACT_UP_TO = 8
+
+
+@functools.lru_cache(maxsize=EXACT_UP_TO)
+def _permutations(n: int) -> NDArray[np.intp]:
+    """Every ordering of ``range(n)``, one per row."""
+    return np.array(list(itertools.permutations(range(n))), dtype=np.intp)
+
+
+def _spearman(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Spearman's rho and its two-sided p-value (exact over all permutations for a few points)."""
+    from scipy.stats import rankdata, spearmanr
+
+    result = spearmanr(xs, ys)
+    rho, p_value = float(result[0]), float(result[1])
+    n = len(xs)
+    if n <= EXACT_UP_TO:
+        x, y = rankdata(xs), rankdata(ys)
+        x, y = x - x.mean(), y - y.mean()
+        orders = _permutations(n)
+        rhos = (y[orders] @ x) / math.sqrt(float(np.dot(x, x) * np.dot(y, y)))
+        p_value = float(np.mean(np.abs(rhos) >= abs(rho) - 1e-12))
+    return rho, p_value
+
+
+def _correlations(
+    rows: Sequence[Mapping[str, Any]], checkpoints: Sequence[_Checkpoint]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Spearman's rho of every quantity with every loss found, and the losses' names."""
+    losses = sorted({name for c in checkpoints for name in c.metrics})
+    by_step = {c.step: c.metrics for c in checkpoints}
+    results = []
+    for (source, layer, quantity), points in _series(rows).items():
+        if quantity in _NOT_CORRELATED:
+            continue
+        for loss in losses:
+            pairs = [(v, by_step[s][loss]) for s, v in points if math.isfinite(by_step.get(s, {}).get(loss, math.nan))]
+            entry: dict[str, Any] = {"source": source, "layer": layer, "quantity": quantity, "loss": loss}
+            entry["n"] = len(pairs)
+            entry["rho"] = entry["p_value"] = None
+            xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
+            if len(pairs) < 3:
+                entry["note"] = "fewer than 3 checkpoints"
+            elif len(set(xs)) < 2 or len(set(ys)) < 2:
+                entry["note"] = "constant"
+            else:
+                entry["rho"], entry["p_value"] = _spearman(xs, ys)
+                entry["note"] = "exact permutation p-value" if len(pairs) <= EXACT_UP_TO else None
+            results.append(entry)
+    results.sort(key=lambda e: -abs(e["rho"]) if e["rho"] is not None else 1.0)
+    return results, losses
+
+
+def _flattening(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    results = []
+    for (source, layer, quantity), points in _series(rows).items():
+        if quantity in _NOT_CORRELATED or len(points) < 3:
+            continue
+        steps, values = zip(*points, strict=True)
+        step = flattening_step(list(steps), list(values))
+        results.append({"source": source, "layer": layer, "quantity": quantity, "flattening_step": step})
+    return results
