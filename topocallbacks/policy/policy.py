@@ -1,35 +1,22 @@
-"""When to act on the watched index: rules over its history that return a :class:`Decision`.
+"""The policy's rules: :class:`Policy` scores the watched channels, applies the rule and gates its action.
 
-The policy only decides; applying a decision (warning, cutting the learning rate, stopping, saving a rescue
-checkpoint) is :func:`topocallbacks.interventions.apply`'s job, so the same policy drives Lightning, Hugging Face
-and plain loops. A decision is made in three steps, each its own function:
-
-1. *score*: the index becomes the score the threshold is compared with (:func:`score_value`); the z-score's
-   reference (:class:`Reference`) holds the recent checks that stayed below the threshold, so one jump does not
-   hide the next;
-2. *rule*: the threshold held for ``patience`` checks after the warm-up (:func:`rule_holds` for a whole series),
-   or a rising trend;
-3. *gate*: the cooldown holds back a *repeat* of the same action unless the score beats the one that started it,
-   never a stronger action; ``lower_lr`` escalates once the learning-rate cuts are spent.
-
-The collapse-evidence suite (``benchmarks/collapse/``) evaluates steps 1 and 2 with the same functions
-(:func:`rule_scores`, :func:`rule_holds`).
+Its verdict is a :class:`~topocallbacks.policy.Decision`; the pure scores it uses live in :mod:`.scores`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
-from ._state import StateFields, Stateful
-from ._validation import check_int
-from .exceptions import InputError
-from .settings import Action, PolicySettings
+from .._state import StateFields, Stateful
+from ..exceptions import InputError
+from ..settings import Action, PolicySettings
+from .decision import Decision
+from .scores import Reference, at_threshold, robust_zscore, score_value
 
 #: The training channels the adapters pass beside the probe's index.
 _TRAINING = ("loss", "grad_norm")
@@ -37,266 +24,11 @@ _TRAINING = ("loss", "grad_norm")
 #: healthy check): a loss that has fallen to 1e-5 from 3 does not read a blip to 0.04 as thousands of deviations.
 TRAINING_NOISE_FLOOR = 0.01
 
-__all__ = [
-    "Action",
-    "Decision",
-    "Policy",
-    "Reference",
-    "rule_holds",
-    "rule_scores",
-    "score_value",
-    "trailing_zscore",
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """A policy's verdict on one check.
-
-    Attributes:
-        action: what to do.
-        reason: why, in words (goes to the history and the warning).
-        step: the training step of the check.
-        value: the index value the rule saw, oriented so that higher means more collapsed (None: diverged, or no
-            value yet).
-        score: the score compared with the threshold (the value, its excess over the baseline, or its z-score).
-        rule: the rule that held (``"threshold"``, ``"trend"``, ``"diverged"``), or None.
-        lr_factor: the factor to multiply the learning rate by, for ``lower_lr``.
-        checkpoint: save a rescue checkpoint with the action.
-        held_back: the action the rule asked for when a cooldown held it back (the reason says why), else None.
-        flagged: the channels whose score reached the threshold at this check (``"diverged"`` for a diverged
-            check); a check with none is *healthy*: ``rollback`` keeps snapshots of healthy checks only.
-        onset: the step of the first check of the run of flagged checks that made the rule hold (a rollback goes
-            to the newest snapshot before it), or None.
-        scores: each watched channel's score when the rule watches more than the index, else None.
-        unsettled: the training channels (``"loss"``, ``"grad_norm"``) the rule does not watch that spiked at this
-            check (a z-score against their recent checks at the default rule's threshold, whatever the index's
-            score). Nothing acts on them, but the check is not healthy: a rollback snapshot is never taken while
-            the training loss or gradient norm is spiking, whatever the rule watches.
-    """
-
-    action: Action
-    reason: str
-    step: int
-    value: float | None = None
-    score: float | None = None
-    rule: str | None = None
-    lr_factor: float | None = None
-    checkpoint: bool = False
-    held_back: Action | None = None
-    flagged: tuple[str, ...] = ()
-    onset: int | None = None
-    scores: dict[str, float | None] | None = None
-    unsettled: tuple[str, ...] = ()
-
-    @property
-    def fired(self) -> bool:
-        """Whether the adapter has anything to do."""
-        return self.action is not Action.NONE
-
-    @property
-    def healthy(self) -> bool:
-        """No action and no channel at its threshold, watched or not: a state worth a rollback snapshot."""
-        return self.action is Action.NONE and not self.flagged and not self.unsettled and self.held_back is None
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        result = dataclasses.asdict(self)
-        result["action"] = self.action.value
-        result["held_back"] = None if self.held_back is None else self.held_back.value
-        result["flagged"] = list(self.flagged)
-        result["unsettled"] = list(self.unsettled)
-        return result
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Decision:
-        """The inverse of :meth:`as_dict`."""
-        held = data.get("held_back")
-        return cls(
-            **{
-                **data,
-                "action": Action(data["action"]),
-                "held_back": None if held is None else Action(held),
-                "flagged": tuple(data.get("flagged", ())),
-                "unsettled": tuple(data.get("unsettled", ())),
-            }
-        )
-
-
-def trailing_zscore(
-    past: Sequence[float | None], value: float, *, direction: int = 1, window: int = 10
-) -> float | None:
-    r"""How unusual ``value`` is against the recent past, in robust standard deviations.
-
-    .. math:: z = \mathrm{dir} \cdot \frac{v - \mathrm{median}(\text{last } w \text{ values})}
-              {1.4826\,\mathrm{median}(|\text{last } 2w \text{ differences}|) / \sqrt 2}
-
-    The level is the median of the last ``window`` values, so slow healthy drift is followed; the noise is the
-    robust spread of the check-to-check differences over the last ``2 * window`` values, divided by sqrt(2) (a
-    difference of two noisy values has twice the variance); when most differences are exactly 0 (a quantised
-    value such as a Betti ratio), 1.2533 x their mean absolute value stands in. ``direction`` +1 scores rises,
-    -1 drops, 0 either (``|z|``). This is the default policy's score (``score="zscore"``).
-
-    Args:
-        past: earlier values, oldest first (None or non-finite ones are gaps: skipped, and so are the differences
-            across them).
-        value: the new value.
-        direction: +1, -1 or 0.
-        window: values in the level estimate (>= 2).
-
-    Returns:
-        The score, or None when fewer than 3 past values (or differences) are available or ``value`` is not finite.
-
-    Example:
-        >>> round(trailing_zscore([1.0, 1.1, 0.9, 1.0, 1.1, 0.9], 2.0), 2)  # median 1.0, |differences| 0.1-0.2
-        9.54
-        >>> trailing_zscore([1.0, 1.1, 0.9, 1.0, 1.1, 0.9], 2.0, direction=-1) < 0
-        True
-    """
-    if direction not in (-1, 0, 1):
-        raise InputError(f"`direction` must be -1, 0 or 1, got {direction!r}")
-    check_int(window, "window", minimum=2)
-    return _zscore(np.asarray(past, dtype=np.float64), value, direction, window)
-
-
-def _zscore(values: NDArray[np.float64], value: float, direction: int, window: int, floor: float = 0.0) -> float | None:
-    if not math.isfinite(value):
-        return None
-    recent = values[-window:]
-    recent = recent[np.isfinite(recent)]
-    diffs = np.diff(values[-2 * window :])
-    diffs = diffs[np.isfinite(diffs)]
-    if recent.size < 3 or diffs.size < 3:
-        return None
-    level = float(np.median(recent))
-    spread = np.abs(diffs)
-    noise = 1.4826 * float(np.median(spread)) or 1.2533 * float(np.mean(spread))
-    noise = max(noise / math.sqrt(2), 1e-9 * max(abs(level), 1e-12), floor)  # constant history: any change is far
-    deviation = (value - level) / noise
-    return abs(deviation) if direction == 0 else direction * deviation
-
-
-class Reference:
-    """The values a new z-score is measured against: the recent checks that stayed below the threshold.
-
-    A check whose score reached the threshold is held out, so a first jump does not raise the level and the noise
-    the next check is compared with (which would make the rule blind for ``window`` checks after every alarm). A
-    level that persists is not an outlier for ever: once ``rebase_after`` consecutive checks were held out, they
-    enter the reference together (the index has moved to a new level; the alarm was given while it moved).
-
-    Args:
-        size: values kept (the z-score's ``2 * zscore_window``).
-        rebase_after: consecutive held-out checks after which they are admitted.
-
-    Example:
-        >>> reference = Reference(size=4, rebase_after=2)
-        >>> for value, flagged in [(1.0, False), (9.0, True), (1.1, False), (8.0, True), (8.2, True)]:
-        ...     reference.add(value, flagged)
-        >>> reference.values  # the lone 9.0 never entered; 8.0 and 8.2 did once two in a row were held out
-        [1.0, 1.1, 8.0, 8.2]
-    """
-
-    def __init__(self, size: int, rebase_after: int) -> None:
-        self.size = size
-        self.rebase_after = rebase_after
-        self.values: list[float] = []
-        self.held: list[float] = []
-        #: The largest value ever admitted: a training channel's scale, whose 1 % floors its noise estimate.
-        self.scale = 0.0
-
-    def add(self, value: float, flagged: bool) -> None:
-        """Admit ``value`` (or hold it out when its check reached the threshold)."""
-        if flagged:
-            self.held.append(value)
-            if len(self.held) < self.rebase_after:
-                return
-            admitted, self.held = self.held, []
-        else:
-            admitted, self.held = [value], []
-        self.values = [*self.values, *admitted][-self.size :]
-        self.scale = max(self.scale, *(abs(v) for v in admitted))
-
-
-def score_value(
-    settings: PolicySettings,
-    past: Sequence[float | None] | NDArray[np.float64],
-    value: float,
-    baseline: float | None = None,
-    direction: int = 1,
-) -> float | None:
-    """The score of ``value`` under ``settings.score`` given the ``past`` reference values (oldest first).
-
-    ``"value"``: the value; ``"baseline"``: its excess over ``baseline`` (None before there is one);
-    ``"zscore"``: :func:`trailing_zscore` against the last ``zscore_window`` values, in ``direction`` (+1 rises,
-    -1 drops, 0 either). None: no score yet.
-    """
-    if settings.score == "zscore":
-        return _zscore(np.asarray(past, dtype=np.float64), value, direction, settings.zscore_window)
-    if settings.score == "baseline":
-        return None if baseline is None else value - baseline
-    return value
+__all__ = ["TRAINING_NOISE_FLOOR", "Policy"]
 
 
 def _finite_or_none(value: float | None) -> bool:
     return value is None or math.isfinite(value)
-
-
-def _flagged(score: float | None, threshold: float) -> bool:
-    return score is not None and score >= threshold
-
-
-def rule_scores(values: Sequence[float], settings: PolicySettings, *, direction: int = 1) -> NDArray[np.float64]:
-    """The score of every check of a series, as :class:`Policy` computes it (NaN during the warm-up and where none).
-
-    Non-finite values (diverged checks, or an index with no value yet) get no score and stay out of the
-    reference; so do the checks whose score reached ``settings.threshold`` (see :class:`Reference`).
-
-    Example:
-        >>> rule_scores([1.0, 1.0, 5.0], PolicySettings(score="value", warmup=1)).tolist()
-        [nan, 1.0, 5.0]
-    """
-    series = np.asarray(values, dtype=np.float64)
-    if settings.score != "zscore":
-        if direction not in (-1, 1):
-            raise InputError(f"`direction` must be -1 or 1 for score={settings.score!r}, got {direction!r}")
-        series = direction * series  # oriented: higher means more collapsed
-    scores = np.full(series.size, math.nan)
-    reference = Reference(2 * settings.zscore_window, settings.zscore_window)
-    warm = [float(v) for v in series[: settings.warmup] if math.isfinite(v)]
-    baseline = float(np.mean(warm)) if warm else None
-    for i, value in enumerate(series.tolist()):
-        if not math.isfinite(value):
-            continue
-        score = None
-        if i >= settings.warmup:
-            score = score_value(settings, reference.values, value, baseline, direction)
-            scores[i] = math.nan if score is None else score
-        reference.add(value, _flagged(score, settings.threshold))
-    return scores
-
-
-def rule_holds(
-    scores: Sequence[float], threshold: float, patience: int, warmup: int, diverged: Sequence[bool] | None = None
-) -> NDArray[np.bool_]:
-    """Where the threshold rule holds over a series of scores (as :class:`Policy` applies it).
-
-    The rule holds at a check after the warm-up whose score and the ``patience - 1`` scores before it are
-    ``>= threshold``; a diverged check always holds (its action comes at once).
-
-    Example:
-        >>> rule_holds([0.0, 2.0, 2.0, 0.0, 2.0], threshold=1.0, patience=2, warmup=0).tolist()
-        [False, False, True, False, False]
-    """
-    above = np.asarray(scores, dtype=np.float64) >= threshold
-    holds = above.copy()
-    for lag in range(1, patience):
-        holds[lag:] &= above[:-lag]
-        holds[:lag] = False
-    holds[:warmup] = False
-    if diverged is not None:
-        holds |= np.asarray(diverged, dtype=bool)
-    result: NDArray[np.bool_] = holds
-    return result
 
 
 class _Channel:
@@ -517,7 +249,7 @@ class Policy(Stateful):
         unsettled = tuple(
             name
             for name, channel in self.unwatched_.items()
-            if _flagged(self._score(channel, observed[name], step, self._spike, name), self._spike.threshold)
+            if at_threshold(self._score(channel, observed[name], step, self._spike, name), self._spike.threshold)
         )
         decision = self._judge(step, value, observed)
         return dataclasses.replace(decision, unsettled=unsettled) if unsettled else decision
@@ -528,7 +260,7 @@ class Policy(Stateful):
         scores: dict[str, float | None] = {}
         for name, channel in self.channels_.items():
             scores[name] = self._score(channel, observed[name], step, None, name)
-        flagged = tuple(name for name, score in scores.items() if _flagged(score, self._threshold(name)))
+        flagged = tuple(name for name, score in scores.items() if at_threshold(score, self._threshold(name)))
         shown = None if list(self.channels_) == ["index"] else scores
         if "index" in self.channels_ and value is not None and s.trend_window is not None:
             self.recent_ = [*self.recent_, value][-s.trend_window :]
@@ -602,10 +334,10 @@ class Policy(Stateful):
         if name in _TRAINING:
             reference = channel.reference
             floor = TRAINING_NOISE_FLOOR * reference.scale
-            score = _zscore(np.asarray(reference.values, dtype=np.float64), value, 1, s.zscore_window, floor)
+            score = robust_zscore(np.asarray(reference.values, dtype=np.float64), value, 1, s.zscore_window, floor)
         else:
             score = score_value(s, channel.reference.values, value, self._baseline(channel))
-        flagged = _flagged(score, s.threshold if settings is not None else self._threshold(name))
+        flagged = at_threshold(score, s.threshold if settings is not None else self._threshold(name))
         channel.reference.add(value, flagged)
         if flagged:
             channel.over += 1
