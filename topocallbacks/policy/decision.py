@@ -1,6 +1,6 @@
 """What the policy hands on: a :class:`Decision`, the action asked of the training adapter and why.
 
-Applying it is :func:`topocallbacks.interventions.apply`'s job, so the same policy drives every training loop.
+Between its parts, an :class:`Alarm` is a rule or short-cut that held, before the escalation makes it a decision.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from ..settings import Action
 
-__all__ = ["Decision"]
+__all__ = ["Alarm", "Decision"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +86,32 @@ class Decision:
                 "unsettled": tuple(data.get("unsettled", ())),
             }
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Alarm:
+    """A rule that held at a check (or a diverged or collapsed check), before it becomes a :class:`Decision`.
+
+    The escalation (:class:`~topocallbacks.policy.escalation.Escalation`) turns it into one: the action, escalated
+    once its budget is spent, held back by a cooldown or carried out. The fields are the decision's.
+
+    Attributes:
+        step: the training step of the check.
+        value: the index value the rule saw (None: diverged).
+        score: the score the cooldown compares (None: a short-cut, which has no score).
+        rule: ``"threshold"``, ``"trend"`` (joined by ``+`` when several channels held by different rules),
+            ``"sentinel"`` or ``"diverged"``.
+        reason: why, in words (the escalation appends what it does).
+        flagged: the channels at their threshold (``("collapse",)``, ``("diverged",)`` for a short-cut).
+        onset: the step of the first check of the run of flagged checks.
+        scores: each watched channel's score when the rule watches more than the index, else None.
+    """
+
+    step: int
+    value: float | None
+    score: float | None
+    rule: str
+    reason: str
+    flagged: tuple[str, ...]
+    onset: int | None
+    scores: dict[str, float | None] | None = None

@@ -1,6 +1,6 @@
-"""The policy's rules: :class:`Policy` scores the watched channels, applies the rule and gates its action.
+"""The policy's coordinator: :class:`Policy` wires its parts and takes the short-cuts of a diverged or collapsed check.
 
-Its verdict is a :class:`~topocallbacks.policy.Decision`; the pure scores it uses live in :mod:`.scores`.
+The parts are the channels' scores, the rule across channels and the escalation; its state is the sum of theirs.
 """
 
 from __future__ import annotations
@@ -10,58 +10,16 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from .._state import StateFields, Stateful
 from ..exceptions import InputError
 from ..settings import Action, PolicySettings
-from .decision import Decision
-from .scores import Reference, at_threshold, robust_zscore, score_value
+from .channels import TRAINING_CHANNELS, Channel, ChannelScores
+from .decision import Alarm, Decision
+from .escalation import Escalation
+from .rule import ChannelRule
+from .scores import Reference
 
-#: The training channels the adapters pass beside the probe's index.
-_TRAINING = ("loss", "grad_norm")
-#: A training channel's noise estimate is at least this fraction of its scale (the largest value it reached at a
-#: healthy check): a loss that has fallen to 1e-5 from 3 does not read a blip to 0.04 as thousands of deviations.
-TRAINING_NOISE_FLOOR = 0.01
-
-__all__ = ["TRAINING_NOISE_FLOOR", "Policy"]
-
-
-def _finite_or_none(value: float | None) -> bool:
-    return value is None or math.isfinite(value)
-
-
-class _Channel:
-    """What the policy keeps about one watched channel: its reference, warm-up values and flagged run."""
-
-    def __init__(self, settings: PolicySettings) -> None:
-        self.reference = Reference(2 * settings.zscore_window, max(settings.zscore_window, settings.patience))
-        self.warmup: list[float] = []
-        self.over = 0  # consecutive checks at or above the threshold
-        self.onset: int | None = None  # the step of the first of them
-        #: The last check at which the channel's rule held: {"check", "step", "onset", "rule", "reason"} (a rule that
-        #: requires several channels counts a channel that held at the check before, see Policy).
-        self.last_hold: dict[str, Any] | None = None
-
-    def state(self) -> dict[str, Any]:
-        return {
-            "last_hold": self.last_hold,
-            "reference": list(self.reference.values),
-            "held": list(self.reference.held),
-            "scale": self.reference.scale,
-            "warmup": list(self.warmup),
-            "over": self.over,
-            "onset": self.onset,
-        }
-
-    def load(self, state: Mapping[str, Any]) -> None:
-        self.reference.values = [float(v) for v in state["reference"]]
-        self.reference.held = [float(v) for v in state["held"]]
-        self.reference.scale = float(state["scale"])
-        self.warmup = [float(v) for v in state["warmup"]]
-        self.over = int(state["over"])
-        self.onset = None if state["onset"] is None else int(state["onset"])
-        self.last_hold = None if state["last_hold"] is None else dict(state["last_hold"])
+__all__ = ["Policy"]
 
 
 class Policy(Stateful):
@@ -88,6 +46,11 @@ class Policy(Stateful):
     ``on_diverged`` at once, and a check whose features an absolute sentinel finds collapsed (``collapsed``)
     returns ``action`` at once, warm-up or not; neither enters any reference. After an action the patience count
     starts again.
+
+    Each of these jobs is a part: the scores and references of the channels
+    (:class:`~topocallbacks.policy.channels.ChannelScores`), the rule across them
+    (:class:`~topocallbacks.policy.rule.ChannelRule`) and the escalation with its cooldown and counters
+    (:class:`~topocallbacks.policy.escalation.Escalation`).
 
     Args:
         settings: a :class:`~topocallbacks.settings.PolicySettings` (default: the library's default rule).
@@ -133,64 +96,9 @@ class Policy(Stateful):
     def reset(self) -> None:
         """Forget the history, the baselines and the counters."""
         self.checks_ = 0
-        self.channels_ = {name: _Channel(self.settings) for name in self.settings.channels}
-        # The training channels the rule does not watch are still scored, by the default rule's z-score (whatever
-        # the index's score): a check where one of them spikes is not healthy (no rollback snapshot), though nothing
-        # acts on it (Decision.unsettled).
-        self._spike = PolicySettings(zscore_window=self.settings.zscore_window, patience=self.settings.patience)
-        self.unwatched_ = {name: _Channel(self._spike) for name in _TRAINING if name not in self.channels_}
-        self.recent_: list[float] = []  # the last trend_window index values, for the trend rule
-        self.last_action_check_: int | None = None
-        self.last_action_: str | None = None
-        self.last_action_score_: float | None = None
-        self.lr_cuts_ = 0
-        self.rollbacks_ = 0
-
-    @property
-    def _channel_state(self) -> dict[str, dict[str, Any]]:
-        return {name: channel.state() for name, channel in self.channels_.items()}
-
-    @_channel_state.setter
-    def _channel_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        if set(state) != set(self.channels_):
-            raise InputError(
-                f"the saved policy watched channels {sorted(state)}, this one watches {sorted(self.channels_)}"
-            )
-        for name, saved in state.items():
-            self.channels_[name].load(saved)
-
-    @property
-    def _unwatched_state(self) -> dict[str, dict[str, Any]]:
-        return {name: channel.state() for name, channel in self.unwatched_.items()}
-
-    @_unwatched_state.setter
-    def _unwatched_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        for name, saved in state.items():
-            if name in self.unwatched_:
-                self.unwatched_[name].load(saved)
-
-    @property
-    def reference_(self) -> Reference:
-        """The watched index's z-score reference (see :class:`Reference`)."""
-        return self._index_channel().reference
-
-    @property
-    def over_threshold_(self) -> int:
-        """Consecutive checks whose index score reached the threshold."""
-        return self._index_channel().over
-
-    @property
-    def baseline_(self) -> float | None:
-        """Mean index over the warm-up checks (None until the warm-up is over or when it is 0 checks)."""
-        return self._baseline(self._index_channel())
-
-    def _index_channel(self) -> _Channel:
-        return self.channels_.get("index") or next(iter(self.channels_.values()))
-
-    def _baseline(self, channel: _Channel) -> float | None:
-        if self.checks_ <= self.settings.warmup or not channel.warmup:
-            return None
-        return float(np.mean(channel.warmup))
+        self._channels = ChannelScores(self.settings)
+        self._rule = ChannelRule(self.settings, self._channels)
+        self._escalation = Escalation(self.settings)
 
     def decide(
         self,
@@ -219,252 +127,123 @@ class Policy(Stateful):
         s = self.settings
         self.checks_ += 1
         observed = {"index": value, "loss": loss, "grad_norm": grad_norm}
-        broken = [name for name in _TRAINING if not _finite_or_none(observed[name])]
-        if diverged or (value is not None and not math.isfinite(value)) or broken:
-            what = (
-                f"the training {broken[0].replace('_', ' ')} is {observed[broken[0]]}"
-                if broken and not diverged
-                else "the features diverged (NaN or Inf)"
-            )
-            action, reason = self._escalate(Action(s.on_diverged), what)
-            return self._act(action, step, None, None, "diverged", reason, ("diverged",), step, None)
-        if collapsed and not s.sentinels:
-            collapsed = None  # judged like any other check: the user counts such features as healthy
-        if collapsed:
-            action, reason = self._escalate(Action(s.action), collapsed)
-            held = self._held_back(action, None)
-            if held is not None:
-                return Decision(
-                    Action.NONE, f"{reason}; {held}", step, value, None, "sentinel", held_back=action,
-                    flagged=("collapse",), onset=step,
-                )  # fmt: skip
-            return self._act(action, step, value, None, "sentinel", reason, ("collapse",), step, None)
+        short_cut = _short_cut(s, step, value, observed, diverged, collapsed)
+        if short_cut is not None:
+            action, alarm = short_cut
+            return self._respond(action, alarm)
         if self.checks_ <= s.warmup:
-            for name, channel in [*self.channels_.items(), *self.unwatched_.items()]:
-                seen = observed[name]
-                if seen is not None:
-                    channel.warmup.append(seen)
-                    channel.reference.add(seen, flagged=False)
+            self._channels.warm_up(observed)
             return Decision(Action.NONE, f"warm-up check {self.checks_} of {s.warmup}", step, value)
-        unsettled = tuple(
-            name
-            for name, channel in self.unwatched_.items()
-            if at_threshold(self._score(channel, observed[name], step, self._spike, name), self._spike.threshold)
-        )
-        decision = self._judge(step, value, observed)
+        unsettled = self._channels.unsettled(observed, step)
+        verdict = self._rule.judge(step, value, observed, self.checks_)
+        decision = verdict if isinstance(verdict, Decision) else self._respond(Action(s.action), verdict)
         return dataclasses.replace(decision, unsettled=unsettled) if unsettled else decision
 
-    def _judge(self, step: int, value: float | None, observed: Mapping[str, float | None]) -> Decision:
-        """The watched channels' decision at a check after the warm-up."""
-        s = self.settings
-        scores: dict[str, float | None] = {}
-        for name, channel in self.channels_.items():
-            scores[name] = self._score(channel, observed[name], step, None, name)
-        flagged = tuple(name for name, score in scores.items() if at_threshold(score, self._threshold(name)))
-        shown = None if list(self.channels_) == ["index"] else scores
-        if "index" in self.channels_ and value is not None and s.trend_window is not None:
-            self.recent_ = [*self.recent_, value][-s.trend_window :]
-        holding: list[tuple[str, str, str]] = []  # (channel, rule, reason)
-        carried: list[tuple[str, str, str]] = []  # channels that held at the check before (see the class docstring)
-        onsets: dict[str, int | None] = {}
-        waiting: list[str] = []
-        for name, channel in self.channels_.items():
-            hold = channel.last_hold
-            before = hold if hold is not None and hold["check"] == self.checks_ - 1 else None
-            if observed[name] is None:
-                rule, reason = None, ""
-            else:
-                rule, reason = self._rule(name, channel, observed[name], scores[name])  # type: ignore[arg-type]
-            if rule is not None:
-                holding.append((name, rule, reason))
-                onsets[name] = channel.onset
-                channel.last_hold = {"check": self.checks_, "step": step, "onset": channel.onset, "rule": rule,
-                                "reason": reason}  # fmt: skip
-            elif before is not None and s.require > 1:
-                carried.append(
-                    (name, before["rule"], f"{before['reason']} at the check before (step {before['step']})")
-                )
-                onsets[name] = before["onset"]
-            elif reason:
-                waiting.append(reason)
-        score = (
-            scores.get("index")
-            if "index" in scores
-            else max((v for v in scores.values() if v is not None), default=None)
-        )
-        if not holding and all(observed[name] is None for name in self.channels_):
-            return Decision(Action.NONE, "no index value at this check", step)
-        if not holding or len(holding) + len(carried) < s.require:
-            reason = "; ".join([r for _, _, r in holding] + waiting)
-            if holding:
-                reason += f" ({len(holding)} of the {s.require} channels required)"
-            return Decision(Action.NONE, reason, step, value, score, flagged=flagged, scores=shown)
-        held_scores = [v for name, _, _ in holding if (v := scores[name]) is not None]
-        if "index" not in [name for name, _, _ in holding]:  # the cooldown compares the strongest channel's score
-            score = max(held_scores, default=score)
-        holding = holding + carried
-        onset = min((o for o in onsets.values() if o is not None), default=step)
-        rule = holding[0][1] if len({r for _, r, _ in holding}) == 1 else "+".join(r for _, r, _ in holding)
-        action, reason = self._escalate(Action(s.action), "; ".join(r for _, _, r in holding))
-        held = self._held_back(action, score)
-        if held is not None:
-            return Decision(
-                Action.NONE, f"{reason}; {held}", step, value, score, rule, held_back=action, flagged=flagged,
-                onset=onset, scores=shown,
-            )  # fmt: skip
-        return self._act(action, step, value, score, rule, reason, flagged, onset, shown)
+    def _respond(self, action: Action, alarm: Alarm) -> Decision:
+        decision = self._escalation.respond(action, alarm, self.checks_)
+        if decision.fired:
+            self._channels.restart()  # after an action the patience count starts again
+        return decision
 
-    def _score(
-        self,
-        channel: _Channel,
-        value: float | None,
-        step: int,
-        settings: PolicySettings | None = None,
-        name: str = "index",
-    ) -> float | None:
-        """A channel's score at this check (None: no value or no score yet); updates its reference and run.
+    @property
+    def channels_(self) -> dict[str, Channel]:
+        """The watched channels, by name (their references, warm-up values and flagged runs)."""
+        return self._channels.watched
 
-        The index is scored by ``settings.score``; a training channel by the z-score with its noise floored at
-        :data:`TRAINING_NOISE_FLOOR` of its scale.
+    @property
+    def unwatched_(self) -> dict[str, Channel]:
+        """The training channels the rule does not watch, scored only to tell a healthy check.
+
+        See :class:`~topocallbacks.policy.channels.ChannelScores`.
         """
-        s = self.settings if settings is None else settings
-        if value is None:
-            channel.over, channel.onset = 0, None
-            return None
-        if name in _TRAINING:
-            reference = channel.reference
-            floor = TRAINING_NOISE_FLOOR * reference.scale
-            score = robust_zscore(np.asarray(reference.values, dtype=np.float64), value, 1, s.zscore_window, floor)
-        else:
-            score = score_value(s, channel.reference.values, value, self._baseline(channel))
-        flagged = at_threshold(score, s.threshold if settings is not None else self._threshold(name))
-        channel.reference.add(value, flagged)
-        if flagged:
-            channel.over += 1
-            if channel.over == 1:
-                channel.onset = step
-        else:
-            channel.over, channel.onset = 0, None
-        return score
+        return self._channels.unwatched
 
-    def _threshold(self, name: str) -> float:
-        """A channel's threshold: ``threshold``, but for a training channel under a value or baseline score.
+    @property
+    def reference_(self) -> Reference:
+        """The watched index's z-score reference (see :class:`Reference`)."""
+        return self._channels.index.reference
 
-        Training channels are always z-scored: under ``score="value"`` or ``"baseline"`` their threshold is the
-        default rule's z-score threshold, not the index's.
-        """
-        s = self.settings
-        return s.threshold if name not in _TRAINING or s.score == "zscore" else self._spike.threshold
+    @property
+    def over_threshold_(self) -> int:
+        """Consecutive checks whose index score reached the threshold."""
+        return self._channels.index.over
 
-    def _describe(self, name: str, value: float, score: float | None) -> str:
-        s = self.settings
-        what = "index" if name == "index" else name.replace("_", " ")
-        if s.score == "zscore" or name in _TRAINING:
-            shown = "none yet" if score is None else f"{score:.2f}"
-            return f"{what} {value:.4g} at z = {shown} against its last {s.zscore_window} checks"
-        if s.score == "baseline":
-            if score is None:
-                return f"{what} {value:.4f} (no baseline yet)"
-            return f"{what} - baseline {score:.4f} (baseline {value - score:.4f})"
-        return f"{what} {value:.4f}"
+    @property
+    def baseline_(self) -> float | None:
+        """Mean index over the warm-up checks (None until the warm-up is over or when it is 0 checks)."""
+        return None if self.checks_ <= self.settings.warmup else self._channels.baseline(self._channels.index)
 
-    def _rule(self, name: str, channel: _Channel, value: float, score: float | None) -> tuple[str | None, str]:
-        """Which rule holds for a channel at this check (None: neither), and why, in words."""
-        s = self.settings
-        what = self._describe(name, value, score)
-        if channel.over >= s.patience:
-            return "threshold", f"{what} >= threshold {self._threshold(name)} for {channel.over} consecutive checks"
-        trend = name == "index" and s.trend_window is not None and s.trend_slope is not None
-        if trend and len(self.recent_) >= s.trend_window:  # type: ignore[operator]
-            slope = float(np.polyfit(np.arange(s.trend_window), np.asarray(self.recent_), 1)[0])  # type: ignore[arg-type]
-            if slope >= s.trend_slope:  # type: ignore[operator]
-                return "trend", (
-                    f"index rising {slope:.4f} per check over the last {s.trend_window} checks (>= {s.trend_slope})"
-                )
-        if channel.over:
-            return None, (
-                f"{what} >= threshold {self._threshold(name)} for {channel.over} of {s.patience} required "
-                "consecutive checks"
-            )
-        return None, f"{what} below threshold {self._threshold(name)}"
+    # The saved state keeps its flat layout (version 7): each key reads and sets the part that owns it.
 
-    def _escalate(self, action: Action, reason: str) -> tuple[Action, str]:
-        """``lower_lr`` and ``rollback`` become ``after_max_lr_cuts``/``after_max_rollbacks`` once spent."""
-        s = self.settings
-        if action is Action.LOWER_LR and self.lr_cuts_ >= s.max_lr_cuts:
-            escalated = Action(s.after_max_lr_cuts)
-            return escalated, f"{reason}; {self.lr_cuts_} learning-rate cuts made already, so {escalated.value}"
-        if action is Action.ROLLBACK and self.rollbacks_ >= s.max_rollbacks:
-            escalated = Action(s.after_max_rollbacks)
-            cause = (
-                f"{self.rollbacks_} rollbacks made already and the alarm came back after them: its cause outlives a "
-                "rollback (structural: the model, the data or the learning-rate schedule, not a passing burst)"
-                if self.rollbacks_
-                else "no rollbacks allowed (max_rollbacks 0)"
-            )
-            return escalated, f"{reason}; {cause}, so {escalated.value}"
-        return action, reason
+    @property
+    def _channel_state(self) -> dict[str, dict[str, Any]]:
+        return self._channels.state()
 
-    def _held_back(self, action: Action, score: float | None) -> str | None:
-        """Why a cooldown holds ``action`` back at this check, or None when it goes through."""
-        s = self.settings
-        if action is Action.NONE or self.last_action_check_ is None or self.last_action_ is None:
-            return None
-        since = self.checks_ - self.last_action_check_
-        if since > s.cooldown:
-            return None
-        last = Action(self.last_action_)
-        if action.level > last.level or action is Action.ROLLBACK:
-            # A stronger action is never held back; nor is a rollback: after one the state is the snapshot's, so a
-            # new alarm is a new fault (max_rollbacks bounds them).
-            return None
-        started = self.last_action_score_
-        if action.level == last.level and score is not None and (started is None or score > started):
-            return None  # a bigger alarm than the one that started the cooldown
-        shown = "none" if started is None else f"{started:.4g}"
-        return (
-            f"held back: {action.value} again {since} check(s) after the {last.value} at check "
-            f"{self.last_action_check_} (cooldown {s.cooldown}), and the score is not above that action's {shown}"
-        )
+    @_channel_state.setter
+    def _channel_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        self._channels.load(state)
 
-    def _act(
-        self,
-        action: Action,
-        step: int,
-        value: float | None,
-        score: float | None,
-        rule: str,
-        reason: str,
-        flagged: tuple[str, ...],
-        onset: int | None,
-        scores: dict[str, float | None] | None,
-    ) -> Decision:
-        s = self.settings
-        if action is Action.NONE:
-            return Decision(
-                Action.NONE, f"{reason} (action: none)", step, value, score, rule, flagged=flagged, onset=onset,
-                scores=scores,
-            )  # fmt: skip
-        self.last_action_check_ = self.checks_
-        self.last_action_ = action.value
-        self.last_action_score_ = score
-        for channel in self.channels_.values():
-            channel.over, channel.onset, channel.last_hold = 0, None, None
-        factor = None
-        if action is Action.LOWER_LR:
-            self.lr_cuts_ += 1
-            factor = s.lr_factor
-            reason = f"{reason}: learning rate x {factor} (cut {self.lr_cuts_} of {s.max_lr_cuts})"
-        elif action is Action.ROLLBACK:
-            self.rollbacks_ += 1
-            factor = s.rollback_lr_factor if self.rollbacks_ == 1 else (s.rollback_lr_factor or s.lr_factor)
-            cut = "" if factor is None else f", learning rate x {factor}"
-            reason = (
-                f"{reason}: roll back to the newest healthy snapshot before step {onset}{cut} "
-                f"(rollback {self.rollbacks_} of {s.max_rollbacks})"
-            )
-        checkpoint = s.checkpoint and action in (Action.LOWER_LR, Action.ROLLBACK, Action.STOP)
-        return Decision(action, reason, step, value, score, rule, factor, checkpoint, None, flagged, onset, scores)
+    @property
+    def _unwatched_state(self) -> dict[str, dict[str, Any]]:
+        return self._channels.unwatched_state()
+
+    @_unwatched_state.setter
+    def _unwatched_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        self._channels.load_unwatched(state)
+
+    @property
+    def recent_(self) -> list[float]:
+        """The last ``trend_window`` index values, for the trend rule."""
+        return self._rule.recent
+
+    @recent_.setter
+    def recent_(self, values: list[float]) -> None:
+        self._rule.recent = values
+
+    @property
+    def last_action_check_(self) -> int | None:
+        """The check number of the last action (None: none yet)."""
+        return self._escalation.last_action_check_
+
+    @last_action_check_.setter
+    def last_action_check_(self, check: int | None) -> None:
+        self._escalation.last_action_check_ = check
+
+    @property
+    def last_action_(self) -> str | None:
+        """The last action (``"warn"``, ``"lower_lr"``, ...), or None."""
+        return self._escalation.last_action_
+
+    @last_action_.setter
+    def last_action_(self, action: str | None) -> None:
+        self._escalation.last_action_ = action
+
+    @property
+    def last_action_score_(self) -> float | None:
+        """The score that started the last action (the cooldown compares with it), or None."""
+        return self._escalation.last_action_score_
+
+    @last_action_score_.setter
+    def last_action_score_(self, score: float | None) -> None:
+        self._escalation.last_action_score_ = score
+
+    @property
+    def lr_cuts_(self) -> int:
+        """Learning-rate cuts made."""
+        return self._escalation.lr_cuts_
+
+    @lr_cuts_.setter
+    def lr_cuts_(self, cuts: int) -> None:
+        self._escalation.lr_cuts_ = cuts
+
+    @property
+    def rollbacks_(self) -> int:
+        """Rollbacks made."""
+        return self._escalation.rollbacks_
+
+    @rollbacks_.setter
+    def rollbacks_(self, rollbacks: int) -> None:
+        self._escalation.rollbacks_ = rollbacks
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Policy):
@@ -475,3 +254,34 @@ class Policy(Stateful):
 
     def __repr__(self) -> str:
         return f"Policy({self.settings!r})"
+
+
+def _short_cut(
+    settings: PolicySettings,
+    step: int,
+    value: float | None,
+    observed: Mapping[str, float | None],
+    diverged: bool,
+    collapsed: str | None,
+) -> tuple[Action, Alarm] | None:
+    """The action a check asks for at once, warm-up or not, and its alarm; None: the check goes to the rule.
+
+    A diverged check (NaN or Inf features, loss or gradient norm) asks for ``on_diverged``, which no cooldown holds
+    back (see :class:`~topocallbacks.policy.escalation.Escalation`); with ``settings.sentinels``, a check whose
+    features an absolute sentinel finds collapsed asks for ``action``. Neither enters any reference.
+    """
+    broken = [name for name in TRAINING_CHANNELS if not _finite_or_none(observed[name])]
+    if diverged or (value is not None and not math.isfinite(value)) or broken:
+        what = (
+            f"the training {broken[0].replace('_', ' ')} is {observed[broken[0]]}"
+            if broken and not diverged
+            else "the features diverged (NaN or Inf)"
+        )
+        return Action(settings.on_diverged), Alarm(step, None, None, "diverged", what, ("diverged",), step)
+    if collapsed and settings.sentinels:
+        return Action(settings.action), Alarm(step, value, None, "sentinel", collapsed, ("collapse",), step)
+    return None
+
+
+def _finite_or_none(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
