@@ -825,11 +825,38 @@ def _write(
     parts = [
         f"<h1>{_e(heading)}</h1>",
         _summary_html(checks, interventions, source),
+        *_sections_html(lead),
+        *_curves_html(checks, figures),
+        *_events_html(events),
+        *_diagrams_html(diagrams, figures),
+        *_sections_html(sections),
+        "<h2>Checks</h2>",
+        _checks_table(checks),
     ]
-    for section in lead:
+    page = (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{_e(heading)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
+    )
+    _save(figures, out)
+    for section in (*lead, *sections):
+        _save(section.figures, out)
+    path = out / "index.html"
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _sections_html(sections: Sequence[_Section]) -> list[str]:
+    """Each extra section: its heading, its body and its figures."""
+    parts = []
+    for section in sections:
         parts.append(f"<h2>{_e(section.heading)}</h2>{section.body}")
         parts.extend(_figure_html(name, caption) for name, _, caption in section.figures.items)
-    parts += [
+    return parts
+
+
+def _curves_html(checks: Sequence[CheckRecord], figures: _Figures) -> list[str]:
+    """The watched index, the composite of each layer and, with several layers, the heatmaps."""
+    parts = [
         "<h2>The watched index</h2>",
         _figure_html("index.png", figures.caption("index.png")),
         "<h2>The Collapse Index and its components</h2>",
@@ -845,7 +872,12 @@ def _write(
         parts.append("<h2>Layers x steps</h2>")
         parts.append(_figure_html("heatmap_index.png", figures.caption("heatmap_index.png")))
         parts.append(_figure_html("heatmap_ci.png", figures.caption("heatmap_ci.png")))
-    parts.append("<h2>Warnings, interventions and diagnosis</h2>")
+    return parts
+
+
+def _events_html(events: Sequence[_Event]) -> list[str]:
+    """The diagnosis of each event (up to :data:`MAX_DIAGNOSED`), or a line saying that nothing happened."""
+    parts = ["<h2>Warnings, interventions and diagnosis</h2>"]
     if events:
         parts.append(f"<p class='note'>{_e(_CAVEAT)}</p>")
         parts.extend(_diagnosis_html(event) for event in events[:MAX_DIAGNOSED])
@@ -853,7 +885,12 @@ def _write(
             parts.append(f"<p class='note'>{len(events) - MAX_DIAGNOSED} more events are not diagnosed here.</p>")
     else:
         parts.append("<p>No decision fired, no check diverged and nothing was done in this history.</p>")
-    parts.append("<h2>Persistence diagrams</h2>")
+    return parts
+
+
+def _diagrams_html(diagrams: Diagrams, figures: _Figures) -> list[str]:
+    """The persistence diagrams' figure, or why there is none."""
+    parts = ["<h2>Persistence diagrams</h2>"]
     if diagrams:
         parts.append(_figure_html("diagrams.png", figures.caption("diagrams.png")))
     else:
@@ -867,21 +904,7 @@ def _write(
             )
             + "</p>"
         )
-    for section in sections:
-        parts.append(f"<h2>{_e(section.heading)}</h2>{section.body}")
-        parts.extend(_figure_html(name, caption) for name, _, caption in section.figures.items)
-    parts.append("<h2>Checks</h2>")
-    parts.append(_checks_table(checks))
-    page = (
-        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{_e(heading)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
-    )
-    _save(figures, out)
-    for section in (*lead, *sections):
-        _save(section.figures, out)
-    path = out / "index.html"
-    path.write_text(page, encoding="utf-8")
-    return path
+    return parts
 
 
 def write_report(
