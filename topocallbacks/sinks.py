@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from .check import CheckRecord
+from .settings import OutputSettings
 
-__all__ = ["JsonlSink", "TensorBoardSink", "prefix_of", "scalars_of"]
+__all__ = ["JsonlSink", "Sinks", "TensorBoardSink", "prefix_of", "scalars_of"]
 
 
 def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
@@ -151,3 +152,35 @@ class TensorBoardSink:
     def close(self) -> None:
         """Flush and close the writer."""
         self.writer.close()
+
+
+class Sinks:
+    """Where a monitor's records are written besides its history: the JSONL file and TensorBoard (rank 0 only).
+
+    Args:
+        output: the output settings (``history_path``, ``tensorboard_dir``).
+    """
+
+    def __init__(self, output: OutputSettings) -> None:
+        self.output = output
+        self._jsonl = None if output.history_path is None else JsonlSink(output.history_path)
+        self._tensorboard: TensorBoardSink | None = None  # created at the first check (writers do not pickle)
+
+    def write(self, record: Any, diagrams: list[np.ndarray] | None = None, *, prefix: str = "topo") -> None:
+        """Write ``record`` (a check or an intervention) to the JSONL file and, a check, to TensorBoard."""
+        if self._jsonl is not None:
+            self._jsonl.write(record.as_dict())
+        if self.output.tensorboard_dir is not None and isinstance(record, CheckRecord):
+            if self._tensorboard is None:
+                self._tensorboard = TensorBoardSink(self.output.tensorboard_dir, prefix=prefix)
+            self._tensorboard.write(record, diagrams)
+
+    def close(self) -> None:
+        """Close the TensorBoard writer (the JSONL sink keeps no handle open)."""
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # An open writer does not pickle (ddp_spawn pickles callbacks): it is opened again on use.
+        return {**self.__dict__, "_tensorboard": None}

@@ -163,7 +163,7 @@ def test_a_background_check_cuts_the_learning_rate_at_the_announced_step(tmp_pat
     assert cut.rates[12] == pytest.approx(reference.rates[12])
     for step in range(13, 26):
         assert cut.rates[step] == pytest.approx([0.5 * lr for lr in reference.rates[step]], rel=1e-6), step
-    assert callback.monitor._worker is None  # stopped at teardown
+    assert callback.monitor.runner._worker is None  # stopped at teardown
 
 
 def test_resume_restores_history_and_never_refires(tmp_path):

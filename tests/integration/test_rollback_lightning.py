@@ -125,7 +125,7 @@ class Recorder(pl.Callback):
         self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
         self.clipped.setdefault(step, _norm(pl_module))  # at the batch that made update `step`
         if self.watched is not None:
-            self.pending.append(len(self.watched.monitor._dynamics))
+            self.pending.append(len(self.watched.monitor.intake._steps))
 
 
 def _norm(module):

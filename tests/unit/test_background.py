@@ -95,8 +95,8 @@ def test_background_checks_give_the_training_loops_records_at_the_announced_step
     try:
         records, done = train(background)
         assert background.background
-        assert background._worker is not None
-        assert background._worker.process.poll() is None  # a worker process, alive
+        assert background.runner._worker is not None
+        assert background.runner._worker.process.poll() is None  # a worker process, alive
         (last,) = background.finish()
     finally:
         background.close()
@@ -148,12 +148,12 @@ def test_a_pending_check_survives_a_checkpoint_and_is_applied_after_the_resume(p
     first = TopoMonitor(probe=probe, background=True, lag=3, **settings())
     try:
         head, _ = train(first, stop_at=9)  # the check at step 8 is pending (applied at 11)
-        assert [p.step for p in first._pending] == [8]
+        assert [p.step for p in first.runner._pending] == [8]
         state = json.loads(json.dumps(first.state_dict()))  # waits for the worker's evaluation
     finally:
         first.close()
-    assert state["pending"][0]["done"]
-    assert state["pending"][0]["apply_at"] == 11
+    assert state["runner"]["pending"][0]["done"]
+    assert state["runner"]["pending"][0]["apply_at"] == 11
     resumed = TopoMonitor(probe=probe, background=True, lag=3, **settings())
     try:
         resumed.load_state_dict(state)
@@ -184,9 +184,9 @@ def test_a_failure_in_the_worker_comes_back_with_its_traceback():
 def test_a_monitor_with_a_running_worker_pickles_and_closing_ends_the_process():
     monitor = TopoMonitor(check_every=1, background=True)
     monitor.process(np.random.default_rng(2).normal(size=(30, 4)), 0)
-    process = monitor._worker.process
+    process = monitor.runner._worker.process
     twin = pickle.loads(pickle.dumps(monitor))
-    assert twin._worker is None
+    assert twin.runner._worker is None
     assert twin.state_dict() == monitor.state_dict()
     monitor.close()
     assert process.poll() is not None

@@ -480,7 +480,7 @@ def test_the_monitor_averages_the_steps_dynamics_and_reads_tensors_once():
         monitor.record_dynamics(torch.tensor(float(step)), None)
     monitor.process(healthy_features(0), 5, loss=4.0)  # this step's own value joins the four before it
     assert monitor.policy.channels_["loss"].reference.values == [2.0]  # (0 + 1 + 2 + 3 + 4) / 5
-    assert monitor._dynamics == []
+    assert monitor.intake._steps == []
 
 
 def test_channel_settings_are_validated():
@@ -519,7 +519,7 @@ def test_a_rollback_undoes_the_cuts_made_since_its_snapshot_in_the_lr_factor():
     loop = Loop(rollback_monitor(max_rollbacks=5))
     loop.run(range(0, 46), healthy_features)
     monitor = loop.monitor
-    monitor.lr_factor_ = 0.25  # as if two cuts had been made since the snapshot of step 45
+    monitor.rescuer.lr_factor_ = 0.25  # as if two cuts had been made since the snapshot of step 45
     done = monitor.act(monitor.process(collapsed_features(50), 50), loop.actuator)
     assert done is not None
     assert (done.snapshot_step, done.lr_factor) == (45, 1.0)
@@ -699,7 +699,7 @@ def test_live_state_nbytes_reads_the_state_without_copying_and_is_not_low_before
 
 
 def test_snapshots_too_big_for_host_memory_are_refused_once_and_a_rollback_warns_why(monkeypatch):
-    monkeypatch.setattr("topocallbacks.monitor.host_memory_available", lambda: 2**16)  # 64 KiB left
+    monkeypatch.setattr("topocallbacks.rescue.host_memory_available", lambda: 2**16)  # 64 KiB left
     monitor = rollback_monitor()
     loop = Loop(monitor)  # the digits MLP: 2,410 floats, with SGD's momentum counted as two moments: 28.2 KiB
     with pytest.warns(RuntimeWarning, match="keeps no rollback snapshots: 2 snapshots of about") as caught:
@@ -727,7 +727,7 @@ def test_a_training_setup_that_cannot_snapshot_degrades_to_warnings(tmp_path):
 
 
 def test_snapshots_on_disk_skip_the_memory_check(monkeypatch, tmp_path):
-    monkeypatch.setattr("topocallbacks.monitor.host_memory_available", lambda: 2**16)
+    monkeypatch.setattr("topocallbacks.rescue.host_memory_available", lambda: 2**16)
     monitor = TopoMonitor(
         check_every=CHECK_EVERY, policy=old_rule(action="rollback", warmup=3), snapshot_dir=str(tmp_path), summary=False
     )

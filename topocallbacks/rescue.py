@@ -1,0 +1,297 @@
+"""The rescuer: carries a check's decision out, keeping the snapshots of healthy states a rollback goes back to.
+
+Rollback with a skip and compounding cuts, the last healthy state restored before a stop, the snapshot memory rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ._state import StateFields, Stateful
+from .check import CheckRecord, InterventionRecord
+from .distributed import broadcast_object, rank_and_world
+from .exceptions import InputError, SnapshotUnsupported
+from .interventions import Actuator, apply, host_memory_available
+from .policy import Decision
+from .rollback import Snapshot, SnapshotStore, _size
+from .settings import Action, MonitorSettings
+
+__all__ = ["Checks", "Rescuer"]
+
+
+class Checks(Protocol):
+    """What the rescuer needs from the rest of the monitor around a rollback."""
+
+    def reference_diagrams(self) -> Any:
+        """What drift is measured against now (kept with a snapshot)."""
+
+    def rewind(self, diagrams: Any) -> None:
+        """After a restore: settle the pending checks, measure drift against ``diagrams``, forget the undone steps."""
+
+    def emit(self, record: InterventionRecord) -> None:
+        """Write an intervention to the history and the sinks."""
+
+
+class Rescuer(Stateful):
+    """Carries decisions out through an :class:`~topocallbacks.interventions.Actuator`, with healthy snapshots.
+
+    While the rule can roll back or stop (:attr:`keeps_snapshots`), every healthy check's state is kept
+    (:attr:`snapshots`; before the first one in host memory, ``snapshots + 1`` copies of every rank's state must fit
+    in half of the memory available, rank 0 deciding; a sharded strategy or an actuator without snapshots turns them
+    off, with one warning, and rollbacks then warn). A rollback restores the newest snapshot taken before the alarm's
+    onset, in place, skips the next ``rollback_skip`` updates and cuts the rates (the cuts compound over rollbacks,
+    relative to those a snapshot already holds). A stop first restores that last healthy state and keeps the cuts.
+
+    Args:
+        settings: the monitor's settings.
+    """
+
+    _state = StateFields(
+        version=1,
+        fields={
+            "lr_factor": "lr_factor_",
+            "last_rollback_step": "last_rollback_step_",
+            "rollback_cut": "rollback_cut_",
+        },
+    )
+
+    def __init__(self, settings: MonitorSettings) -> None:
+        self.settings = settings
+        #: The healthy snapshots a ``rollback`` goes back to (kept only while a rule can roll back or stop).
+        self.snapshots = SnapshotStore(settings.interventions.snapshots, settings.interventions.snapshot_dir)
+        #: Why no snapshots are kept although the rule can use them (a sharded strategy, too little host memory, an
+        #: actuator without snapshots), or None. Its rollback decisions then warn, and say why.
+        self.snapshots_off: str | None = None
+        self._room_checked = False
+        self.lr_factor_ = 1.0  # the cumulative learning-rate factor of the interventions so far
+        self.last_rollback_step_: int | None = None  # the latest rollback's step (the next one undoes updates since)
+        self.rollback_cut_ = 1.0  # the product of the rollbacks' learning-rate cuts (they compound)
+
+    @property
+    def keeps_snapshots(self) -> bool:
+        """Whether the rule in effect can roll back or stop (then healthy checks keep snapshots).
+
+        A rollback goes back to one; a stop restores one first, so that it never leaves the weights of the fault.
+        """
+        rule = self.settings.rule
+        reachable = {rule.action, rule.on_diverged}
+        if Action.LOWER_LR.value in reachable:
+            reachable.add(rule.after_max_lr_cuts)
+        if Action.ROLLBACK.value in reachable:
+            reachable.add(rule.after_max_rollbacks)
+        return bool(reachable & {Action.ROLLBACK.value, Action.STOP.value})
+
+    def act(self, record: CheckRecord, actuator: Actuator, checks: Checks) -> InterventionRecord | None:
+        """Carry out ``record``'s decision at its ``applied_step``, or keep a healthy snapshot; the intervention."""
+        decision = record.decision
+        if record.applied_step is None:
+            return None
+        step = record.applied_step
+        if not decision.fired:
+            if record.ok and decision.healthy and self.keeps_snapshots and self.snapshots_off is None:
+                self._keep_snapshot(actuator, step, checks.reference_diagrams())
+            return None
+        target: Snapshot | None = None
+        if decision.action in (Action.ROLLBACK, Action.STOP):
+            target = self._target(decision, record, step)
+        decision, target = self._settled(decision, target)
+        undone = None if target is None else self._undone(target, step)
+        done: list[InterventionRecord] = []
+
+        def write(detail: str) -> None:
+            if decision.lr_factor is not None and decision.action in (Action.LOWER_LR, Action.ROLLBACK):
+                self.lr_factor_ *= decision.lr_factor
+            since = None if target is None else target.step
+            entry = InterventionRecord(step, decision.action.value, decision.reason, detail, self.lr_factor_, since,
+                                       undone)  # fmt: skip
+            done.append(entry)
+            checks.emit(entry)
+
+        apply(
+            decision,
+            actuator,
+            self.settings.interventions,
+            write,
+            step=step,
+            rollback=None if target is None else lambda: self._roll_back(actuator, target, step, decision, checks),
+            keep=self._keeper(actuator, target),
+        )
+        return done[0]
+
+    # --- the decision's target ------------------------------------------------------------------------------
+
+    def _target(self, decision: Decision, record: CheckRecord, step: int) -> Snapshot | None:
+        """The snapshot a rollback (or a stop) goes back to: the newest one taken before the alarm's onset."""
+        onset = decision.step if decision.onset is None else decision.onset
+        if step > record.step:
+            # In the background a healthy check's snapshot is taken when its decision is applied, `lag` steps
+            # after the check: go back to one taken before the last check before the onset, which that check
+            # saw healthy.
+            onset -= self.settings.schedule.check_every - 1
+        return self.snapshots.newest_before(onset)
+
+    def _settled(self, decision: Decision, target: Snapshot | None) -> tuple[Decision, Snapshot | None]:
+        """The decision as carried out, and the snapshot it restores (None: none).
+
+        A rollback without a snapshot warns (or escalates), a rollback's cuts compound, a stop says it restores the
+        last healthy state first.
+        """
+        if decision.action is Action.ROLLBACK:
+            if target is None:
+                diverged = decision.rule == "diverged"  # the features, or a NaN loss or gradient norm
+                instead = self.settings.rule.after_max_rollbacks if diverged else "warn"
+                return _no_snapshot(decision, instead, self.snapshots_off), None
+            if decision.lr_factor is not None or self.rollback_cut_ != target.rollback_cut:
+                decision = self._compound(decision, target)
+            return decision, target
+        if decision.action is Action.STOP and target is not None:
+            reason = f"{decision.reason}; the last healthy state (step {target.step}) is restored first"
+            return dataclasses.replace(decision, reason=reason), target
+        return decision, None
+
+    def _compound(self, decision: Decision, target: Snapshot) -> Decision:
+        """A rollback's cut times the earlier rollbacks', relative to the cuts already in ``target``'s rates."""
+        total = self.rollback_cut_ * (1.0 if decision.lr_factor is None else decision.lr_factor)
+        factor = total / target.rollback_cut
+        reason = decision.reason
+        if factor != decision.lr_factor:
+            reason += (
+                f"; with the earlier rollbacks' cuts, x {total:.4g} of the rate before the first rollback "
+                f"(x {factor:.4g} of the snapshot's)"
+            )
+        self.rollback_cut_ = total
+        return dataclasses.replace(decision, lr_factor=factor, reason=reason)
+
+    def _undone(self, target: Snapshot, step: int) -> int:
+        """The updates a rollback to ``target`` at ``step`` undoes (since the snapshot, or since the last rollback)."""
+        last = self.last_rollback_step_
+        return step - (target.step if last is None or last < target.step else last)
+
+    def _keeper(self, actuator: Actuator, target: Snapshot | None) -> Callable[[], str] | None:
+        """What a stop writes to a file: the state it restored (the last healthy one), else the newest snapshot."""
+        kept = target if target is not None else (self.snapshots.snapshots[-1] if self.snapshots.snapshots else None)
+        if kept is None:
+            return None
+        return lambda: (
+            f"last healthy state (step {kept.step}) "
+            + actuator.save_snapshot(kept.load(), f"topo-last-healthy-step{kept.step}")
+        )
+
+    # --- restoring ------------------------------------------------------------------------------------------
+
+    def _roll_back(self, actuator: Actuator, target: Snapshot, step: int, decision: Decision, checks: Checks) -> str:
+        """Restore ``target`` in place (every rank) and rewind the checks to it; what was done, in words.
+
+        Before a stop the earlier rollbacks' compounded learning-rate cut is applied to the restored rates, so a run
+        resumed from the stop's checkpoint goes on at the cut rate; no update is skipped.
+        """
+        undone = self._undone(target, step)
+        detail = actuator.restore(target.load())
+        checks.rewind(target.diagrams)
+        self.snapshots.drop_after(target.step)
+        self.last_rollback_step_ = step
+        self.lr_factor_ = target.lr_factor  # the rates are the snapshot's again (cuts since then are undone)
+        if decision.action is Action.STOP:
+            cut = ""
+            if self.rollback_cut_ != target.rollback_cut:
+                factor = self.rollback_cut_ / target.rollback_cut
+                cut = f"; the rollbacks' cut kept: {actuator.scale_learning_rate(factor)}"
+                self.lr_factor_ *= factor
+            return (
+                f"restored the last healthy state, the snapshot of step {target.step} ({undone} updates undone), "
+                f"before stopping; {detail}{cut}"
+            )
+        skip = self.settings.rollback_skip
+        skipped = "" if not skip else f"; {_skip_updates(actuator, skip)}"
+        return (
+            f"rolled back to the snapshot of step {target.step}: {undone} updates undone and their batches not seen "
+            f"again (training goes on with the next batch); {detail}{skipped}; {self.snapshots.describe()}"
+        )
+
+    # --- keeping snapshots ----------------------------------------------------------------------------------
+
+    def _keep_snapshot(self, actuator: Actuator, step: int, diagrams: Any) -> None:
+        """Keep this healthy state as a snapshot, unless it cannot be kept here (then say so once, and keep none)."""
+        try:
+            self._check_room(actuator)
+            payload = _snapshot(actuator)
+        except SnapshotUnsupported as error:
+            self.snapshots_off = str(error)
+            if rank_and_world()[0] == 0:
+                warnings.warn(
+                    f"topocallbacks keeps no rollback snapshots: {error}. A rollback decision warns instead.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return
+        kept = self.snapshots.add(step, payload, diagrams)
+        kept.lr_factor = self.lr_factor_
+        kept.rollback_cut = self.rollback_cut_
+
+    def _check_room(self, actuator: Actuator) -> None:
+        """Before the first snapshot in host memory: refuse snapshots that would take most of the memory left.
+
+        ``snapshots + 1`` copies (one more is taken before the oldest is dropped) of every rank's state, on one
+        host in the worst case, must fit in half of the memory available; rank 0 decides for every rank.
+        """
+        if self._room_checked or self.snapshots.directory is not None:
+            return
+        self._room_checked = True
+        estimate = getattr(actuator, "snapshot_nbytes", None)
+        verdict = None
+        if estimate is not None:
+            size = int(estimate())
+            world = rank_and_world()[1]
+            need = size * (self.snapshots.keep + 1) * world
+            free = host_memory_available()
+            if free is not None and need > free / 2:
+                verdict = (
+                    f"{self.snapshots.keep} snapshots of about {_size(size)} each (plus one in flight"
+                    + (f", on each of {world} ranks" if world > 1 else "")
+                    + f") need {_size(need)} of host memory, more than half of the {_size(free)} available; set "
+                    "`interventions.snapshot_dir` to keep them on disk, or fewer `interventions.snapshots`"
+                )
+        verdict = broadcast_object(verdict)
+        if verdict is not None:
+            raise SnapshotUnsupported(verdict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Snapshots are not pickled (ddp_spawn pickles callbacks): each process keeps its own from its next check.
+        return {**self.__dict__, "snapshots": SnapshotStore(self.snapshots.keep, self.snapshots.directory)}
+
+
+def _snapshot(actuator: Actuator) -> Any:
+    """``actuator.snapshot()``; SnapshotUnsupported for an actuator that takes none (snapshots are then off)."""
+    take = getattr(actuator, "snapshot", None)
+    if take is None:
+        raise SnapshotUnsupported(
+            f"{type(actuator).__name__} takes no snapshots: give it `snapshot()` and `restore()` "
+            "(LoopActuator(..., model=model) has them)"
+        )
+    return take()
+
+
+def _skip_updates(actuator: Actuator, count: int) -> str:
+    """``actuator.skip_updates(count)``, with a clear error for an actuator that cannot skip."""
+    skip = getattr(actuator, "skip_updates", None)
+    if skip is None:
+        raise InputError(
+            f"`rollback_skip` is {count}, but {type(actuator).__name__} cannot skip updates: give it "
+            "`skip_updates(count)` (LoopActuator has it: topocallbacks.interventions.skip_updates)"
+        )
+    return str(skip(count))
+
+
+def _no_snapshot(decision: Decision, instead: str, off: str | None = None) -> Decision:
+    """A rollback with nothing to go back to becomes ``instead`` (a warning; for a diverged check, the escalation)."""
+    onset = decision.step if decision.onset is None else decision.onset
+    why = "" if off is None else f" (no snapshots are kept: {off})"
+    return dataclasses.replace(
+        decision,
+        action=Action(instead),
+        lr_factor=None,
+        reason=f"{decision.reason}; no healthy snapshot before step {onset}{why}, so {instead}",
+    )

@@ -1,0 +1,244 @@
+"""The runner: evaluates each check in the training loop or in a background worker, and owns the worker's life.
+
+A check's result is applied at the step it was announced for, on every rank (rank 0 evaluates and broadcasts).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._state import StateFields, Stateful
+from ._worker import WorkerProcess
+from .check import CheckRecord
+from .distributed import broadcast_object, rank_and_world
+from .exceptions import InputError
+from .pipeline import CheckPipeline, Evaluation, LayeredPipeline
+
+__all__ = ["Request", "Runner"]
+
+#: What a check asks for: ``("evaluate", step, features, dynamics)`` (probe) or ``("window", step, batches,
+#: dynamics)`` (streaming: push the batches, then check the window).
+Request = tuple[str, int, Any, Any]
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A check whose decision is applied at ``apply_at`` (evaluated at once, or by the worker meanwhile)."""
+
+    step: int
+    apply_at: int
+    probe_ms: float = 0.0
+    evaluation: Evaluation | None = None
+    eval_ms: float = 0.0  # the training loop's own time on an inline evaluation
+
+    def as_dict(self) -> dict[str, Any]:
+        evaluation = self.evaluation
+        return {
+            "step": self.step,
+            "apply_at": self.apply_at,
+            "probe_ms": self.probe_ms,
+            "record": None if evaluation is None or evaluation.record is None else evaluation.record.as_dict(),
+            "others": [] if evaluation is None else [r.as_dict() for r in evaluation.others],
+            "done": evaluation is not None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], shared: dict[str, Any]) -> _Pending:
+        record = None if data["record"] is None else CheckRecord.from_dict(data["record"])
+        others = [CheckRecord.from_dict(r) for r in data.get("others", [])]
+        evaluation = Evaluation(record, shared, None, others)
+        return cls(int(data["step"]), int(data["apply_at"]), float(data["probe_ms"]), evaluation)
+
+
+class Runner(Stateful):
+    """Evaluates checks and hands back their records when their step comes, the same on every rank.
+
+    Rank 0 evaluates a check at once with ``pipeline`` (in the training loop) or sends it to a worker process
+    (:mod:`topocallbacks._worker`, in the background) and mirrors the worker's pipeline state from each reply. Every
+    rank queues the check; :meth:`collect` gives back, in order, the records of the checks whose ``apply_at`` has
+    come, waiting for a late worker there (the record's ``wait_ms``), and other ranks adopt rank 0's records and
+    pipeline state (one broadcast per collected check).
+
+    Args:
+        settings_dict: the monitor's settings as a dict (what a worker is started with).
+        pipeline: the pipeline that evaluates (or mirrors the worker's).
+        threads: threads the worker's numerical libraries may use.
+        share: extra state rank 0 broadcasts with each check's records (e.g. the learning-rate factor), and
+            receive: what the other ranks do with it.
+    """
+
+    _state = StateFields(version=1, fields={"pending": "_pending_state"})
+
+    def __init__(
+        self,
+        settings_dict: dict[str, Any],
+        pipeline: CheckPipeline | LayeredPipeline,
+        threads: int = 2,
+        share: Callable[[], dict[str, Any]] | None = None,
+        receive: Callable[[Mapping[str, Any]], None] | None = None,
+    ) -> None:
+        self.settings_dict = settings_dict
+        self.pipeline = pipeline
+        self.threads = threads
+        self.share, self.receive = share, receive
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._worker: WorkerProcess | None = None
+
+    @property
+    def pending(self) -> int:
+        """Checks submitted whose records were not collected yet."""
+        return len(self._pending)
+
+    @property
+    def last_apply_at(self) -> int | None:
+        """The step at which the newest pending check is applied (None: none pending)."""
+        return self._pending[-1].apply_at if self._pending else None
+
+    def submit(self, request: Request, apply_at: int, *, background: bool, probe_ms: float = 0.0) -> None:
+        """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker."""
+        kind, step, payload, dynamics = request
+        pending = _Pending(step, apply_at, probe_ms)
+        if rank_and_world()[0] == 0:
+            if background:
+                self._start_worker().request(request)
+            else:
+                start = time.perf_counter()
+                if kind == "evaluate":
+                    pending.evaluation = self.pipeline.evaluate(payload, step, dynamics)
+                elif isinstance(self.pipeline, LayeredPipeline):  # pragma: no cover - settings refuse it
+                    raise InputError("streaming watches one layer: `layers` works in probe mode only")
+                else:
+                    self.pipeline.push(payload)
+                    pending.evaluation = self.pipeline.evaluate_window(step, dynamics)
+                pending.eval_ms = (time.perf_counter() - start) * 1e3
+        self._pending.append(pending)
+
+    def collect(
+        self,
+        step: int,
+        *,
+        final: bool = False,
+        annotate: Callable[[list[CheckRecord]], CheckRecord] | None = None,
+        emit: Callable[[CheckRecord, Any], None] | None = None,
+    ) -> list[CheckRecord]:
+        """The records of every pending check whose step has come (all ranks, in order).
+
+        Args:
+            step: the step now.
+            final: the end of training: the records get no ``applied_step`` (their decisions can no longer act).
+            annotate: completes the deciding (last) record from all of a check's records, on rank 0.
+            emit: called with each record (and the figures of the check's last one, None for the others) in order.
+        """
+        collected: list[CheckRecord] = []
+        rank = rank_and_world()[0]
+        while self._pending and self._pending[0].apply_at <= step:
+            pending = self._pending[0]
+            waited_ms = self._receive(pending) * 1e3 + pending.eval_ms if rank == 0 else 0.0
+            self._pending.popleft()
+            found: list[CheckRecord] = []
+            figures = None
+            evaluation = pending.evaluation
+            if rank == 0 and evaluation is not None and evaluation.record is not None:
+                # The other layers' records first, then the primary layer's, which carries the decision.
+                found = [
+                    dataclasses.replace(
+                        record, applied_step=None if final else step, wait_ms=waited_ms, probe_ms=pending.probe_ms
+                    )
+                    for record in [*evaluation.others, evaluation.record]
+                ]
+                if annotate is not None:
+                    found[-1] = annotate(found)
+                figures = evaluation.figures
+            adopted = self._adopt(found)
+            for i, record in enumerate(adopted):
+                if emit is not None:
+                    emit(record, figures if i == len(adopted) - 1 else None)
+                collected.append(record)
+        return collected
+
+    def finish(
+        self,
+        annotate: Callable[[list[CheckRecord]], CheckRecord] | None = None,
+        emit: Callable[[CheckRecord, Any], None] | None = None,
+    ) -> list[CheckRecord]:
+        """End of training: every pending check's records (:meth:`collect`), with no ``applied_step``.
+
+        Every rank must call it.
+        """
+        done: list[CheckRecord] = []
+        while self._pending:
+            done += self.collect(self._pending[-1].apply_at, final=True, annotate=annotate, emit=emit)
+        return done
+
+    def close(self) -> None:
+        """Stop the worker (the next background check starts a new one from the pipeline's state)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    def _start_worker(self) -> WorkerProcess:
+        if self._worker is None:
+            self._worker = WorkerProcess(self.settings_dict, self.pipeline.state_dict(), threads=self.threads)
+        return self._worker
+
+    def _receive(self, pending: _Pending) -> float:
+        """Rank 0: wait for the worker's evaluations up to ``pending``'s; the seconds waited for it."""
+        waited = 0.0
+        for item in self._pending:
+            if item.evaluation is not None:
+                continue
+            if self._worker is None:  # pragma: no cover - a background check always has a worker
+                raise RuntimeError("a background check is pending without a worker")
+            record, shared, figures, seconds, others = self._worker.reply()
+            self.pipeline.receive(shared)  # the mirror follows the worker at once
+            item.evaluation = Evaluation(
+                None if record is None else CheckRecord.from_dict(record),
+                shared,
+                figures,
+                [CheckRecord.from_dict(r) for r in others],
+            )
+            if item is pending:
+                waited = seconds
+                break
+        return waited
+
+    def _adopt(self, records: list[CheckRecord]) -> list[CheckRecord]:
+        """Broadcast rank 0's records and pipeline state (none: nothing) and adopt them on the other ranks."""
+        rank, world = rank_and_world()
+        if world == 1:
+            return records
+        payload = None
+        if rank == 0 and records:
+            payload = {
+                "records": [r.as_dict() for r in records],
+                "pipeline": self.pipeline.share(),
+                "extra": {} if self.share is None else self.share(),
+            }
+        shared: dict[str, Any] | None = broadcast_object(payload)
+        if shared is None or rank == 0:
+            return records
+        self.pipeline.receive(shared["pipeline"])
+        if self.receive is not None:
+            self.receive(shared["extra"])
+        return [CheckRecord.from_dict(r) for r in shared["records"]]
+
+    @property
+    def _pending_state(self) -> list[dict[str, Any]]:
+        if rank_and_world()[0] == 0 and self._pending:
+            self._receive(self._pending[-1])  # a checkpoint holds every pending check's finished evaluation
+        return [pending.as_dict() for pending in self._pending]
+
+    @_pending_state.setter
+    def _pending_state(self, value: list[Mapping[str, Any]]) -> None:
+        shared = self.pipeline.share()
+        self._pending = collections.deque(_Pending.from_dict(item, shared) for item in value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker process does not pickle (ddp_spawn pickles callbacks): it is started again on use.
+        return {**self.__dict__, "_worker": None}

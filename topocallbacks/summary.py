@@ -1,0 +1,117 @@
+"""The end-of-run summary: what the checks found and what was done about it, in a few lines.
+
+Printed once on rank 0 at the end of training (``output.summary``); :meth:`TopoMonitor.summary` gives it any time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .check import CheckRecord, InterventionRecord
+from .pipeline import CheckPipeline, LayeredPipeline
+from .settings import MonitorSettings
+
+__all__ = ["report_of", "summary_text", "with_layer_moves"]
+
+
+def summary_text(
+    history: Sequence[CheckRecord | InterventionRecord],
+    settings: MonitorSettings,
+    *,
+    layer: tuple[str, ...] | None = None,
+    layers: Sequence[str] = (),
+    snapshots: str | None = None,
+) -> str:
+    """The checks, the warnings and interventions with their reasons, and where the outputs went.
+
+    Args:
+        history: the monitor's records.
+        settings: the monitor's settings.
+        layer: the watched layer (the module name its pattern resolved to, when known).
+        layers: several watched layers, the primary one first (empty: one layer).
+        snapshots: the rollback snapshots kept, described (None: none).
+
+    Example:
+        >>> print(summary_text([], MonitorSettings()))
+        topocallbacks: no check ran; no warning and no intervention.
+    """
+    checks = [r for r in history if isinstance(r, CheckRecord)]
+    done = [r for r in history if isinstance(r, InterventionRecord)]
+    watched = f" at layer {layer[0] if len(layer) == 1 else list(layer)}" if layer else ""
+    if layers:
+        watched = f" at {len(layers)} layers ({', '.join(layers)}; primary {layers[0]})"
+        checks = [r for r in checks if r.layer == layers[0]]
+    if not checks:
+        head = f"topocallbacks: no check ran{watched}"
+    else:
+        span = f"step {checks[0].step}" if len(checks) == 1 else f"steps {checks[0].step}-{checks[-1].step}"
+        plural = "check" if len(checks) == 1 else "checks"
+        head = f"topocallbacks: {len(checks)} {plural} ({span}){watched} of {settings.index.name}"
+    diverged = sum(1 for r in checks if not r.ok or r.decision.rule == "diverged")
+    if diverged:
+        head += f", {diverged} diverged"
+    warned = [r for r in done if r.action == "warn"]
+    acted = [r for r in done if r.action != "warn"]
+    if not done:
+        lines = [f"{head}; no warning and no intervention."]
+    else:
+        lines = [f"{head}; {len(warned)} warning(s), {len(acted)} intervention(s):"]
+        lines += [f"  step {r.step}: {r.action} ({r.detail}), because {r.reason}" for r in done]
+    output = settings.output
+    if output.history_path is not None:
+        lines.append(f"  history: {output.history_path}")
+    if output.tensorboard_dir is not None:
+        lines.append(f"  TensorBoard: {output.tensorboard_dir}")
+    if snapshots is not None:
+        lines.append(f"  rollback snapshots: {snapshots}")
+    return "\n".join(lines)
+
+
+def with_layer_moves(past: Sequence[CheckRecord], records: list[CheckRecord]) -> CheckRecord:
+    """The deciding record (the last of a check's), its reason completed with the layers' moves.
+
+    When several layers are watched and the check acted or was held back: which layer moved first and by how much,
+    each layer's watched index against its own past checks (the report's diagnosis), the one that moved most first.
+    """
+    decision = records[-1]
+    if len(records) < 2 or not (decision.decision.fired or decision.decision.held_back is not None):
+        return decision
+    from .report import _fmt_z, _layer_moves  # the report's diagnosis, not a second copy of it
+
+    moves = _layer_moves(decision.step, [*past, *records])
+    if not moves:
+        return decision
+
+    def described(move: Any) -> str:
+        z = "" if move.z is None else f", {_fmt_z(move.z)}"
+        return f"{move.name} {move.before:.4g} -> {move.after:.4g} ({move.change:+.4g}{z})"
+
+    text = f"; layer that moved first: {described(moves[0])}"
+    if len(moves) > 1:
+        text += "; then " + ", ".join(described(move) for move in moves[1:])
+    return dataclasses.replace(
+        decision, decision=dataclasses.replace(decision.decision, reason=decision.decision.reason + text)
+    )
+
+
+def report_of(
+    history: Sequence[CheckRecord | InterventionRecord],
+    pipeline: CheckPipeline | LayeredPipeline,
+    out_dir: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+) -> Path:
+    """The HTML report of ``history`` with the last diagrams of ``pipeline`` (the primary layer's); its path."""
+    from .report import write_report
+
+    primary = pipeline.primary if isinstance(pipeline, LayeredPipeline) else None
+    ok = (r for r in reversed(history) if isinstance(r, CheckRecord) and r.ok and r.layer == primary)
+    last = next(ok, None)  # the diagrams drawn are the primary layer's
+    diagrams = pipeline.last_diagrams  # those of the last check that was not diverged
+    key: Any = None if last is None else last.step if last.layer is None else (last.step, last.layer)
+    drawn = None if last is None or diagrams is None else {key: diagrams}
+    return write_report(list(history), out_dir, diagrams=drawn, title=title)
