@@ -153,7 +153,12 @@ class OptimizerStep:
         elif isinstance(norm, (int, float)) and not isinstance(norm, bool):
             self._norms.append(float(norm))
 
-    def skip(self) -> None:
+    @property
+    def has_grad_norm(self) -> bool:
+        """Whether a gradient norm of this step was given."""
+        return bool(self._norms)
+
+    def skip(self, *_: Any) -> None:
         """The grad scaler skipped this step: it has no gradient norm (no divergence either)."""
         self._skipped = True
 

@@ -17,7 +17,7 @@ import numpy as np
 from .check import CheckRecord
 from .settings import OutputSettings
 
-__all__ = ["JsonlSink", "Sinks", "TensorBoardSink", "prefix_of", "scalars_of"]
+__all__ = ["JsonlSink", "Sinks", "TensorBoardSink", "distinct_prefixes", "prefix_of", "scalars_of"]
 
 
 def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
@@ -184,3 +184,14 @@ class Sinks:
     def __getstate__(self) -> dict[str, Any]:
         # An open writer does not pickle (ddp_spawn pickles callbacks): it is opened again on use.
         return {**self.__dict__, "_tensorboard": None}
+
+
+def distinct_prefixes(names: list[str], modes: list[str]) -> list[str]:
+    """``topo/<layer>`` for each of several callbacks on one trainer (then the mode, then a number if still shared).
+
+    Example:
+        >>> distinct_prefixes(["enc", "enc", "head"], ["probe", "stream", "probe"])
+        ['topo/enc/probe', 'topo/enc/stream', 'topo/head']
+    """
+    named = [f"{n}/{m}" if names.count(n) > 1 else n for n, m in zip(names, modes, strict=True)]
+    return [f"topo/{n}/{i}" if named.count(n) > 1 else f"topo/{n}" for i, n in enumerate(named)]

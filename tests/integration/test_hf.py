@@ -366,9 +366,14 @@ def test_streaming_mode_keeps_a_meaningful_window_over_2000_steps(tmp_path):
     assert all(r.report.betti0 < r.n_points and 0.001 < r.density < 0.9 for r in full)
 
 
-def test_a_restore_without_the_probe_in_this_process_says_what_to_do():
-    with pytest.raises(InputError, match="pass the same probe to the callback of the resumed run"):
-        TopoCollapseTrainerCallback(layer="encoder", probe_hash="0" * 64)
+def test_a_restore_without_the_users_callback_says_what_to_do(tmp_path):
+    # What the Trainer rebuilds from a checkpoint (restore_callback_states_from_checkpoint) stands for the callback the
+    # resumed Trainer was built with; a Trainer built without one gets the package's error at its first hook.
+    rebuilt = TopoCollapseTrainerCallback(layer="encoder", probe_hash="0" * 64, restoring=True)
+    args = arguments(tmp_path, max_steps=2)
+    Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[rebuilt])
+    with pytest.raises(InputError, match="pass the same callback, with the same probe, to the Trainer of the resumed"):
+        rebuilt.on_train_begin(args, transformers.TrainerState(), transformers.TrainerControl(), model=DigitsNet())
 
 
 def test_probe_from_the_train_dataset_drops_the_labels(tmp_path):

@@ -350,7 +350,7 @@ def test_a_nan_loss_is_a_diverged_check_and_gets_the_on_diverged_action(tmp_path
 
 def test_without_a_trainer_norm_the_gradient_norm_is_that_of_all_gradients():
     # The fallback of on_pre_optimizer_step (transformers 4 computes no norm without clipping).
-    from topocallbacks.integrations.hf import _gradient_norm
+    from topocallbacks.integrations.hf_glue import gradient_norm as _gradient_norm
 
     model = Net()
     assert _gradient_norm(model) is None  # no gradients yet

@@ -1,0 +1,168 @@
+"""What the Lightning callback needs from Lightning beyond its hooks: its means to act, the gradient norm, its data.
+
+The actuator (the trainer's optimizers, schedulers, grad scaler, ``should_stop`` and checkpoints), the norm of the
+gradients an optimizer steps with (DTensor and FSDP shards reduced), and a dataloader's dataset as the probe.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+from ..exceptions import InputError, SnapshotUnsupported
+from ..interventions import StateActuator, current_learning_rates, save_on_rank_zero, scale_learning_rate
+from ..probe import is_fsdp1_wrapper, resolve_layer
+from ..sinks import distinct_prefixes
+
+
+class LightningActuator(StateActuator):
+    """Decisions carried out with the trainer's own means."""
+
+    def __init__(self, trainer: pl.Trainer, rescue_dir: str | None) -> None:
+        self.trainer = trainer
+        self.rescue_dir = rescue_dir or trainer.default_root_dir
+
+    def scale_learning_rate(self, factor: float) -> str:
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        scale_learning_rate(self.trainer.optimizers, schedulers, factor)
+        rates = ", ".join(f"{lr:.3g}" for lr in current_learning_rates(self.trainer.optimizers))
+        return (
+            f"learning rate x {factor} in {len(self.trainer.optimizers)} optimizer(s) and {len(schedulers)} "
+            f"scheduler(s), now {rates}"
+        )
+
+    def request_stop(self) -> str:
+        self.trainer.should_stop = True  # OR-ed with the other callbacks' requests, never cleared
+        return "trainer.should_stop set"
+
+    def checkpoint_location(self, tag: str) -> str:
+        return f"saved to {os.path.join(self.rescue_dir, tag + '.ckpt')}"
+
+    def save_checkpoint(self, tag: str) -> None:
+        self.trainer.save_checkpoint(os.path.join(self.rescue_dir, tag + ".ckpt"))  # every rank calls it; rank 0 writes
+
+    def _parts(self) -> tuple[Any, list[Any], list[Any], Any]:
+        trainer = self.trainer
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # mixed precision's GradScaler, if any
+        return trainer.lightning_module, trainer.optimizers, schedulers, scaler
+
+    def _check_snapshots(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
+            # Their parameters and optimizer states are sharded (flat parameters, DTensors, ZeRO partitions): a
+            # state_dict of the LightningModule is not a copy that load_state_dict can put back in place.
+            raise SnapshotUnsupported(
+                f"`rollback` does not support {type(strategy).__name__} (sharded parameters and optimizer states); "
+                "it runs on one device and with DDP. Use `stop` with `checkpoint_on_stop` and resume instead"
+            )
+
+    def _restored(self, model: Any, optimizers: list[Any], schedulers: list[Any]) -> str:
+        return f"module, {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s) restored"
+
+    def save_snapshot(self, snapshot: Any, tag: str) -> str:
+        return save_on_rank_zero(snapshot, self.rescue_dir, tag + ".pt")
+
+
+def step_grad_norm(trainer: pl.Trainer, optimizer: torch.optim.Optimizer, *, sharded: bool) -> Any:
+    """The gradient norm of an optimizer step (on its device, unscaled), None without gradients, or "skipped".
+
+    A fused optimizer unscales inside its step, so its gradients are still scaled here: the norm is divided by the
+    scale. The grad scaler skips a step with Inf or NaN gradients and lowers its scale: routine, not a divergence, so
+    that step has no gradient norm ("skipped"); reading it synchronises once per step, as the scaler's step does.
+    """
+    norm = grad_norm(optimizer, sharded=sharded, strategy=trainer.strategy)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if norm is None or scaler is None:
+        return norm
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and isinstance(scaler._scale, torch.Tensor):
+        norm = norm / scaler._scale
+    return norm if bool(torch.isfinite(norm)) else "skipped"
+
+
+def grad_norm(optimizer: torch.optim.Optimizer, *, sharded: bool, strategy: Any) -> torch.Tensor | None:
+    """The total L2 norm of the gradients ``optimizer`` steps with, on their device (None: no gradients).
+
+    DTensor gradients (FSDP2, tensor parallelism) are reduced as their placements say; FSDP1's flat gradients
+    (``sharded``) are each rank's shard, whose squared norms are summed across ranks.
+    """
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return None
+    total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    norm: torch.Tensor
+    if total_norm is not None:
+        norm = total_norm(grads)
+    else:  # pragma: no cover - older torch
+        norms = torch._foreach_norm(grads)
+        norm = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    full_tensor = getattr(norm, "full_tensor", None)
+    if full_tensor is not None:  # a DTensor
+        norm = full_tensor()
+    elif sharded:
+        norm = strategy.reduce(norm.square(), reduce_op="sum").sqrt()
+    return norm.detach()
+
+
+def dataloader_dataset(trainer: pl.Trainer, which: str) -> Any:
+    """The dataset behind the trainer's training or (first) validation dataloader.
+
+    Lightning loads validation dataloaders lazily (at the sanity check or the first validation), so when they are
+    not loaded yet the fit loop's validation loop is asked to load them now (it does not when validation is off).
+    """
+    if which == "val" and trainer.val_dataloaders is None:
+        trainer.fit_loop.epoch_loop.val_loop.setup_data()
+    loaders: Any = trainer.train_dataloader if which == "train" else trainer.val_dataloaders
+    if loaders is None and which == "val" and trainer.limit_val_batches == 0:
+        raise InputError(
+            "`probe`='val' needs the validation dataloader, which Lightning does not load with limit_val_batches=0; "
+            "pass the probe inputs (e.g. the validation dataset) instead"
+        )
+    if isinstance(loaders, Mapping):
+        loaders = next(iter(loaders.values()), None)
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    dataset = getattr(loaders, "dataset", None)
+    if dataset is None:
+        raise InputError(f"`probe`={which!r} needs a {which} dataloader with a dataset; none was given to fit()")
+    return dataset
+
+
+def probe_source(probe: Any, *, required: bool) -> str | None:
+    """The dataloader a ``probe`` given by name designates ("train", "val"), else None; checks the argument.
+
+    Raises:
+        InputError: another name, or no probe where one is ``required`` (probe mode).
+    """
+    source = probe if isinstance(probe, str) else None
+    if source is not None and source not in ("train", "val"):
+        raise InputError(f"`probe` given as text must be 'train' or 'val' (a dataloader's dataset), got {probe!r}")
+    if required and probe is None:
+        raise InputError("`probe` is required in probe mode: a tensor, Dataset, list of inputs, 'train' or 'val'")
+    return source
+
+
+def probe_root(trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.nn.Module | None:
+    """The module the probe must run through instead of the LightningModule, or None.
+
+    FSDPStrategy wraps the LightningModule in an FSDP root: the probe's forward goes through it, which gathers the
+    root's own sharded parameters (calling the module itself would see only this rank's shard). DeepSpeed gathers
+    through hooks on the modules themselves, a ModelParallelStrategy's fully_shard modules are the LightningModule
+    itself, and DDP's wrapper is not needed: those probe the LightningModule.
+    """
+    root = trainer.strategy.model
+    return root if is_fsdp1_wrapper(root) and root is not pl_module else None
+
+
+def name_metrics(callback: Any, pl_module: pl.LightningModule, ours: list[Any]) -> None:
+    """Beside other callbacks of its class (``ours``), log under ``topo/<layer>`` (unless a prefix was given)."""
+    named = [c for c in ours if c.monitor.settings.output.prefix is None]
+    if callback.monitor.settings.output.prefix is None and len(ours) > 1:
+        names = [resolve_layer(pl_module, c.layer) if c.layer else ",".join(c.layers) for c in named]
+        modes = [c.monitor.settings.schedule.mode for c in named]
+        callback.monitor.prefix = distinct_prefixes(names, modes)[named.index(callback)]
