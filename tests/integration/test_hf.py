@@ -192,9 +192,13 @@ def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp
     saved = transformers.TrainerState.load_from_json(str(tmp_path / "checkpoint-4" / "trainer_state.json"))
     assert saved.stateful_callbacks["TopoCollapseTrainerCallback"]["args"]["probe_hash"] is not None
 
+    first_history = list(first.history)
     fresh = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy)
     trainer = Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[fresh])
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    # Two consecutive runs in one process (a notebook): the first run's callback, alive and watching the same layer
+    # with the same probe, is left alone; the resumed run's state goes to the callback the user passed.
+    assert first.history == first_history
     restored = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TopoCollapseTrainerCallback))
     assert (restored is not fresh) is rebuild  # with the flag on, the Trainer rebuilt it from trainer_state.json
     assert [r.step for r in checks(restored)] == [0, 2, 4, 6, 8]
