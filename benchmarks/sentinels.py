@@ -122,7 +122,7 @@ def summarise(runs: list[dict], after_fault: bool = False) -> dict:
     return {
         "checks": len(spreads),
         "min_spread": min(spreads),
-        "max_top_share": max(shares, default=0.0),
+        "max_top_share": max(shares, default=None),
         "min_two_clusters_on_a_line": min(lines) if lines else None,
         "flagged_constant": sum("constant" in h for h in holding),
         "flagged_one_direction": sum("one_direction" in h for h in holding),
@@ -151,7 +151,7 @@ def main() -> int:
     on_lines = [row["min_two_clusters_on_a_line"] for row in healthy if row["min_two_clusters_on_a_line"] is not None]
     margin = {
         "healthy_min_spread": min(row["min_spread"] for row in healthy),
-        "healthy_max_top_share": max(row["max_top_share"] for row in healthy),
+        "healthy_max_top_share": max(row["max_top_share"] for row in healthy if row["max_top_share"] is not None),
         "healthy_min_two_clusters_on_a_line": min(on_lines, default=None),
         "healthy_checks": sum(row["checks"] for row in healthy),
         "healthy_flagged": sum(row["flagged_constant"] + row["flagged_one_direction"] for row in healthy),
@@ -179,7 +179,8 @@ def main() -> int:
         on_line = row["min_two_clusters_on_a_line"]
         lines.append(
             f"| {row['scenario']} | {row['kind']} | {row['runs']} | {row['checks']} | {row['min_spread']:.3g} | "
-            f"{row['max_top_share']:.4f} | {'-' if on_line is None else f'{on_line:.3f}'} | "
+            f"{'-' if row['max_top_share'] is None else format(row['max_top_share'], '.4f')} | "
+            f"{'-' if on_line is None else f'{on_line:.3f}'} | "
             f"{row['flagged_constant']} | {row['flagged_one_direction']} |"
         )
     spread_margin = margin["healthy_min_spread"] / CONSTANT_SPREAD
