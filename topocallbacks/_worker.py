@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["WorkerProcess", "main"]
+__all__ = ["WorkerFailed", "WorkerProcess", "main"]
 
 #: Seconds a stopping worker gets to exit before it is killed.
 _STOP_GRACE = 5.0
@@ -98,6 +98,18 @@ def _shutdown(process: subprocess.Popen[bytes], send: Connection, receive: Conne
         process.wait()
 
 
+class WorkerFailed(RuntimeError):
+    """The worker died, did not answer in time, or its evaluation failed (the message says which).
+
+    Attributes:
+        in_check: the check itself raised in the worker (its traceback is in the message), not the process.
+    """
+
+    def __init__(self, message: str, *, in_check: bool = False) -> None:
+        super().__init__(message)
+        self.in_check = in_check
+
+
 class WorkerProcess:
     """The training process's handle on a worker: start it, send requests, read replies, stop it.
 
@@ -135,15 +147,17 @@ class WorkerProcess:
         """Send one request (answered later, in order, by :meth:`reply`).
 
         Raises:
-            RuntimeError: the worker is gone.
+            WorkerFailed: the worker is gone.
         """
         try:
             self.send.send(message)
         except OSError as exc:
             raise self._died() from exc
 
-    def reply(self) -> tuple[dict[str, Any] | None, dict[str, Any], Any, float, list[dict[str, Any]]]:
-        """The next reply, waiting for it if needed.
+    def reply(
+        self, timeout: float | None = None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any], Any, float, list[dict[str, Any]]]:
+        """The next reply, waiting for it if needed (at most ``timeout`` seconds).
 
         Returns:
             The record (as a dict, or None), the pipeline's shared state, the figure diagrams, the seconds spent
@@ -151,27 +165,39 @@ class WorkerProcess:
             layer's).
 
         Raises:
-            RuntimeError: the evaluation failed in the worker (with its traceback), or the worker died.
+            WorkerFailed: the evaluation failed in the worker (with its traceback), the worker died, or it did not
+                answer within ``timeout`` seconds.
         """
         start = time.perf_counter()
         try:
+            if timeout is not None and not self.receive.poll(timeout):
+                raise WorkerFailed(
+                    f"the background check worker (pid {self.process.pid}) did not answer within {timeout:g} s"
+                )
             answer = self.receive.recv()
         except (EOFError, OSError) as exc:
             raise self._died() from exc
         waited = time.perf_counter() - start
         if answer[0] == "error":
-            raise RuntimeError(f"a topocallbacks check failed in the background worker:\n{answer[1]}")
+            message = f"a check failed in the background worker (pid {self.process.pid}):\n{answer[1]}"
+            raise WorkerFailed(message, in_check=True)
         return answer[1], answer[2], answer[3], waited, answer[4]
 
     def close(self) -> None:
         """Stop the worker (it finishes the request in hand, if any; killed after a grace period)."""
         self._finalizer()
 
-    def _died(self) -> RuntimeError:
+    def kill(self) -> None:
+        """Kill the worker at once (a stuck one too), and close the pipes."""
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self._finalizer()
+
+    def _died(self) -> WorkerFailed:
         code = self.process.poll()
-        return RuntimeError(
-            f"the topocallbacks background check worker (pid {self.process.pid}) died (exit code {code}); "
-            "its error, if any, is above on stderr"
+        return WorkerFailed(
+            f"the background check worker (pid {self.process.pid}) died (exit code {code}; its error, if any, is "
+            "above on stderr)"
         )
 
 

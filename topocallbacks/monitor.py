@@ -99,7 +99,7 @@ class TopoMonitor(Stateful):
         self.rescuer = Rescuer(s)
         self.runner = Runner(
             s.as_dict(), self.pipeline, s.schedule.worker_threads,
-            share=self._share_extra, receive=self._adopt_shared,
+            share=self._share_extra, receive=self._adopt_shared, timeout=s.schedule.worker_timeout,
         )  # fmt: skip
         self.intake = Intake(s.rule.channels, s.rule.require)
         self.sinks = Sinks(s.output)

@@ -8,11 +8,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._state import StateFields, Stateful
-from ._worker import WorkerProcess
+from ._worker import WorkerFailed, WorkerProcess
 from .check import CheckRecord
 from .distributed import broadcast_object, rank_and_world
 from .exceptions import InputError
@@ -34,6 +35,7 @@ class _Pending:
     probe_ms: float = 0.0
     evaluation: Evaluation | None = None
     eval_ms: float = 0.0  # the training loop's own time on an inline evaluation
+    request: Any = None  # rank 0, in the background: what the worker was asked (sent again if it fails)
 
     def as_dict(self) -> dict[str, Any]:
         evaluation = self.evaluation
@@ -63,12 +65,18 @@ class Runner(Stateful):
     come, waiting for a late worker there (the record's ``wait_ms``), and other ranks adopt rank 0's records and
     pipeline state (one broadcast per collected check).
 
+    The worker cannot take training down: one that dies, fails or does not answer within ``timeout`` seconds is
+    killed and replaced once (the new one starts from the mirror's state and gets the checks the old one had not
+    answered, in order); after a second failure the checks run in the training loop. Each time one warning says
+    what happened. No result of a killed worker can arrive later: its pipes are closed with it.
+
     Args:
         settings_dict: the monitor's settings as a dict (what a worker is started with).
         pipeline: the pipeline that evaluates (or mirrors the worker's).
         threads: threads the worker's numerical libraries may use.
         share: extra state rank 0 broadcasts with each check's records (e.g. the learning-rate factor), and
             receive: what the other ranks do with it.
+        timeout: seconds to wait for the worker at a check's applied step before it counts as stuck.
     """
 
     _state = StateFields(version=1, fields={"pending": "_pending_state"})
@@ -80,13 +88,22 @@ class Runner(Stateful):
         threads: int = 2,
         share: Callable[[], dict[str, Any]] | None = None,
         receive: Callable[[Mapping[str, Any]], None] | None = None,
+        timeout: float = 60.0,
     ) -> None:
         self.settings_dict = settings_dict
         self.pipeline = pipeline
         self.threads = threads
         self.share, self.receive = share, receive
+        self.timeout = timeout
         self._pending: collections.deque[_Pending] = collections.deque()
         self._worker: WorkerProcess | None = None
+        #: Worker failures so far; after the second the checks run in the training loop (:attr:`in_loop`).
+        self.failures = 0
+
+    @property
+    def in_loop(self) -> bool:
+        """Whether the checks run in the training loop from now on, whatever the schedule (the worker failed twice)."""
+        return self.failures >= 2
 
     @property
     def pending(self) -> int:
@@ -100,22 +117,32 @@ class Runner(Stateful):
 
     def submit(self, request: Request, apply_at: int, *, background: bool, probe_ms: float = 0.0) -> None:
         """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker."""
-        kind, step, payload, dynamics = request
-        pending = _Pending(step, apply_at, probe_ms)
-        if rank_and_world()[0] == 0:
-            if background:
-                self._start_worker().request(request)
-            else:
-                start = time.perf_counter()
-                if kind == "evaluate":
-                    pending.evaluation = self.pipeline.evaluate(payload, step, dynamics)
-                elif isinstance(self.pipeline, LayeredPipeline):  # pragma: no cover - settings refuse it
-                    raise InputError("streaming watches one layer: `layers` works in probe mode only")
-                else:
-                    self.pipeline.push(payload)
-                    pending.evaluation = self.pipeline.evaluate_window(step, dynamics)
-                pending.eval_ms = (time.perf_counter() - start) * 1e3
+        pending = _Pending(request[1], apply_at, probe_ms)
         self._pending.append(pending)
+        if rank_and_world()[0] != 0:
+            return
+        if background and not self.in_loop:
+            pending.request = request
+            try:
+                self._start_worker().request(request)
+            except WorkerFailed as failure:
+                self._recover(failure)
+        else:
+            self._evaluate(pending, request)
+
+    def _evaluate(self, pending: _Pending, request: Request) -> None:
+        """Evaluate a check in the training loop (the time it takes is the loop's)."""
+        kind, step, payload, dynamics = request
+        start = time.perf_counter()
+        if kind == "evaluate":
+            pending.evaluation = self.pipeline.evaluate(payload, step, dynamics)
+        elif isinstance(self.pipeline, LayeredPipeline):  # pragma: no cover - settings refuse it
+            raise InputError("streaming watches one layer: `layers` works in probe mode only")
+        else:
+            self.pipeline.push(payload)
+            pending.evaluation = self.pipeline.evaluate_window(step, dynamics)
+        pending.request = None
+        pending.eval_ms += (time.perf_counter() - start) * 1e3
 
     def collect(
         self,
@@ -190,12 +217,17 @@ class Runner(Stateful):
     def _receive(self, pending: _Pending) -> float:
         """Rank 0: wait for the worker's evaluations up to ``pending``'s; the seconds waited for it."""
         waited = 0.0
-        for item in self._pending:
-            if item.evaluation is not None:
-                continue
-            if self._worker is None:  # pragma: no cover - a background check always has a worker
+        while pending.evaluation is None:
+            item = next(i for i in self._pending if i.evaluation is None)  # the oldest unanswered, in order
+            if self._worker is None:  # pragma: no cover - an unanswered check always has a worker
                 raise RuntimeError("a background check is pending without a worker")
-            record, shared, figures, seconds, others = self._worker.reply()
+            try:
+                record, shared, figures, seconds, others = self._worker.reply(self.timeout)
+            except WorkerFailed as failure:
+                start = time.perf_counter()
+                self._recover(failure)
+                waited += time.perf_counter() - start
+                continue
             self.pipeline.receive(shared)  # the mirror follows the worker at once
             item.evaluation = Evaluation(
                 None if record is None else CheckRecord.from_dict(record),
@@ -203,10 +235,36 @@ class Runner(Stateful):
                 figures,
                 [CheckRecord.from_dict(r) for r in others],
             )
+            item.request = None
             if item is pending:
-                waited = seconds
-                break
+                waited += seconds
         return waited
+
+    def _recover(self, failure: WorkerFailed) -> None:
+        """The worker failed: kill it, then replace it once (resending what it owed), or evaluate here from now on."""
+        if self._worker is not None:
+            self._worker.kill()
+            self._worker = None
+        self.failures += 1
+        owed = [item for item in self._pending if item.evaluation is None and item.request is not None]
+        if failure.in_check and owed:
+            # The check itself raised there: run it here, where its error is what the loop would have raised.
+            self._evaluate(owed[0], owed[0].request)
+            owed = owed[1:]
+        if self.in_loop:
+            what = f"the checks run in the training loop from now on ({len(owed)} pending evaluated there)"
+        else:
+            what = f"a new worker starts from the last state received and gets the {len(owed)} check(s) it owed"
+        warnings.warn(f"topocallbacks: {failure}; {what}. Training goes on.", RuntimeWarning, stacklevel=5)
+        for item in owed:
+            if self.in_loop:
+                self._evaluate(item, item.request)
+            else:
+                try:
+                    self._start_worker().request(item.request)
+                except WorkerFailed as again:
+                    self._recover(again)
+                    return
 
     def _adopt(self, records: list[CheckRecord]) -> list[CheckRecord]:
         """Broadcast rank 0's records and pipeline state (none: nothing) and adopt them on the other ranks."""

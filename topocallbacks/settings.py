@@ -331,6 +331,10 @@ class ScheduleSettings(_Section):
             the check interval, at most 20 steps, at least 1). If the worker is late the loop waits there, and the
             record says how long (``wait_ms``).
         worker_threads: threads the background worker's numerical libraries may use.
+        worker_timeout: seconds the training loop waits for the worker at a check's applied step before it counts
+            the worker as stuck; a stuck or dead worker is replaced once (the new one gets the checks it had not
+            answered), then the checks run in the loop, each time with one warning: training never hangs and never
+            raises because of the worker.
         check_budget_ms: streaming mode: the window is capped so that the engine's predicted time for a check of
             it (a rebuild, the worst case) stays within this budget; the record gives the window used.
     """
@@ -342,6 +346,7 @@ class ScheduleSettings(_Section):
     background: bool | None = _option(None, _optional(_boolean))
     lag: int | None = _option(None, _optional(_integer(0)))
     worker_threads: int = _option(2, _integer(1))
+    worker_timeout: float = _option(60.0, _positive)
     check_budget_ms: float = _option(250.0, _positive)
 
     @property

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from topocallbacks import TopoMonitor
+from topocallbacks import InputError, TopoMonitor
 from topocallbacks.check import CheckRecord
 from topocallbacks.probe import FeatureExtractor, Probe
 
@@ -170,13 +170,16 @@ def test_a_pending_check_survives_a_checkpoint_and_is_applied_after_the_resume(p
     assert full_done[0].step == 11
 
 
-def test_a_failure_in_the_worker_comes_back_with_its_traceback():
+def test_a_check_that_fails_in_the_worker_raises_in_the_loop_as_it_would_there():
+    # The check itself raised in the worker (bad input): it is run again in the loop, where its own error comes,
+    # exactly as without a worker; the worker that ran it is gone.
     monitor = TopoMonitor(check_every=1, background=True, lag=0)
     rng = np.random.default_rng(1)
     try:
         monitor.process(rng.normal(size=(30, 4)), 0)
-        with pytest.raises(RuntimeError, match=r"failed in the background worker(.|\n)*must keep dimension 4"):
+        with pytest.raises(InputError, match="`features` must keep dimension 4 between checks, got 5"):
             monitor.process(rng.normal(size=(30, 5)), 1)
+        assert monitor.runner._worker is None
     finally:
         monitor.close()
 
