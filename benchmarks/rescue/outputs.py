@@ -128,6 +128,45 @@ def _pct(value: float) -> str:
     return f"{100 * value:+.2f} %" if math.isfinite(value) else "-inf"
 
 
+def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval (95 % by default) of a rate ``successes / n``: honest at 0/n and n/n."""
+    if n == 0:
+        return math.nan, math.nan
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _rate(successes: int, n: int) -> str:
+    low, high = wilson(successes, n)
+    return f"{successes}/{n} ({100 * successes / n:.0f} %; {100 * low:.0f}-{100 * high:.0f})" if n else "-"
+
+
+def sign_test(only_a: int, only_b: int) -> float:
+    """Two-sided exact sign test (McNemar's exact test) on the discordant pairs of two paired outcomes."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired(records: list[dict[str, Any]], a: str, b: str) -> tuple[int, int, int, float]:
+    """On the same faulted runs (architecture, fault, seed): rescued by both, by ``a`` only, by ``b`` only, p."""
+    def outcomes(key: str) -> dict[tuple[str, str, int], bool]:
+        detector, action = key.split("+")
+        return {(r["architecture"], r["fault"], r["seed"]): bool(r["rescued"]) for r in records
+                if r["detector"] == detector and r["action"] == action and r["fault"] != "none"}  # fmt: skip
+
+    left, right = outcomes(a), outcomes(b)
+    shared = sorted(set(left) & set(right))
+    both = sum(left[k] and right[k] for k in shared)
+    only_a = sum(left[k] and not right[k] for k in shared)
+    only_b = sum(right[k] and not left[k] for k in shared)
+    return both, only_a, only_b, sign_test(only_a, only_b)
+
+
 def summarise(records: list[dict[str, Any]], keys: list[str]) -> dict[str, dict[str, Any]]:
     """Per detector x action: rescued shares per fault, the healthy twin's cost, steps lost."""
     rows = {}
@@ -141,11 +180,14 @@ def summarise(records: list[dict[str, Any]], keys: list[str]) -> dict[str, dict[
             row[f"rescued_{fault}_count"] = f"{sum(r['rescued'] for r in runs)}/{len(runs)}"
             row[f"change_{fault}"] = statistics.median(r["change_vs_healthy"] for r in runs) if runs else math.nan
             row[f"better_{fault}_count"] = f"{sum(r['change_vs_unprotected'] > 0 for r in runs)}/{len(runs)}"
+            row[f"worse_{fault}_count"] = f"{sum(r['change_vs_unprotected'] < 0 for r in runs)}/{len(runs)}"
+            row[f"rescued_{fault}_ci"] = wilson(sum(bool(r["rescued"]) for r in runs), len(runs))
         healthy = [r for r in mine if r["fault"] == "none"]
         row["healthy_change"] = statistics.mean(r["change_vs_healthy"] for r in healthy) if healthy else math.nan
         row["healthy_worst"] = min((r["change_vs_healthy"] for r in healthy), default=math.nan)
         rates = [r["healthy_interventions_per_1000_steps"] for r in healthy]
         row["healthy_rate"] = statistics.mean(rates) if rates else math.nan
+        row["healthy_acted_count"] = f"{sum(r['interventions'] > 0 for r in healthy)}/{len(healthy)}"
         faulted = [r for r in mine if r["fault"] != "none"]
         row["steps_lost"] = statistics.mean(r["steps_lost"] for r in faulted) if faulted else math.nan
         row["rescued"] = sum(bool(r["rescued"]) for r in faulted)
@@ -205,20 +247,26 @@ def write_markdown(
         "updates undone by rollbacks (mean over the faulted runs). A stopped run's outcome is its last healthy "
         "snapshot when the library saved one, else its state at the stop.",
         "",
-        "| detector | action | rescued transient | rescued structural | ends better than unprotected (T / S) | "
-        "healthy change (mean / worst) | healthy interventions per 1,000 steps | steps lost | stopped |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Rescued shares carry their 95 % Wilson interval. *Better / worse than unprotected*: faulted runs ending "
+        "above / below the same run without the detector (transient / structural). *Healthy runs acted on*: healthy "
+        "twins with at least one intervention.",
+        "",
+        "| detector | action | rescued transient | rescued structural | better than unprotected (T / S) | "
+        "worse than unprotected (T / S) | healthy change (mean / worst) | healthy runs acted on | "
+        "healthy interventions per 1,000 steps | steps lost | stopped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, row in rows.items():
         name = "no intervention" if key == NONE else row["detector"]
         bold = "**" if key == OURS else ""
         lines.append(
             f"| {bold}{name}{bold} | {row['action'] if key != NONE else '-'} | "
-            f"{row['rescued_transient_count']} ({100 * row['rescued_transient']:.0f} %) | "
-            f"{row['rescued_structural_count']} ({100 * row['rescued_structural']:.0f} %) | "
+            f"{_rate(*map(int, row['rescued_transient_count'].split('/')))} | "
+            f"{_rate(*map(int, row['rescued_structural_count'].split('/')))} | "
             f"{row['better_transient_count']} / {row['better_structural_count']} | "
-            f"{_pct(row['healthy_change'])} / {_pct(row['healthy_worst'])} | {row['healthy_rate']:.2f} | "
-            f"{row['steps_lost']:.1f} | {row['stopped']}/{row['runs']} |"
+            f"{row['worse_transient_count']} / {row['worse_structural_count']} | "
+            f"{_pct(row['healthy_change'])} / {_pct(row['healthy_worst'])} | {row['healthy_acted_count']} | "
+            f"{row['healthy_rate']:.2f} | {row['steps_lost']:.1f} | {row['stopped']}/{row['runs']} |"
         )
     chosen, why = choose_default(rows)
     for key in dict.fromkeys([OURS, chosen or OURS]):
@@ -234,6 +282,16 @@ def write_markdown(
         f"Chosen: {why}." if chosen else f"Chosen: none, so the default action would be `warn`: {why}.",
         "" if chosen in (None, OURS) else f"**The suite chose {chosen}, not the library's default rule {OURS}.**",
     ]
+    if OURS in rows:
+        lines += ["", f"## Paired: {OURS} against every other row on the same faulted runs", "",
+                  "The same faulted runs (architecture, fault, seed) rescued by both rows, by one of them only, and "
+                  "the two-sided exact sign test (McNemar) on the runs where they disagree: a small p says the "
+                  "difference is more than the luck of which seeds were drawn.", "",
+                  f"| other row | both | {OURS} only | other only | p |", "|---|---|---|---|---|"]
+        for key in rows:
+            if key != OURS:
+                both, only_ours, only_other, p = paired(records, OURS, key)
+                lines.append(f"| {key} | {both} | {only_ours} | {only_other} | {p:.2g} |")
     lines += ["", "## Per scenario: final metric change against the healthy twin (median over seeds; rescued runs)", ""]
     scenarios = [(a, f) for a in archs for f in FAULTS]
     lines.append("| detector | action | " + " | ".join(f"{a} {f}" for a, f in scenarios) + " |")
@@ -396,6 +454,8 @@ def write_outputs(
         "summary": rows,
         "targets": [{"target": what, "met": met, "numbers": numbers} for what, met, numbers in targets(rows)],
         "default": dict(zip(("key", "why"), choose_default(rows), strict=True)),
+        "paired": {key: dict(zip(("both", "default_only", "other_only", "p"), paired(records, OURS, key), strict=True))
+                   for key in rows if OURS in rows and key != OURS},  # fmt: skip
         "records": records,
     }
     compute = _compute_seconds(archs, seeds, keys, directory)

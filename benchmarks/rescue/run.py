@@ -41,7 +41,7 @@ from detectors import DETECTORS  # noqa: E402
 from faults import ARCHITECTURES, FULL, QUICK, Setup  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SEEDS = (0, 1, 2)
+SEEDS = tuple(range(7))  # 21 healthy twins per row: enough to see 0 interventions as < 14 % (95 %)
 QUICK_ARCH = ("vit",)
 QUICK_DETECTORS = (
     "ours_default+rollback",
@@ -125,8 +125,8 @@ def _call(job: tuple[Any, ...]) -> tuple[str, float]:
 
 def compute(
     archs: list[str], seeds: list[int], keys: list[str], setup: Setup, directory: Path, jobs: int, force: bool
-) -> None:
-    """Every trunk and every detector run not cached yet, on ``jobs`` processes, with a progress bar."""
+) -> int:
+    """Every trunk and every detector run not cached yet, on ``jobs`` processes, with a progress bar; their count."""
     from tqdm import tqdm
 
     pairs = sorted(((a, s) for a in archs for s in seeds), key=lambda pair: (-COST[pair[0]], pair[1]))
@@ -157,7 +157,7 @@ def compute(
                     done(*_call(ready.pop(0)))
             while ready:
                 done(*_call(ready.pop(0)))
-            return
+            return total
         with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
             futures = {pool.submit(_call, job): job for job in trunk_jobs + ready}
             while futures:
@@ -168,6 +168,7 @@ def compute(
                     if job[0] == "trunk":  # its detectors can start (queued behind the other trunks)
                         for follow in detector_jobs[(job[1], job[2])]:
                             futures[pool.submit(_call, follow)] = follow
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     directory = cache_dir(args.cache, setup)
     out = args.out or (directory / "results" if args.quick else RESULTS)
     started = time.perf_counter()
-    compute(archs, seeds, keys, setup, directory, args.jobs, args.force)
+    ran = compute(archs, seeds, keys, setup, directory, args.jobs, args.force)
     from outputs import write_outputs
 
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started if ran else None  # all from the cache: no producing time to report
     write_outputs(archs, seeds, keys, setup, directory, out, plots=not args.no_plots, seconds=seconds)
     print(f"wrote {out / 'rescue.json'} and {out / 'rescue.md'} ({time.perf_counter() - started:.0f} s)")
     return 0
