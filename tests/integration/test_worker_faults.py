@@ -26,7 +26,8 @@ SIGNALS = {"kill -9": signal.SIGKILL, "kill -STOP": signal.SIGSTOP}
 
 def strike(monitor, how):
     worker = monitor.runner._worker
-    assert worker is not None and worker.process.poll() is None  # a live worker is there to strike
+    assert worker is not None
+    assert worker.process.poll() is None
     os.kill(worker.process.pid, SIGNALS[how])
     return worker.process
 
