@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -86,10 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         send.close()
 
 
-def _shutdown(process: subprocess.Popen[bytes], send: Connection, receive: Connection) -> None:
-    with contextlib.suppress(OSError):  # the worker may be gone already
-        send.send(("stop",))
-    send.close()
+def _shutdown(process: subprocess.Popen[bytes], send: Connection, receive: Connection, outbox: Any) -> None:
+    outbox.put(None)  # the sending thread ends (a write under way fails once the pipe is closed)
+    send.close()  # the worker reads the end of its requests, or fails to answer: either way it exits
     receive.close()
     try:
         process.wait(timeout=_STOP_GRACE)
@@ -140,19 +141,33 @@ class WorkerProcess:
             os.close(from_worker_write)
         self.send = Connection(to_worker_write, readable=False)
         self.receive = Connection(from_worker_read, writable=False)
-        self._finalizer = weakref.finalize(self, _shutdown, self.process, self.send, self.receive)
-        self.send.send(("init", settings, state))
+        # Requests go out from a thread of their own: writing a probe's features into the pipe waits for the worker
+        # to read them, which the training loop need not do (the thread releases the interpreter lock while it
+        # writes). One thread keeps them in order.
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._send_error: OSError | None = None
+        self._sender = threading.Thread(target=self._send_all, name="topocallbacks-requests", daemon=True)
+        self._sender.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self.process, self.send, self.receive, self._outbox)
+        self._outbox.put(("init", settings, state))
+
+    def _send_all(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.send.send(message)
+            except OSError as exc:  # the worker is gone: the next request or reply says so
+                self._send_error = exc
+                return
 
     def request(self, message: tuple[Any, ...]) -> None:
-        """Send one request (answered later, in order, by :meth:`reply`).
+        """Queue one request (sent beside the loop; answered later, in order, by :meth:`reply`).
 
         Raises:
             WorkerFailed: the worker is gone.
         """
-        try:
-            self.send.send(message)
-        except OSError as exc:
-            raise self._died() from exc
+        if self._send_error is not None or self.process.poll() is not None:
+            raise self._died()
+        self._outbox.put(message)
 
     def reply(
         self, timeout: float | None = None

@@ -138,6 +138,11 @@ class CheckRecord:
         density: the share of point pairs joined at ε (0: every point isolated; 1: one clique).
         sentinels: the absolute collapse sentinels' values (None: a check without features, or a streaming check
             with no new batch).
+        overhead: the share of the training step time the monitor cost the loop since the check before (None at
+            the first check, before any step was timed).
+        step_ms: a training step's own time over that interval (the monitor's time left out).
+        plan: the overhead budget's plan from this check on (:class:`~topocallbacks.budget.Plan` as a dict), when
+            it changed at this check.
     """
 
     kind: ClassVar[str] = "check"
@@ -158,6 +163,9 @@ class CheckRecord:
     layer: str | None = None
     density: float | None = None
     sentinels: SentinelValues | None = None
+    overhead: float | None = None
+    step_ms: float | None = None
+    plan: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -181,6 +189,9 @@ class CheckRecord:
             "layer": self.layer,
             "density": self.density,
             "sentinels": None if self.sentinels is None else self.sentinels.as_dict(),
+            "overhead": self.overhead,
+            "step_ms": self.step_ms,
+            "plan": self.plan,
             "decision": self.decision.as_dict(),
             "report": None if self.report is None else self.report.as_dict(),
             "engine": None if self.engine is None else self.engine.as_dict(),
@@ -192,6 +203,9 @@ class CheckRecord:
         fields = {k: v for k, v in data.items() if k != "kind"}
         fields.setdefault("layer", None)
         fields.setdefault("density", None)
+        fields.setdefault("overhead", None)
+        fields.setdefault("step_ms", None)
+        fields.setdefault("plan", None)
         saved = fields.get("sentinels")
         fields["sentinels"] = None if saved is None else SentinelValues.from_dict(saved)
         fields["decision"] = Decision.from_dict(data["decision"])

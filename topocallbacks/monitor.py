@@ -18,13 +18,15 @@ log the records, and hand each decision to :meth:`TopoMonitor.act` with their fr
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from ._state import StateFields, Stateful
+from .budget import Budget, Plan
 from .check import CheckRecord, InterventionRecord, record_from_dict
 from .distributed import rank_and_world
 from .exceptions import InputError
@@ -38,11 +40,24 @@ from .runner import Request, Runner
 from .schedule import Schedule
 from .settings import MonitorSettings
 from .sinks import Sinks
-from .summary import report_of, summary_text, with_layer_moves
+from .summary import last_records_of, report_of, summary_text, with_layer_moves
 
 __all__ = ["TopoMonitor"]
 
 Record = CheckRecord | InterventionRecord
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _timed(method: Callable[P, R]) -> Callable[P, R]:
+    """A monitor entry point whose time counts as the monitor's own (the overhead budget's measure)."""
+
+    @functools.wraps(method)
+    def timed(*args: P.args, **kwargs: P.kwargs) -> R:
+        with args[0].budget.meter.own():  # type: ignore[attr-defined]
+            return method(*args, **kwargs)
+
+    return timed
 
 
 class TopoMonitor(Stateful):
@@ -74,17 +89,11 @@ class TopoMonitor(Stateful):
 
     _state = StateFields(
         version=7,
-        fields={
-            "probe_spec": "_probe_spec_state",
-            "pipeline": "pipeline",
-            "history": "history",
-            "schedule": "schedule",
-            "rescuer": "rescuer",
-            "runner": "runner",
-        },
+        fields={"probe_spec": "_probe_spec_state", "pipeline": "pipeline", "history": "history",
+                "schedule": "schedule", "rescuer": "rescuer", "runner": "runner"},
         encode={"history": lambda h: [r.as_dict() for r in h]},
         decode={"history": lambda h: [record_from_dict(r) for r in h]},
-    )
+    )  # fmt: skip
 
     def __init__(
         self, settings: MonitorSettings | None = None, *, probe: Any = None, tokenizer: Any = None, **overrides: Any
@@ -102,6 +111,7 @@ class TopoMonitor(Stateful):
             share=self._share_extra, receive=self._adopt_shared, timeout=s.schedule.worker_timeout,
         )  # fmt: skip
         self.intake = Intake(s.rule.channels, s.rule.require)
+        self.budget = Budget(s)
         self.sinks = Sinks(s.output)
         self.history: list[Record] = []
         #: The names' prefix in loggers and TensorBoard (an adapter sets ``topo/<layer>`` beside other callbacks).
@@ -132,20 +142,19 @@ class TopoMonitor(Stateful):
 
     # --- the per-step entry point ---------------------------------------------------------------------------
 
+    @_timed
     def on_step(
         self, step: int, *, model: Any = None, features: Any = None, loss: Any = None, grad_norm: Any = None
     ) -> list[CheckRecord]:
         """Check when a check is due, and apply what is due: the entry point for a training loop, every step.
 
         In probe mode a due check runs the probe through ``model``; in streaming mode ``features`` (this step's
-        pooled training features, or None) join the window, which is checked when due. ``loss`` and
-        ``grad_norm`` (this step's training loss and gradient norm before clipping: floats, or tensors that are
-        read once per check) feed the policy's ``"loss"`` and ``"grad_norm"`` channels. Every rank of a
-        distributed job must call it at every step (rank 0's values are the ones checked).
+        pooled features) join the window. ``loss`` and ``grad_norm`` (before clipping; floats, or tensors read once
+        per check) feed the ``"loss"`` and ``"grad_norm"`` channels. Every rank must call it at every step.
 
         Returns:
-            The checks whose decisions are applied at this step (the same on every rank): in the training loop, a
-            check at its own step; in the background, ``lag`` steps later.
+            The checks applied at this step (the same on every rank): in the loop, a check at its own step; in the
+            background, ``lag`` steps later.
         """
         self.record_dynamics(loss, grad_norm)
         if self.schedule.streaming:
@@ -158,11 +167,9 @@ class TopoMonitor(Stateful):
             self._submit_probe(model, step)
         return self._collect(step)
 
+    @_timed
     def check(self, model: Any, step: int) -> CheckRecord:
-        """Probe mode: run the probe through ``model`` and evaluate it now; the same record on every rank.
-
-        In distributed training every rank must call it at the same step: each runs its share of the probe, rank 0
-        evaluates and decides, and every rank adopts rank 0's record.
+        """Probe mode: run the probe through ``model`` and evaluate it now; every rank calls it, gets one record.
 
         Raises:
             InputError: no probe, or the probe pass failed (the message names the model, layer and step).
@@ -170,14 +177,13 @@ class TopoMonitor(Stateful):
         self._submit_probe(model, step, lag=0)
         return self._collect(step)[-1]  # submitted with lag 0: applied at once
 
+    @_timed
     def process(self, features: Any, step: int, *, loss: Any = None, grad_norm: Any = None) -> CheckRecord:
         """Evaluate one check of features ``(n, d)`` now and return its record.
 
-        NaN or Inf features give a ``"diverged"`` record and the policy's ``on_diverged`` action; they never reach
-        GUDHI. ``loss`` and ``grad_norm`` join the steps' values recorded since the last check
-        (:meth:`record_dynamics`) for the training channels. With several layers, ``features`` is a mapping
-        ``{layer: (n, d_layer)}`` (the primary layer: ``layer`` when it is a key, else the first), and the record
-        returned is the primary layer's (the others are in :attr:`history`).
+        NaN or Inf features give a ``"diverged"`` record (``on_diverged``). ``loss`` and ``grad_norm`` join those
+        recorded since the last check. With several layers, ``features`` is ``{layer: (n, d_layer)}`` and the record
+        returned the primary layer's (``layer`` when it is a key, else the first; the others are in the history).
 
         Raises:
             InputError: features of the wrong shape, or whose dimension changed since the first check.
@@ -191,6 +197,7 @@ class TopoMonitor(Stateful):
         self._submit(("evaluate", step, features, self._dynamics()), step, lag=0)
         return self._collect(step)[-1]  # submitted with lag 0: applied at once
 
+    @_timed
     def observe(self, features: Any, step: int) -> CheckRecord | None:
         """Streaming mode: add a training batch's features to the window, and check the window now when due.
 
@@ -221,6 +228,7 @@ class TopoMonitor(Stateful):
         """
         self.intake.record(loss, grad_norm)
 
+    @_timed
     def act(self, record: CheckRecord, actuator: Actuator) -> InterventionRecord | None:
         """Carry out ``record``'s decision (every rank, at the same step) and write it to the history.
 
@@ -265,24 +273,15 @@ class TopoMonitor(Stateful):
         return summary_text(self.history, self.settings, layer=layer, layers=layers, snapshots=snapshots)
 
     def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
-        """Write the HTML report of the history into ``out_dir`` (:func:`topocallbacks.write_report`; rank 0 only).
+        """The HTML report of the history in ``out_dir`` (:func:`topocallbacks.write_report`), on rank 0; its path.
 
-        The persistence diagrams of the last check that did not diverge are drawn too (the primary layer's). Needs
-        matplotlib (``topocallbacks[report]``).
-
-        Returns:
-            The path of ``index.html`` (None on the other ranks).
+        The last diagrams of the primary layer are drawn too. Needs matplotlib (``topocallbacks[report]``).
         """
         if rank_and_world()[0] != 0:
             return None
         return report_of(self.history, self.pipeline, out_dir, title=title)
 
-    @property
-    def last_records(self) -> list[CheckRecord]:
-        """The latest check's records: one, or one per layer when several are watched (the primary layer's last)."""
-        checks = [r for r in self.history if isinstance(r, CheckRecord)]
-        same = [r for r in checks if r.step == checks[-1].step] if checks else []
-        return same[-len(self.pipeline.layers) :] if isinstance(self.pipeline, LayeredPipeline) else same[-1:]
+    last_records = property(lambda self: last_records_of(self.history, self.pipeline), doc=last_records_of.__doc__)
 
     # --- internals ----------------------------------------------------------------------------------------------
 
@@ -308,14 +307,30 @@ class TopoMonitor(Stateful):
         self._submit(("window", step, host, self._dynamics()), step, lag, (time.perf_counter() - start) * 1e3)
 
     def _submit(self, request: Request, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
-        background = self.schedule.background
-        self.runner.submit(request, self.schedule.apply_at(step, lag), background=background, probe_ms=probe_ms)
+        self.budget.scheduled(step, lag is None)  # only checks the schedule called are planned for
+        at, background = self.schedule.apply_at(step, lag), self.schedule.background
+        self.runner.submit(request, at, background=background, probe_ms=probe_ms)
 
     def _collect(self, step: int) -> list[CheckRecord]:
-        return self.runner.collect(step, annotate=self._annotate, emit=self.emit)
+        records = self.runner.collect(step, annotate=self._annotate, emit=self.emit)
+        for record in records:  # the same on every rank: rank 0 measured and planned, the others adopted it
+            if record.plan is not None:
+                self._follow(Plan(**record.plan))
+        return records
 
     def _annotate(self, records: list[CheckRecord]) -> CheckRecord:
-        return with_layer_moves([r for r in self.history if isinstance(r, CheckRecord)], records)
+        """Rank 0: the deciding record with the layers' moves, the interval's cost and the budget's new plan."""
+        record = with_layer_moves([r for r in self.history if isinstance(r, CheckRecord)], records)
+        return self.budget.measure(record, self.schedule, self.policy.checks_)
+
+    def _follow(self, plan: Plan) -> None:
+        """Take the budget's plan; a smaller probe restarts the calibration (a new pipeline, a new worker)."""
+        resized = plan.probe_size not in (None, self.schedule.plan.probe_size)
+        self.schedule.follow(plan)
+        if resized and plan.probe_size is not None:
+            self.probing.resize(plan.probe_size)
+            self.pipeline = self.runner.pipeline = make_pipeline(self.settings)
+            self.runner.close()
 
     def _share_extra(self) -> dict[str, Any]:
         return {"lr_factor": self.rescuer.lr_factor_}

@@ -40,6 +40,8 @@ class ProbePass:
         self.several = several
         self.loaded_spec: ProbeSpec | None = None  # the probe a loaded state was saved with
         self.probe: Probe | None = None
+        self._source: tuple[Any, Any] | None = None  # the probe's source and tokenizer (for a smaller probe)
+        self.size: int | None = settings.probe.size  # the samples kept (the overhead budget may lower it)
         if probe is not None:
             self.probe = self._new_probe(probe, tokenizer)
         elif tokenizer is not None:
@@ -56,12 +58,22 @@ class ProbePass:
         """
         probe = self._new_probe(source, tokenizer)
         if self.loaded_spec is not None:
+            if self.loaded_spec.n_samples < probe.spec.n_samples:  # saved after the budget made it smaller
+                self.size = self.loaded_spec.n_samples
+                probe = self._new_probe(source, tokenizer)
             probe.verify(self.loaded_spec)
         self.probe = probe
 
+    def resize(self, n: int) -> None:
+        """Keep ``n`` samples of the probe (a seeded subset of its source), for the overhead budget."""
+        self.size = n
+        if self._source is not None:
+            self.probe = self._new_probe(*self._source)
+
     def _new_probe(self, source: Any, tokenizer: Any) -> Probe:
         s = self.settings
-        return Probe(source, tokenizer=tokenizer, max_length=s.probe.max_length, max_samples=s.probe.size, seed=s.seed)
+        self._source = (source, tokenizer)
+        return Probe(source, tokenizer=tokenizer, max_length=s.probe.max_length, max_samples=self.size, seed=s.seed)
 
     def resolve(self, model: Any, layered: LayeredPipeline | None = None) -> list[str]:
         """The module names watched in ``model`` (the primary layer first).
@@ -150,6 +162,8 @@ class ProbePass:
     def spec_state(self, value: Mapping[str, Any] | None) -> None:
         spec = None if value is None else ProbeSpec.from_dict(value)
         if self.probe is not None and spec is not None:
+            if spec.n_samples < self.probe.spec.n_samples and self._source is not None:
+                self.resize(spec.n_samples)  # saved after the overhead budget made it smaller
             self.probe.verify(spec)
         self.loaded_spec = spec
 

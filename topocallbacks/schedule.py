@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ._state import StateFields, Stateful
+from .budget import Plan
 from .settings import ScheduleSettings
 
 __all__ = ["Schedule"]
@@ -28,14 +29,28 @@ class Schedule(Stateful):
         >>> schedule.checked(10)
         >>> schedule.due(10), schedule.due(20)
         (False, True)
+        >>> schedule.follow(Plan(intervals=3))  # the overhead budget asks for a check every 3 intervals
+        >>> checked = []
+        >>> for step in range(11, 80):
+        ...     if schedule.due(step):
+        ...         schedule.checked(step)
+        ...         checked.append(step)
+        >>> checked
+        [40, 70]
     """
 
-    _state = StateFields(version=1, fields={"last_checked_step": "last_checked_step_"})
+    _state = StateFields(
+        version=2,
+        fields={"last_checked_step": "last_checked_step_", "plan": "_plan_state", "warned": "warned_"},
+    )
 
     def __init__(self, settings: ScheduleSettings) -> None:
         self.settings = settings
         self.last_checked_step_: int | None = None
         self._background: bool | None = settings.background
+        #: The overhead budget's plan in force (see :mod:`topocallbacks.budget`): intervals, where, probe size.
+        self.plan = Plan(background=bool(settings.background))
+        self.warned_ = False  # the one warning that the budget cannot be met was given
 
     @property
     def streaming(self) -> bool:
@@ -50,7 +65,9 @@ class Schedule(Stateful):
         """
         if step == 0 and self.streaming:
             return False
-        return step % self.settings.check_every == 0
+        every = self.settings.check_every
+        last = self.last_checked_step_
+        return step % every == 0 and (last is None or step - last >= self.plan.intervals * every or step < last)
 
     def due(self, step: int) -> bool:
         """Whether a check is due at ``step``: a check step not checked yet.
@@ -77,6 +94,21 @@ class Schedule(Stateful):
             elif isinstance(sample, torch.Tensor):
                 device = sample.device
             self._background = device is not None and device.type != "cpu"
+
+    def follow(self, plan: Plan) -> None:
+        """Take the overhead budget's ``plan`` (its cadence, and where checks are evaluated)."""
+        self.plan = plan
+        self._background = plan.background
+
+    @property
+    def _plan_state(self) -> dict[str, Any]:
+        return {**self.plan.as_dict(), "background_setting": self._background}
+
+    @_plan_state.setter
+    def _plan_state(self, value: dict[str, Any]) -> None:
+        fields = {k: v for k, v in value.items() if k != "background_setting"}
+        self.plan = Plan(**fields)
+        self._background = value["background_setting"]
 
     def apply_at(self, step: int, lag: int | None = None) -> int:
         """The step at which a check of ``step`` is applied: ``lag`` given, else the settings' lag in the background."""

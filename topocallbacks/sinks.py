@@ -58,6 +58,8 @@ def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
     }
     if record.density is not None:
         scalars["density"] = record.density
+    if record.overhead is not None:
+        scalars["overhead"] = record.overhead
     for name, value in report.components.items():
         scalars[f"{name}_term"] = value
     return {f"{prefix}/{key}": float(value) for key, value in scalars.items()}

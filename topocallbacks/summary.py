@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from .check import CheckRecord, InterventionRecord
 from .pipeline import CheckPipeline, LayeredPipeline
 from .settings import MonitorSettings
 
-__all__ = ["report_of", "summary_text", "with_layer_moves"]
+__all__ = ["cost_line", "last_records_of", "report_of", "summary_text", "with_layer_moves"]
 
 
 def summary_text(
@@ -61,6 +62,9 @@ def summary_text(
     else:
         lines = [f"{head}; {len(warned)} warning(s), {len(acted)} intervention(s):"]
         lines += [f"  step {r.step}: {r.action} ({r.detail}), because {r.reason}" for r in done]
+    cost = cost_line(checks, settings.schedule.overhead_budget)
+    if cost:
+        lines.append(cost)
     output = settings.output
     if output.history_path is not None:
         lines.append(f"  history: {output.history_path}")
@@ -69,6 +73,31 @@ def summary_text(
     if snapshots is not None:
         lines.append(f"  rollback snapshots: {snapshots}")
     return "\n".join(lines)
+
+
+def cost_line(checks: Sequence[CheckRecord], budget: float | None) -> str | None:
+    """What the monitor cost the training loop: the median share of the step time over the measured intervals.
+
+    Example:
+        >>> from topocallbacks.check import Decision
+        >>> checks = [CheckRecord(step=s, status="ok", index="diagram_drift", index_value=0.0, n_points=512,
+        ...                       decision=Decision(action="none", reason="", step=s), check_ms=40.0, wait_ms=40.0,
+        ...                       probe_ms=3.0, overhead=share) for s, share in [(0, None), (10, 0.03), (20, 0.01)]]
+        >>> print(cost_line(checks, 0.02))
+          monitor cost: 2.0 % of the training step time (median of 2 intervals; last 1.0 %; budget 2.0 %)
+          per check (medians): probe 3 ms, evaluation 40 ms, the loop waited 40 ms
+    """
+    measured = [r.overhead for r in checks if r.overhead is not None]
+    if not measured:
+        return None
+    median = statistics.median
+    goal = "no budget" if budget is None else f"budget {100 * budget:.1f} %"
+    return (
+        f"  monitor cost: {100 * median(measured):.1f} % of the training step time (median of {len(measured)} "
+        f"intervals; last {100 * measured[-1]:.1f} %; {goal})\n  per check (medians): probe "
+        f"{median(r.probe_ms for r in checks):.0f} ms, evaluation {median(r.check_ms for r in checks):.0f} ms, "
+        f"the loop waited {median(r.wait_ms for r in checks):.0f} ms"
+    )
 
 
 def with_layer_moves(past: Sequence[CheckRecord], records: list[CheckRecord]) -> CheckRecord:
@@ -115,3 +144,10 @@ def report_of(
     key: Any = None if last is None else last.step if last.layer is None else (last.step, last.layer)
     drawn = None if last is None or diagrams is None else {key: diagrams}
     return write_report(list(history), out_dir, diagrams=drawn, title=title)
+
+
+def last_records_of(history: Sequence[CheckRecord | InterventionRecord], pipeline: Any) -> list[CheckRecord]:
+    """The latest check's records: one, or one per layer when several are watched (the primary layer's last)."""
+    checks = [r for r in history if isinstance(r, CheckRecord)]
+    same = [r for r in checks if r.step == checks[-1].step] if checks else []
+    return same[-len(pipeline.layers) :] if isinstance(pipeline, LayeredPipeline) else same[-1:]

@@ -12,7 +12,7 @@ from topocallbacks import InputError, TopoMonitor
 from topocallbacks.check import CheckRecord
 from topocallbacks.probe import FeatureExtractor, Probe
 
-TIMING_FIELDS = ("check_ms", "wait_ms", "probe_ms", "applied_step")
+TIMING_FIELDS = ("check_ms", "wait_ms", "probe_ms", "applied_step", "overhead", "step_ms")
 
 
 def digits_mlp():

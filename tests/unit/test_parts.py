@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from topocallbacks import InputError, TopoMonitor
+from topocallbacks.budget import Plan
 from topocallbacks.intake import Intake, OptimizerStep
 from topocallbacks.interventions import LoopActuator
 from topocallbacks.pipeline import CheckPipeline
@@ -28,11 +29,26 @@ def round_trip(part, fresh):
 def test_the_schedule_round_trips_and_pickles():
     schedule = Schedule(ScheduleSettings(check_every=5))
     schedule.checked(10)
-    state = round_trip(schedule, Schedule(ScheduleSettings(check_every=5)))
-    assert state == {"version": 1, "last_checked_step": 10}
+    schedule.follow(Plan(intervals=2, background=False, probe_size=256, predicted=0.01, met=True))
+    schedule.warned_ = True
+    fresh = Schedule(ScheduleSettings(check_every=5))
+    state = round_trip(schedule, fresh)
+    assert state == {
+        "version": 2,
+        "last_checked_step": 10,
+        "plan": {"intervals": 2, "background": False, "probe_size": 256, "predicted": 0.01, "met": True,
+                 "background_setting": False},
+        "warned": True,
+    }  # fmt: skip
+    assert fresh.plan == schedule.plan
+    assert fresh.warned_
+    assert not fresh.background
     assert not pickle.loads(pickle.dumps(schedule)).due(10)
-    assert schedule.due(15)
-    assert schedule.apply_at(15) == 15  # in the loop: at once
+    assert not schedule.due(15)
+    assert schedule.due(20)  # the plan: a check every 2 intervals
+    assert schedule.apply_at(20) == 20  # in the loop: at once
+    with pytest.raises(ValueError, match="version"):
+        Schedule(ScheduleSettings()).load_state_dict({"version": 1, "last_checked_step": 10})
 
 
 def test_the_runner_round_trips_its_pending_checks():

@@ -1,0 +1,173 @@
+"""The overhead budget (topocallbacks.budget): the footprint model, the planner's order, the meter's accounting,
+and a monitor that measures every interval and, with a budget, follows the plan."""
+
+import itertools
+import time
+import warnings
+
+import pytest
+import torch
+
+from topocallbacks import TopoMonitor
+from topocallbacks.budget import FLOOR_INTERVALS, MIN_PROBE, Costs, Footprint, Meter, Plan, plan, replan
+
+
+def costs(**changes):
+    base = {"step_ms": 1.0, "probe_ms": 2.0, "eval_ms": 40.0, "wait_ms": 40.0, "other_ms": 0.5, "n": 512,
+            "background": False}  # fmt: skip
+    return Costs(**{**base, **changes})
+
+
+def test_footprint_predicts_the_share_from_its_formula():
+    footprint = Footprint(costs(), check_every=10)
+    # In the loop: (probe 2 + other 0.5 + eval 40) / (1 interval x 10 steps x 1 ms)
+    assert footprint.share(512, background=False, intervals=1) == pytest.approx(42.5 / 10)
+    assert footprint.share(512, background=False, intervals=4) == pytest.approx(42.5 / 40)
+    # Beside the loop, the loop waits only for what the evaluation takes beyond the interval.
+    assert footprint.share(512, background=True, intervals=1) == pytest.approx((2.5 + 30) / 10)
+    assert footprint.share(512, background=True, intervals=4) == pytest.approx((2.5 + 0) / 40)
+    # Smaller probes: the pass linear, the evaluation as n^1.5.
+    assert footprint.probe_ms(256) == pytest.approx(1.0)
+    assert footprint.eval_ms(128) == pytest.approx(40.0 / 8)
+
+
+def test_the_planner_moves_first_then_slows_down_then_shrinks_the_probe():
+    footprint = Footprint(costs(eval_ms=40.0, probe_ms=0.1, other_ms=0.1, step_ms=10.0), check_every=10)
+    # The evaluation alone is 40 % of an interval in the loop; beside the loop it is hidden: moving is enough.
+    moved = plan(footprint, 0.02, can_move=True, can_shrink=True, current=Plan())
+    assert (moved.background, moved.intervals, moved.probe_size, moved.met) == (True, 1, None, True)
+    # Not allowed to move: the cadence goes down as far as needed (40.2 / (k x 100) <= 0.2 from k = 3 on).
+    slower = plan(footprint, 0.15, can_move=False, can_shrink=True, current=Plan())
+    assert (slower.background, slower.intervals, slower.probe_size, slower.met) == (False, 3, None, True)
+    # The floor is not enough at 512 points: the probe shrinks, and the cadence is chosen again at each size.
+    shrunk = plan(footprint, 0.05, can_move=False, can_shrink=True, current=Plan())
+    assert shrunk.met
+    assert shrunk.probe_size == 256
+    assert shrunk.intervals == 3  # 14.1 ms / 300 ms = 4.7 %
+    assert shrunk.predicted == pytest.approx(footprint.share(256, False, 3))
+
+
+def test_the_planner_never_goes_past_the_floor_and_says_when_the_budget_is_missed():
+    footprint = Footprint(costs(step_ms=0.01), check_every=10)  # a 10 us step: nothing can meet 2 %
+    chosen = plan(footprint, 0.02, can_move=False, can_shrink=True, current=Plan())
+    assert not chosen.met
+    assert chosen.intervals == FLOOR_INTERVALS
+    assert chosen.probe_size == MIN_PROBE
+    chosen, why = replan(costs(step_ms=0.01), 10, 0.02, Plan(), can_move=False, can_shrink=False)
+    assert not chosen.met
+    assert chosen.intervals == FLOOR_INTERVALS
+    assert chosen.probe_size is None
+    assert "2.0%" in why
+    assert f"every {FLOOR_INTERVALS} x check_every" in why
+    assert "`background` is set" in why
+    assert replan(costs(step_ms=1e3), 10, 0.02, Plan(), can_move=False, can_shrink=False) == (
+        Plan(1, False, None, pytest.approx((2.0 + 0.5 + 40.0) / 1e4), True),
+        None,
+    )
+
+
+def test_a_plan_never_grows_the_probe_back():
+    cheap = Footprint(costs(step_ms=1e4), check_every=10)  # anything meets the budget now
+    chosen = plan(cheap, 0.02, can_move=False, can_shrink=True, current=Plan(probe_size=256))
+    assert chosen.probe_size == 256
+    assert chosen.intervals == 1
+
+
+def test_the_meter_counts_nested_calls_once_and_the_rest_of_the_interval_as_training():
+    now = [0.0]
+    meter = Meter(clock=lambda: now[0])
+    assert meter.interval(0) == (None, None, 0.0)  # the first check only starts the clock
+    for _ in range(10):  # 10 steps: 9 ms of training and 1 ms of monitor (0.5 of it nested) each
+        now[0] += 0.009
+        with meter.own():
+            now[0] += 0.0005
+            with meter.own():
+                now[0] += 0.0005
+    share, step_ms, own_ms = meter.interval(10)
+    assert share == pytest.approx(10 / 90)
+    assert step_ms == pytest.approx(9.0)
+    assert own_ms == pytest.approx(10.0)
+
+
+def test_a_check_inside_the_monitors_own_call_splits_that_call_between_the_intervals():
+    now = [0.0]
+    meter = Meter(clock=lambda: now[0])
+    meter.interval(0)
+    now[0] += 0.010  # 10 ms of training
+    with meter.own():
+        now[0] += 0.002
+        share, _, own_ms = meter.interval(1)  # the check happens inside the call
+        assert own_ms == pytest.approx(2.0)
+        assert share == pytest.approx(0.2)
+        now[0] += 0.003
+    now[0] += 0.010
+    share, _, own_ms = meter.interval(2)
+    assert own_ms == pytest.approx(3.0)
+    assert share == pytest.approx(0.3)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU())
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def run(budget, step_seconds, steps=61, check_every=5, probe_size=256):
+    torch.manual_seed(0)
+    model = Net()
+    probe = torch.randn(probe_size, 16)
+    monitor = TopoMonitor(probe=probe, layer="body", check_every=check_every, background=False,
+                          overhead_budget=budget, policy={"action": "warn"})  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            time.sleep(step_seconds)  # the training step
+            monitor.on_step(step, model=model, loss=1.0)
+    monitor.close()
+    checks = [r for r in monitor.history if r.kind == "check"]
+    budget_warnings = [w for w in caught if "overhead budget" in str(w.message)]
+    return monitor, checks, budget_warnings
+
+
+def test_every_check_after_the_first_reports_its_intervals_overhead_whatever_the_budget():
+    _, checks, budget_warnings = run(None, 0.0, steps=21)
+    assert [r.step for r in checks] == [0, 5, 10, 15, 20]  # no budget: the cadence is the configured one
+    assert checks[0].overhead is None
+    assert checks[0].step_ms is None
+    assert all(r.overhead is not None and r.overhead > 0 and r.step_ms >= 0 for r in checks[1:])
+    assert all(r.plan is None for r in checks)
+    assert not budget_warnings
+
+
+def test_a_check_that_costs_far_more_than_the_budget_slows_the_cadence_to_the_floor_and_warns_once():
+    # Steps of ~0 ms against checks of milliseconds: no plan can meet 2 %.
+    monitor, checks, budget_warnings = run(0.02, 0.0)
+    assert len(budget_warnings) == 1
+    assert "cannot be met" in str(budget_warnings[0].message)
+    planned = [r.plan for r in checks if r.plan is not None]
+    assert planned
+    assert planned[-1]["intervals"] == FLOOR_INTERVALS
+    assert not planned[-1]["met"]
+    gaps = [b.step - a.step for a, b in itertools.pairwise(checks)]
+    assert gaps[-1] == FLOOR_INTERVALS * 5  # the floor: never fewer checks than one every 4 intervals
+    assert max(gaps) == FLOOR_INTERVALS * 5
+    assert monitor.schedule.plan.intervals == FLOOR_INTERVALS
+
+
+def test_a_cheap_check_keeps_the_configured_cadence():
+    # 50 ms steps: an interval of 500 ms against a check of tens of milliseconds on a 128-point probe (the first
+    # checks pay one-off costs of hundreds of milliseconds: the plan is made on two intervals, the cheaper one).
+    monitor, checks, budget_warnings = run(1.0, 0.05, steps=51, check_every=10, probe_size=128)
+    assert [r.step for r in checks] == [0, 10, 20, 30, 40, 50]
+    assert not budget_warnings
+    assert monitor.schedule.plan.intervals == 1
+    assert all(r.plan is None for r in checks)
+
+
+def test_the_budget_must_be_a_positive_share():
+    with pytest.raises(ValueError, match="overhead_budget"):
+        TopoMonitor(probe=torch.randn(8, 16), layer="body", overhead_budget=-0.1)

@@ -1,0 +1,309 @@
+"""The overhead budget: what the monitor costs the training loop, predicted by a footprint model, kept under a share.
+
+The plan says where checks are evaluated, how many probe samples they take, and how many check intervals apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .check import CheckRecord
+
+__all__ = ["FLOOR_INTERVALS", "MIN_PROBE", "Budget", "Costs", "Footprint", "Meter", "Plan", "plan", "replan"]
+
+#: The safety floor: a check at least every this many configured intervals (``check_every``), whatever the budget.
+#: The default rule's snapshots reach two healthy checks back and its skip covers two intervals: at 4 intervals the
+#: rule still sees a fault within 4 x ``check_every`` steps of its onset and rolls back to a state from before it.
+FLOOR_INTERVALS = 4
+#: The fewest probe samples the budget goes down to (half of the 256-point diagram subsample a check takes).
+MIN_PROBE = 128
+#: How the evaluation's cost grows with the probe size between the sizes the budget chooses from: pairwise
+#: distances grow as n², the 256-point diagram subsample and the fixed costs slower (measured on a 512-d MLP layer:
+#: 9.5, 30 and 85 ms at 128, 256 and 512 points; (n/512)^1.5 predicts 10.6 and 30).
+EVAL_EXPONENT = 1.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What one check interval cost, as measured on rank 0 (milliseconds).
+
+    Attributes:
+        step_ms: a training step's own time (the interval's wall time less the monitor's, per step).
+        probe_ms: the probe pass (or the streaming copy).
+        eval_ms: the evaluation of the check (the worker's own time in the background).
+        wait_ms: the loop's time on the evaluation: all of it in the loop, a late worker's remainder beside it.
+        other_ms: the rest of the monitor's time in the interval (snapshots, records, sinks, the steps' channels).
+        n: the probe samples of the check.
+        background: whether the check was evaluated in the background.
+    """
+
+    step_ms: float
+    probe_ms: float
+    eval_ms: float
+    wait_ms: float
+    other_ms: float
+    n: int
+    background: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where and how often to check, and on how many probe samples.
+
+    Attributes:
+        intervals: configured intervals (``check_every`` steps) between checks, 1 to :data:`FLOOR_INTERVALS`.
+        background: evaluate in the background worker.
+        probe_size: probe samples (None: the probe as given).
+        predicted: the predicted share of the step time the monitor costs under this plan.
+        met: whether the prediction is within the budget.
+    """
+
+    intervals: int = 1
+    background: bool = False
+    probe_size: int | None = None
+    predicted: float = 0.0
+    met: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return dataclasses.asdict(self)
+
+
+class Footprint:
+    """The monitor's predicted cost per check interval, from one measured interval.
+
+    The model, per check, with ``n`` probe samples, in milliseconds::
+
+        probe(n) = probe_ms * n / n0                          (a forward pass: linear in the samples)
+        eval(n)  = eval_ms * (n / n0) ** 1.5                  (EVAL_EXPONENT)
+        loop(n)  = probe(n) + other_ms + (eval(n) in the loop, or max(0, eval(n) - interval) beside it)
+        share    = loop(n) / (intervals * check_every * step_ms)
+
+    A worker beside the loop hides the evaluation while it takes less than the interval (it has a core of its own);
+    beyond that the loop waits for the rest.
+
+    Args:
+        costs: a measured interval.
+        check_every: the configured interval, in steps.
+    """
+
+    def __init__(self, costs: Costs, check_every: int) -> None:
+        self.costs = costs
+        self.check_every = check_every
+
+    def eval_ms(self, n: int) -> float:
+        """The evaluation's predicted milliseconds at ``n`` probe samples."""
+        c = self.costs
+        return float(c.eval_ms * (n / c.n) ** EVAL_EXPONENT)
+
+    def probe_ms(self, n: int) -> float:
+        """The probe pass's predicted milliseconds at ``n`` probe samples."""
+        return self.costs.probe_ms * n / self.costs.n
+
+    def share(self, n: int, background: bool, intervals: int) -> float:
+        """The predicted share of the training step time the monitor costs."""
+        c = self.costs
+        interval_ms = intervals * self.check_every * max(c.step_ms, 1e-6)
+        evaluation = max(0.0, self.eval_ms(n) - interval_ms) if background else self.eval_ms(n)
+        return (self.probe_ms(n) + c.other_ms + evaluation) / interval_ms
+
+
+def plan(
+    footprint: Footprint,
+    budget: float,
+    *,
+    can_move: bool,
+    can_shrink: bool,
+    current: Plan,
+) -> Plan:
+    """The plan that keeps the monitor within ``budget``, adapting in this order, each only as far as needed.
+
+    1. *where*: into the background worker, when ``can_move`` (the setting is automatic and a core is free): it
+       changes nothing in what a check measures;
+    2. *cadence*: more configured intervals between checks, up to :data:`FLOOR_INTERVALS` (the safety floor);
+    3. *probe size*: halved, down to :data:`MIN_PROBE`, when ``can_shrink`` (the size is automatic and the warm-up
+       is not over): a smaller probe restarts the calibration, so it comes last.
+
+    When even the floor and the smallest probe miss the budget, that plan is returned with ``met`` False (the
+    caller warns once). The cadence comes back down when the cost allows it.
+
+    Example:
+        >>> costs = Costs(step_ms=1.0, probe_ms=1.0, eval_ms=80.0, wait_ms=80.0, other_ms=0.2, n=512, background=False)
+        >>> p = plan(Footprint(costs, 10), 0.05, can_move=True, can_shrink=True, current=Plan())
+        >>> p.background, p.intervals, p.probe_size, p.met
+        (True, 3, 256, True)
+    """
+    n0 = footprint.costs.n
+    sizes = [n0]
+    while can_shrink and sizes[-1] // 2 >= MIN_PROBE:
+        sizes.append(sizes[-1] // 2)
+    # Where first: beside the loop the evaluation costs the loop at most what it costs in it, never more.
+    background = True if can_move else current.background
+    best: Plan | None = None
+    for n in sizes:  # the probe size last: only when no cadence up to the floor meets the budget with it
+        for intervals in range(1, FLOOR_INTERVALS + 1):
+            share = footprint.share(n, background, intervals)
+            candidate = Plan(intervals, background, None if n == n0 else n, share, share <= budget)
+            if candidate.met:
+                return _keep_size(candidate, current)
+            if best is None or share < best.predicted:
+                best = candidate
+    return _keep_size(best or current, current)
+
+
+def _keep_size(candidate: Plan, current: Plan) -> Plan:
+    """A plan never grows the probe back (that would restart the calibration again)."""
+    if current.probe_size is not None and (candidate.probe_size is None or candidate.probe_size > current.probe_size):
+        return dataclasses.replace(candidate, probe_size=current.probe_size)
+    return candidate
+
+
+def share_of(own_ms: float, train_ms: float) -> float | None:
+    """The monitor's share of the training step time (None when nothing was measured)."""
+    if train_ms <= 0 or not math.isfinite(own_ms):
+        return None
+    return own_ms / train_ms
+
+
+class Meter:
+    """Times the monitor's own share of the training loop: the wall time between two checks, less the monitor's.
+
+    The monitor's entry points run inside :meth:`own` (nested calls count once); :meth:`interval`, at a check,
+    gives what the interval since the check before cost and starts the next one.
+
+    Args:
+        clock: seconds, monotonic (``time.perf_counter``; a test passes its own).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._own = 0.0
+        self._depth = 0
+        self._entered = 0.0
+        self._since: float | None = None
+        self._since_step: int | None = None
+
+    @contextlib.contextmanager
+    def own(self) -> Iterator[None]:
+        """The monitor's own time, for the outermost of nested calls."""
+        if self._depth == 0:
+            self._entered = self.clock()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._own += self.clock() - self._entered
+
+    def interval(self, step: int) -> tuple[float | None, float | None, float]:
+        """``(share, step_ms, own_ms)`` of the interval ending now, at the check of ``step`` (None: none measured)."""
+        now = self.clock()
+        running = now - self._entered if self._depth else 0.0
+        own = self._own + running
+        share = step_ms = None
+        if self._since is not None and self._since_step is not None and step > self._since_step:
+            train = (now - self._since) - own
+            share = share_of(own, train)
+            step_ms = max(train, 0.0) * 1e3 / (step - self._since_step)
+        self._since, self._since_step = now, step
+        self._own = -running  # the rest of the call under way counts in the next interval
+        return share, step_ms, own * 1e3
+
+
+def replan(
+    costs: Costs, check_every: int, budget: float, current: Plan, *, can_move: bool, can_shrink: bool
+) -> tuple[Plan, str | None]:
+    """The plan after a measured interval, and a warning when it misses the budget (None: it meets it)."""
+    chosen = plan(Footprint(costs, check_every), budget, can_move=can_move, can_shrink=can_shrink, current=current)
+    if chosen.met:
+        return chosen, None
+    where = "in the background" if chosen.background else "in the training loop"
+    size = f"{chosen.probe_size or costs.n} probe samples"
+    held = [] if can_move else ["`background` is set"]
+    held += [] if can_shrink or chosen.probe_size else ["the probe size is set (or the warm-up is over)"]
+    why = f" ({' and '.join(held)})" if held else ""
+    return chosen, (
+        f"topocallbacks: the overhead budget of {budget:.1%} of the step time cannot be met{why}: at the safety "
+        f"floor of a check every {chosen.intervals} x check_every steps, {where}, on {size}, the monitor is "
+        f"predicted to cost {chosen.predicted:.1%} (a training step takes {costs.step_ms:.3g} ms). Set "
+        "`overhead_budget` higher, or None to turn it off, or check less often"
+    )
+
+
+def measured_costs(record: CheckRecord, share: float, step_ms: float, own_ms: float, background: bool) -> Costs:
+    """The :class:`Costs` of the interval that ended with the check ``record`` (a CheckRecord)."""
+    probe_ms, wait_ms = record.probe_ms, record.wait_ms
+    return Costs(
+        step_ms=step_ms,
+        probe_ms=probe_ms,
+        eval_ms=record.check_ms,
+        wait_ms=wait_ms,
+        other_ms=max(0.0, own_ms - probe_ms - wait_ms),
+        n=max(record.n_points, 1),
+        background=background,
+    )
+
+
+class Budget:
+    """The overhead budget's part of a monitor: it measures each check interval and plans the next (rank 0).
+
+    Args:
+        settings: the monitor's settings (``schedule.overhead_budget``; None: measure only).
+    """
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self.meter = Meter()
+        self.free_core = (os.cpu_count() or 1) > torch.get_num_threads()  # a worker beside the loop gets a core
+        self._scheduled: set[int] = set()  # the steps of pending checks the schedule called (on_step)
+        self._settle = False  # the interval after a new plan holds its one-off costs (a worker starting...)
+        self._previous: Costs | None = None  # the interval before: a plan needs two (one-off costs are not planned on)
+
+    def scheduled(self, step: int, by_schedule: bool) -> None:
+        """Note a check submitted at ``step``: by the schedule (planned for) or by the caller (measured only)."""
+        if by_schedule:
+            self._scheduled.add(step)
+
+    def measure(self, record: CheckRecord, schedule: Any, checks: int) -> CheckRecord:
+        """``record`` (a CheckRecord) with the interval's cost, and the new plan when it changed (then ``record.plan``).
+
+        ``checks``: the policy's checks so far (the probe may shrink only during the warm-up). Warns once when the
+        budget cannot be met.
+        """
+        share, step_ms, own_ms = self.meter.interval(record.step)
+        s, budget = self.settings, self.settings.schedule.overhead_budget
+        planned, self._settle = record.step in self._scheduled and not self._settle, False
+        self._scheduled.discard(record.step)
+        if share is None or step_ms is None or budget is None or not record.ok or not planned:
+            return dataclasses.replace(record, overhead=share, step_ms=step_ms)
+        measured = measured_costs(record, share, step_ms, own_ms, schedule.background)
+        previous, self._previous = self._previous, measured
+        if previous is None:  # the first checks pay one-off costs (compilation, caches): plan on two intervals
+            return dataclasses.replace(record, overhead=share, step_ms=step_ms)
+        costs = min(previous, measured, key=lambda c: Footprint(c, s.schedule.check_every).share(c.n, False, 1))
+        can_move = s.schedule.background is None and self.free_core  # an explicit `background` wins
+        can_shrink = s.probe.size is None and not schedule.streaming and checks <= s.rule.warmup
+        chosen, why = replan(
+            costs, s.schedule.check_every, budget, schedule.plan, can_move=can_move,
+            can_shrink=can_shrink and record.n_points // 2 >= MIN_PROBE,
+        )  # fmt: skip
+        if why is not None and not schedule.warned_:
+            schedule.warned_ = True
+            warnings.warn(why, RuntimeWarning, stacklevel=2)
+        same = (chosen.intervals, chosen.background, chosen.probe_size) == (
+            schedule.plan.intervals, schedule.plan.background, schedule.plan.probe_size,
+        )  # fmt: skip
+        self._settle = not same
+        if not same:
+            self._previous = None  # under a new plan, two new intervals
+        return dataclasses.replace(record, overhead=share, step_ms=step_ms, plan=None if same else chosen.as_dict())
