@@ -154,6 +154,7 @@ def sign_test(only_a: int, only_b: int) -> float:
 
 def paired(records: list[dict[str, Any]], a: str, b: str) -> tuple[int, int, int, float]:
     """On the same faulted runs (architecture, fault, seed): rescued by both, by ``a`` only, by ``b`` only, p."""
+
     def outcomes(key: str) -> dict[tuple[str, str, int], bool]:
         detector, action = key.split("+")
         return {(r["architecture"], r["fault"], r["seed"]): bool(r["rescued"]) for r in records
@@ -283,11 +284,17 @@ def write_markdown(
         "" if chosen in (None, OURS) else f"**The suite chose {chosen}, not the library's default rule {OURS}.**",
     ]
     if OURS in rows:
-        lines += ["", f"## Paired: {OURS} against every other row on the same faulted runs", "",
-                  "The same faulted runs (architecture, fault, seed) rescued by both rows, by one of them only, and "
-                  "the two-sided exact sign test (McNemar) on the runs where they disagree: a small p says the "
-                  "difference is more than the luck of which seeds were drawn.", "",
-                  f"| other row | both | {OURS} only | other only | p |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Paired: {OURS} against every other row on the same faulted runs",
+            "",
+            "The same faulted runs (architecture, fault, seed) rescued by both rows, by one of them only, and "
+            "the two-sided exact sign test (McNemar) on the runs where they disagree: a small p says the "
+            "difference is more than the luck of which seeds were drawn.",
+            "",
+            f"| other row | both | {OURS} only | other only | p |",
+            "|---|---|---|---|---|",
+        ]
         for key in rows:
             if key != OURS:
                 both, only_ours, only_other, p = paired(records, OURS, key)
@@ -454,8 +461,11 @@ def write_outputs(
         "summary": rows,
         "targets": [{"target": what, "met": met, "numbers": numbers} for what, met, numbers in targets(rows)],
         "default": dict(zip(("key", "why"), choose_default(rows), strict=True)),
-        "paired": {key: dict(zip(("both", "default_only", "other_only", "p"), paired(records, OURS, key), strict=True))
-                   for key in rows if OURS in rows and key != OURS},  # fmt: skip
+        "paired": {
+            key: dict(zip(("both", "default_only", "other_only", "p"), paired(records, OURS, key), strict=True))
+            for key in rows
+            if OURS in rows and key != OURS
+        },
         "records": records,
     }
     compute = _compute_seconds(archs, seeds, keys, directory)

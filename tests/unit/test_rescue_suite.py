@@ -189,8 +189,10 @@ def test_wilson_interval_matches_its_closed_form_and_covers_the_edges(suite):
     for k, n in [(13, 21), (3, 21), (1, 9), (7, 9)]:
         reference = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
         assert wilson(k, n) == pytest.approx((reference.low, reference.high), abs=1e-8)
-    assert wilson(0, 21)[0] == 0.0 and 0.0 < wilson(0, 21)[1] < 0.17  # 0/n still has an upper bound
-    assert wilson(21, 21)[1] == 1.0 and 0.83 < wilson(21, 21)[0] < 1.0
+    assert wilson(0, 21)[0] == 0.0
+    assert 0.0 < wilson(0, 21)[1] < 0.17  # 0/n still has an upper bound
+    assert wilson(21, 21)[1] == 1.0
+    assert 0.83 < wilson(21, 21)[0] < 1.0
     assert all(math.isnan(v) for v in wilson(0, 0))
 
 
@@ -200,10 +202,20 @@ def test_sign_test_is_mcnemars_exact_test_on_the_discordant_pairs(suite):
     assert outputs.sign_test(5, 0) == pytest.approx(2 / 32)  # 2 * 0.5^5
     assert outputs.sign_test(10, 0) == pytest.approx(2 / 1024)
     assert outputs.sign_test(3, 3) == 1.0
-    assert outputs.sign_test(2, 7) == outputs.sign_test(7, 2) == pytest.approx(2 * sum(math.comb(9, k) for k in range(3)) / 512)
+    assert (
+        outputs.sign_test(2, 7)
+        == outputs.sign_test(7, 2)
+        == pytest.approx(2 * sum(math.comb(9, k) for k in range(3)) / 512)
+    )
     records = [
-        {"architecture": "vit", "fault": fault, "seed": seed, "detector": detector, "action": "rollback",
-         "rescued": rescued}
+        {
+            "architecture": "vit",
+            "fault": fault,
+            "seed": seed,
+            "detector": detector,
+            "action": "rollback",
+            "rescued": rescued,
+        }
         for seed, (a, b) in enumerate([(True, True), (True, False), (True, False), (False, True), (False, False)])
         for fault in ("transient",)
         for detector, rescued in (("a", a), ("b", b))
