@@ -85,20 +85,22 @@ class Footprint:
 
         probe(n) = probe_ms * n / n0                          (a forward pass: linear in the samples)
         eval(n)  = eval_ms * (n / n0) ** 1.5                  (EVAL_EXPONENT)
-        loop(n)  = probe(n) + other_ms + (eval(n) in the loop, or max(0, eval(n) - interval) beside it)
+        loop(n)  = probe(n) + other_ms + (eval(n) in the loop, or max(0, eval(n) - lag * step_ms) beside it)
         share    = loop(n) / (intervals * check_every * step_ms)
 
-    A worker beside the loop hides the evaluation while it takes less than the interval (it has a core of its own);
-    beyond that the loop waits for the rest.
+    A worker beside the loop hides the evaluation while it takes less than the ``lag`` steps after which its
+    decision is applied (it has a core of its own); beyond that the loop waits for the rest.
 
     Args:
         costs: a measured interval.
         check_every: the configured interval, in steps.
+        lag: the steps a worker has before the loop waits for its check (``ScheduleSettings.apply_lag``).
     """
 
-    def __init__(self, costs: Costs, check_every: int) -> None:
+    def __init__(self, costs: Costs, check_every: int, lag: int = 1) -> None:
         self.costs = costs
         self.check_every = check_every
+        self.lag = lag
 
     def eval_ms(self, n: int) -> float:
         """The evaluation's predicted milliseconds at ``n`` probe samples."""
@@ -113,7 +115,8 @@ class Footprint:
         """The predicted share of the training step time the monitor costs."""
         c = self.costs
         interval_ms = intervals * self.check_every * max(c.step_ms, 1e-6)
-        evaluation = max(0.0, self.eval_ms(n) - interval_ms) if background else self.eval_ms(n)
+        hidden_ms = self.lag * max(c.step_ms, 0.0)
+        evaluation = max(0.0, self.eval_ms(n) - hidden_ms) if background else self.eval_ms(n)
         return (self.probe_ms(n) + c.other_ms + evaluation) / interval_ms
 
 
@@ -137,10 +140,10 @@ def plan(
     caller warns once). The cadence comes back down when the cost allows it.
 
     Example:
-        >>> costs = Costs(step_ms=1.0, probe_ms=1.0, eval_ms=80.0, wait_ms=80.0, other_ms=0.2, n=512, background=False)
-        >>> p = plan(Footprint(costs, 10), 0.05, can_move=True, can_shrink=True, current=Plan())
-        >>> p.background, p.intervals, p.probe_size, p.met
-        (True, 3, 256, True)
+        >>> costs = Costs(step_ms=10.0, probe_ms=1.0, eval_ms=80.0, wait_ms=80.0, other_ms=0.2, n=512, background=False)
+        >>> p = plan(Footprint(costs, 10, lag=5), 0.05, can_move=True, can_shrink=True, current=Plan())
+        >>> p.background, p.intervals, p.probe_size, p.met  # 80 ms outlast the 5 steps' 50 ms; 28 ms at 256 do not
+        (True, 1, 256, True)
     """
     n0 = footprint.costs.n
     sizes = [n0]
@@ -221,10 +224,11 @@ class Meter:
 
 
 def replan(
-    costs: Costs, check_every: int, budget: float, current: Plan, *, can_move: bool, can_shrink: bool
+    costs: Costs, check_every: int, budget: float, current: Plan, *, can_move: bool, can_shrink: bool, lag: int = 1
 ) -> tuple[Plan, str | None]:
     """The plan after a measured interval, and a warning when it misses the budget (None: it meets it)."""
-    chosen = plan(Footprint(costs, check_every), budget, can_move=can_move, can_shrink=can_shrink, current=current)
+    footprint = Footprint(costs, check_every, lag)
+    chosen = plan(footprint, budget, can_move=can_move, can_shrink=can_shrink, current=current)
     if chosen.met:
         return chosen, None
     where = "in the background" if chosen.background else "in the training loop"
@@ -295,7 +299,7 @@ class Budget:
         can_shrink = s.probe.size is None and not schedule.streaming and checks <= s.rule.warmup
         chosen, why = replan(
             costs, s.schedule.check_every, budget, schedule.plan, can_move=can_move,
-            can_shrink=can_shrink and record.n_points // 2 >= MIN_PROBE,
+            can_shrink=can_shrink and record.n_points // 2 >= MIN_PROBE, lag=s.schedule.apply_lag,
         )  # fmt: skip
         if why is not None and not schedule.warned_:
             schedule.warned_ = True

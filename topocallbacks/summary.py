@@ -6,6 +6,7 @@ Printed once on rank 0 at the end of training (``output.summary``); :meth:`TopoM
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import statistics
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from .check import CheckRecord, InterventionRecord
 from .pipeline import CheckPipeline, LayeredPipeline
 from .settings import MonitorSettings
 
-__all__ = ["cost_line", "last_records_of", "report_of", "summary_text", "with_layer_moves"]
+__all__ = ["cost_line", "last_records_of", "overhead_of", "report_of", "summary_text", "with_layer_moves"]
 
 
 def summary_text(
@@ -75,26 +76,44 @@ def summary_text(
     return "\n".join(lines)
 
 
+def overhead_of(checks: Sequence[CheckRecord]) -> tuple[float, list[float]] | None:
+    """The monitor's time over the training's own time summed over the measured intervals, and each one's share."""
+    shares: list[float] = []
+    train: list[float] = []  # each interval's training time (ms)
+    for previous, r in itertools.pairwise(checks):
+        if r.overhead is not None and r.step_ms is not None:
+            shares.append(r.overhead)
+            train.append(r.step_ms * (r.step - previous.step))
+    if not shares:
+        return None
+    return sum(share * t for share, t in zip(shares, train, strict=True)) / max(sum(train), 1e-12), shares
+
+
 def cost_line(checks: Sequence[CheckRecord], budget: float | None) -> str | None:
-    """What the monitor cost the training loop: the median share of the step time over the measured intervals.
+    """What the monitor cost the training loop over the measured intervals: in all, and the median interval's share.
+
+    In all: the monitor's time over the training's own time, summed over the intervals between checks (the one-off
+    costs before the first check are not in it).
 
     Example:
         >>> from topocallbacks.check import Decision
         >>> checks = [CheckRecord(step=s, status="ok", index="diagram_drift", index_value=0.0, n_points=512,
         ...                       decision=Decision(action="none", reason="", step=s), check_ms=40.0, wait_ms=40.0,
-        ...                       probe_ms=3.0, overhead=share) for s, share in [(0, None), (10, 0.03), (20, 0.01)]]
+        ...                       probe_ms=3.0, overhead=share, step_ms=ms)
+        ...           for s, share, ms in [(0, None, None), (10, 0.03, 100.0), (20, 0.01, 300.0)]]
         >>> print(cost_line(checks, 0.02))
-          monitor cost: 2.0 % of the training step time (median of 2 intervals; last 1.0 %; budget 2.0 %)
+          monitor cost: 1.5 % of the training time (2 intervals; median 2.0 %, last 1.0 %; budget 2.0 %)
           per check (medians): probe 3 ms, evaluation 40 ms, the loop waited 40 ms
     """
-    measured = [r.overhead for r in checks if r.overhead is not None]
-    if not measured:
+    measured = overhead_of(checks)
+    if measured is None:
         return None
+    total, shares = measured
     median = statistics.median
     goal = "no budget" if budget is None else f"budget {100 * budget:.1f} %"
     return (
-        f"  monitor cost: {100 * median(measured):.1f} % of the training step time (median of {len(measured)} "
-        f"intervals; last {100 * measured[-1]:.1f} %; {goal})\n  per check (medians): probe "
+        f"  monitor cost: {100 * total:.1f} % of the training time ({len(shares)} intervals; median "
+        f"{100 * median(shares):.1f} %, last {100 * shares[-1]:.1f} %; {goal})\n  per check (medians): probe "
         f"{median(r.probe_ms for r in checks):.0f} ms, evaluation {median(r.check_ms for r in checks):.0f} ms, "
         f"the loop waited {median(r.wait_ms for r in checks):.0f} ms"
     )

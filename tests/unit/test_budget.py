@@ -23,17 +23,21 @@ def test_footprint_predicts_the_share_from_its_formula():
     # In the loop: (probe 2 + other 0.5 + eval 40) / (1 interval x 10 steps x 1 ms)
     assert footprint.share(512, background=False, intervals=1) == pytest.approx(42.5 / 10)
     assert footprint.share(512, background=False, intervals=4) == pytest.approx(42.5 / 40)
-    # Beside the loop, the loop waits only for what the evaluation takes beyond the interval.
-    assert footprint.share(512, background=True, intervals=1) == pytest.approx((2.5 + 30) / 10)
-    assert footprint.share(512, background=True, intervals=4) == pytest.approx((2.5 + 0) / 40)
+    # Beside the loop, the loop waits only for what the evaluation takes beyond the lag (1 step by default here).
+    assert footprint.share(512, background=True, intervals=1) == pytest.approx((2.5 + 39) / 10)
+    assert footprint.share(512, background=True, intervals=4) == pytest.approx((2.5 + 39) / 40)
+    lagged = Footprint(costs(), check_every=10, lag=5)  # the decision applied 5 steps (5 ms) later
+    assert lagged.share(512, background=True, intervals=1) == pytest.approx((2.5 + 35) / 10)
+    assert Footprint(costs(step_ms=10.0), check_every=10, lag=5).share(512, True, 1) == pytest.approx(2.5 / 100)
     # Smaller probes: the pass linear, the evaluation as n^1.5.
     assert footprint.probe_ms(256) == pytest.approx(1.0)
     assert footprint.eval_ms(128) == pytest.approx(40.0 / 8)
 
 
 def test_the_planner_moves_first_then_slows_down_then_shrinks_the_probe():
-    footprint = Footprint(costs(eval_ms=40.0, probe_ms=0.1, other_ms=0.1, step_ms=10.0), check_every=10)
-    # The evaluation alone is 40 % of an interval in the loop; beside the loop it is hidden: moving is enough.
+    footprint = Footprint(costs(eval_ms=40.0, probe_ms=0.1, other_ms=0.1, step_ms=10.0), check_every=10, lag=5)
+    # The evaluation alone is 40 % of an interval in the loop; beside the loop, in the 5 steps' 50 ms of lag, it is
+    # hidden: moving is enough.
     moved = plan(footprint, 0.02, can_move=True, can_shrink=True, current=Plan())
     assert (moved.background, moved.intervals, moved.probe_size, moved.met) == (True, 1, None, True)
     # Not allowed to move: the cadence goes down as far as needed (40.2 / (k x 100) <= 0.2 from k = 3 on).
