@@ -8,21 +8,12 @@ import lightning.pytorch as pl
 import torch
 from sklearn.datasets import load_digits
 
-#: The library's default rule before issue 22: the index alone (one channel required), warn, stop on a diverged check,
-#: rollbacks without a learning-rate cut of their own (the second and later cut by ``lr_factor``) or a skip, at most
-#: 2. Tests about a mechanism (learning-rate cuts, rollbacks, resumes, hook sequences, ranks) give it explicitly, so
-#: they keep testing the same mechanics with the same values whatever the default rule becomes; the tests of the
-#: default rule itself use the default. (Absolute sentinels did not exist then: a test that must see only its own
-#: rule's verdict on a collapsing model also gives ``"sentinels": False``.)
-OLD_RULE = {
-    "channels": ["index"],
-    "require": 1,
-    "action": "warn",
-    "on_diverged": "stop",
-    "rollback_lr_factor": None,
-    "rollback_skip": 0,
-    "max_rollbacks": 2,
-}
+# The library's default rule before issue 22 (its one home: tests/unit/rules.py). Tests about a mechanism
+# (learning-rate cuts, rollbacks, resumes, hook sequences, ranks) give it explicitly, so they keep testing the same
+# mechanics with the same values whatever the default rule becomes; the tests of the default rule itself use the
+# default. (Absolute sentinels did not exist then: a test that must see only its own rule's verdict on a collapsing
+# model also gives ``"sentinels": False``.)
+from tests.unit.rules import OLD_RULE as OLD_RULE
 
 
 def digits(n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
