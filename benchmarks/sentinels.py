@@ -27,6 +27,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE / "collapse"))
 
+from record import RECORDINGS, recordings  # noqa: E402
+
 from topocallbacks.functional.sentinels import (  # noqa: E402
     CONSTANT_SPREAD,
     ONE_DIRECTION_SHARE,
@@ -36,7 +38,6 @@ from topocallbacks.functional.sentinels import (  # noqa: E402
 from topocallbacks.settings import TransformSettings  # noqa: E402
 from topocallbacks.transform import FeatureTransform  # noqa: E402
 
-RECORDINGS = HERE / "collapse" / "recordings"
 RESULTS = HERE / "results"
 
 
@@ -49,10 +50,10 @@ def cloud_values(features: np.ndarray) -> tuple[float, float, float, tuple[str, 
     return values.spread, values.top_share, values.two_clusters, values.holding
 
 
-def recordings() -> dict[str, list[dict]]:
+def sentinel_rows() -> dict[str, list[dict]]:
     """Per (scenario, kind): one row per run with the per-check sentinel values."""
     rows: dict[str, list[dict]] = {}
-    for path in sorted(RECORDINGS.glob("*.npz")):
+    for path in recordings(RECORDINGS):
         data = np.load(path)
         scenario, fault = str(data["scenario"]), int(data["fault_step"])
         for kind in ("healthy", "collapse"):
@@ -130,10 +131,10 @@ def summarise(runs: list[dict], after_fault: bool = False) -> dict:
 
 
 def main() -> int:
-    if not any(RECORDINGS.glob("*.npz")):
+    if not recordings(RECORDINGS):
         print(f"no recordings in {RECORDINGS}: run `make collapse` (or benchmarks/collapse/record.py) first")
         return 1
-    rows = recordings()
+    rows = sentinel_rows()
     terminal = {
         "digits, 10 classes, 32-d features": terminal_phase(tuple(range(10)), 32),
         "digits, 2 classes (0 and 1), 32-d features": terminal_phase((0, 1), 32),

@@ -48,7 +48,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from record import KINDS, RECORDINGS  # noqa: E402
+from record import KINDS, RECORDINGS, recordings  # noqa: E402
 from signals import SIGNALS, VERSION, feature_signals, training_signals  # noqa: E402
 
 from topocallbacks.policy import Policy, rule_holds, rule_scores  # noqa: E402
@@ -121,7 +121,7 @@ def _pair_signals(path: Path) -> dict[str, dict[str, np.ndarray]]:
 
 
 def load_runs(directory: Path = RECORDINGS, jobs: int = 1) -> list[Run]:
-    paths = sorted(p for p in directory.glob("*-seed*.npz") if ".signals" not in p.name and ".tmp" not in p.name)
+    paths = recordings(directory)
     if not paths:
         raise SystemExit(f"no recordings in {directory}: run benchmarks/collapse/record.py first")
     if jobs > 1:

@@ -33,6 +33,11 @@ def recording_path(scenario: str, seed: int, directory: Path = RECORDINGS) -> Pa
     return directory / f"{scenario}-seed{seed}.npz"
 
 
+def recordings(directory: Path = RECORDINGS) -> list[Path]:
+    """The recorded pairs in ``directory`` (not the signal caches or unfinished files beside them), sorted."""
+    return sorted(p for p in directory.glob("*-seed*.npz") if ".signals" not in p.name and ".tmp" not in p.name)
+
+
 def _segment(trainee, scenario, kind: str, start: int, stop: int, checks: bool, progress=None) -> dict:
     """Train steps ``[start, stop)``; check at every multiple of ``check_every`` in ``[start, stop]`` if asked."""
     out: dict[str, list] = {"check_steps": [], "metric": [], "features": [], "loss": [], "grad_norm": []}
