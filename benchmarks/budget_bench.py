@@ -107,7 +107,7 @@ def footprint_check(probe: torch.Tensor, repeats: int) -> list[dict]:
             times.append(record.check_ms)
             monitor.close()
         measured[n] = statistics.median(times)
-    model_512 = Footprint(Costs(1.0, 0.0, measured[512], measured[512], 0.0, 512, False), check_every=1)
+    model_512 = Footprint(Costs(1.0, 0.0, measured[512], 0.0, 512), check_every=1)
     return [
         {"n": n, "predicted_ms": round(model_512.eval_ms(n), 2), "measured_ms": round(measured[n], 2),
          "ratio": round(model_512.eval_ms(n) / measured[n], 3)}

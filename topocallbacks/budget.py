@@ -40,19 +40,16 @@ class Costs:
         step_ms: a training step's own time (the interval's wall time less the monitor's, per step).
         probe_ms: the probe pass (or the streaming copy).
         eval_ms: the evaluation of the check (the worker's own time in the background).
-        wait_ms: the loop's time on the evaluation: all of it in the loop, a late worker's remainder beside it.
-        other_ms: the rest of the monitor's time in the interval (snapshots, records, sinks, the steps' channels).
+        other_ms: the rest of the monitor's time in the interval (snapshots, records, sinks, the steps' channels):
+            its own time less the probe pass and the loop's wait for the evaluation.
         n: the probe samples of the check.
-        background: whether the check was evaluated in the background.
     """
 
     step_ms: float
     probe_ms: float
     eval_ms: float
-    wait_ms: float
     other_ms: float
     n: int
-    background: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +137,7 @@ def plan(
     caller warns once). The cadence comes back down when the cost allows it.
 
     Example:
-        >>> costs = Costs(step_ms=10.0, probe_ms=1.0, eval_ms=80.0, wait_ms=80.0, other_ms=0.2, n=512, background=False)
+        >>> costs = Costs(step_ms=10.0, probe_ms=1.0, eval_ms=80.0, other_ms=0.2, n=512)
         >>> p = plan(Footprint(costs, 10, lag=5), 0.05, can_move=True, can_shrink=True, current=Plan())
         >>> p.background, p.intervals, p.probe_size, p.met  # 80 ms outlast the 5 steps' 50 ms; 28 ms at 256 do not
         (True, 1, 256, True)
@@ -244,17 +241,14 @@ def replan(
     )
 
 
-def measured_costs(record: CheckRecord, share: float, step_ms: float, own_ms: float, background: bool) -> Costs:
-    """The :class:`Costs` of the interval that ended with the check ``record`` (a CheckRecord)."""
-    probe_ms, wait_ms = record.probe_ms, record.wait_ms
+def measured_costs(record: CheckRecord, step_ms: float, own_ms: float) -> Costs:
+    """The :class:`Costs` of the interval that ended with the check ``record``, the monitor's own time ``own_ms``."""
     return Costs(
         step_ms=step_ms,
-        probe_ms=probe_ms,
+        probe_ms=record.probe_ms,
         eval_ms=record.check_ms,
-        wait_ms=wait_ms,
-        other_ms=max(0.0, own_ms - probe_ms - wait_ms),
+        other_ms=max(0.0, own_ms - record.probe_ms - record.wait_ms),
         n=max(record.n_points, 1),
-        background=background,
     )
 
 
@@ -290,7 +284,7 @@ class Budget:
         self._scheduled.discard(record.step)
         if share is None or step_ms is None or budget is None or not record.ok or not planned:
             return dataclasses.replace(record, overhead=share, step_ms=step_ms)
-        measured = measured_costs(record, share, step_ms, own_ms, schedule.background)
+        measured = measured_costs(record, step_ms, own_ms)
         previous, self._previous = self._previous, measured
         if previous is None:  # the first checks pay one-off costs (compilation, caches): plan on two intervals
             return dataclasses.replace(record, overhead=share, step_ms=step_ms)

@@ -57,18 +57,21 @@ class ProbePass:
             InputError: a bad source, or one whose contents differ from the probe a loaded state was saved with.
         """
         probe = self._new_probe(source, tokenizer)
-        if self.loaded_spec is not None:
-            if self.loaded_spec.n_samples < probe.spec.n_samples:  # saved after the budget made it smaller
-                self.size = self.loaded_spec.n_samples
-                probe = self._new_probe(source, tokenizer)
-            probe.verify(self.loaded_spec)
-        self.probe = probe
+        self.probe = probe if self.loaded_spec is None else self._matching(probe, self.loaded_spec)
 
     def resize(self, n: int) -> None:
         """Keep ``n`` samples of the probe (a seeded subset of its source), for the overhead budget."""
         self.size = n
         if self._source is not None:
             self.probe = self._new_probe(*self._source)
+
+    def _matching(self, probe: Probe, spec: ProbeSpec) -> Probe:
+        """``probe`` verified against a saved ``spec``, first cut to its size when the budget had made it smaller."""
+        if spec.n_samples < probe.spec.n_samples and self._source is not None:
+            self.size = spec.n_samples
+            probe = self._new_probe(*self._source)
+        probe.verify(spec)
+        return probe
 
     def _new_probe(self, source: Any, tokenizer: Any) -> Probe:
         s = self.settings
@@ -162,9 +165,7 @@ class ProbePass:
     def spec_state(self, value: Mapping[str, Any] | None) -> None:
         spec = None if value is None else ProbeSpec.from_dict(value)
         if self.probe is not None and spec is not None:
-            if spec.n_samples < self.probe.spec.n_samples and self._source is not None:
-                self.resize(spec.n_samples)  # saved after the overhead budget made it smaller
-            self.probe.verify(spec)
+            self.probe = self._matching(self.probe, spec)
         self.loaded_spec = spec
 
     def __getstate__(self) -> dict[str, Any]:

@@ -13,8 +13,7 @@ from topocallbacks.budget import FLOOR_INTERVALS, MIN_PROBE, Costs, Footprint, M
 
 
 def costs(**changes):
-    base = {"step_ms": 1.0, "probe_ms": 2.0, "eval_ms": 40.0, "wait_ms": 40.0, "other_ms": 0.5, "n": 512,
-            "background": False}  # fmt: skip
+    base = {"step_ms": 1.0, "probe_ms": 2.0, "eval_ms": 40.0, "other_ms": 0.5, "n": 512}
     return Costs(**{**base, **changes})
 
 

@@ -96,6 +96,23 @@ def test_the_probe_pass_keeps_the_probe_spec_and_refuses_another_probe():
     assert pickle.loads(pickle.dumps(probing)).probe.spec == probing.probe.spec
 
 
+def test_a_probe_the_budget_made_smaller_is_cut_to_the_saved_size_on_either_loading_path():
+    settings = MonitorSettings().merged({"layer": "0"})
+    probe = torch.arange(400.0).reshape(100, 4)
+    shrunk = ProbePass(settings, probe)
+    shrunk.resize(40)  # the overhead budget's smaller probe: a seeded subset of the same source
+    saved = json.loads(json.dumps(shrunk.spec_state))
+    assert saved["n_samples"] == 40
+    probe_first = ProbePass(settings, probe)  # the probe is given, then the state is loaded
+    probe_first.spec_state = saved
+    state_first = ProbePass(settings)  # the state is loaded, then the probe is given
+    state_first.spec_state = saved
+    state_first.set_probe(probe)
+    for loaded in (probe_first, state_first):
+        assert loaded.size == 40
+        assert loaded.probe.spec == shrunk.probe.spec
+
+
 def test_the_intake_averages_each_check_once_and_says_when_a_watched_channel_is_never_fed():
     intake = Intake(("index", "loss"), 2)
     intake.record(loss=torch.tensor(1.0), grad_norm=2.0)

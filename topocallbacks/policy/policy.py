@@ -22,6 +22,15 @@ from .scores import Reference
 __all__ = ["Policy"]
 
 
+def _delegated(part: str, name: str, doc: str) -> Any:
+    """A read-write attribute that lives on the policy's part ``part`` as ``name``."""
+    return property(
+        lambda self: getattr(getattr(self, part), name),
+        lambda self, value: setattr(getattr(self, part), name, value),
+        doc=doc,
+    )
+
+
 class Policy(Stateful):
     """Rules over the watched channels' history, with warm-up, patience, cooldown and escalation.
 
@@ -191,59 +200,21 @@ class Policy(Stateful):
     def _unwatched_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self._channels.load_unwatched(state)
 
-    @property
-    def recent_(self) -> list[float]:
-        """The last ``trend_window`` index values, for the trend rule."""
-        return self._rule.recent
-
-    @recent_.setter
-    def recent_(self, values: list[float]) -> None:
-        self._rule.recent = values
-
-    @property
-    def last_action_check_(self) -> int | None:
-        """The check number of the last action (None: none yet)."""
-        return self._escalation.last_action_check_
-
-    @last_action_check_.setter
-    def last_action_check_(self, check: int | None) -> None:
-        self._escalation.last_action_check_ = check
-
-    @property
-    def last_action_(self) -> str | None:
-        """The last action (``"warn"``, ``"lower_lr"``, ...), or None."""
-        return self._escalation.last_action_
-
-    @last_action_.setter
-    def last_action_(self, action: str | None) -> None:
-        self._escalation.last_action_ = action
-
-    @property
-    def last_action_score_(self) -> float | None:
-        """The score that started the last action (the cooldown compares with it), or None."""
-        return self._escalation.last_action_score_
-
-    @last_action_score_.setter
-    def last_action_score_(self, score: float | None) -> None:
-        self._escalation.last_action_score_ = score
-
-    @property
-    def lr_cuts_(self) -> int:
-        """Learning-rate cuts made."""
-        return self._escalation.lr_cuts_
-
-    @lr_cuts_.setter
-    def lr_cuts_(self, cuts: int) -> None:
-        self._escalation.lr_cuts_ = cuts
-
-    @property
-    def rollbacks_(self) -> int:
-        """Rollbacks made."""
-        return self._escalation.rollbacks_
-
-    @rollbacks_.setter
-    def rollbacks_(self, rollbacks: int) -> None:
-        self._escalation.rollbacks_ = rollbacks
+    # The rule's and the escalation's counters, under the policy's public names (read and set by the saved state).
+    recent_ = _delegated("_rule", "recent", "The last ``trend_window`` index values, for the trend rule.")
+    last_action_check_ = _delegated(
+        "_escalation", "last_action_check_", "The check number of the last action (None: none yet)."
+    )
+    last_action_ = _delegated(
+        "_escalation", "last_action_", 'The last action (``"warn"``, ``"lower_lr"``, ...), or None.'
+    )
+    last_action_score_ = _delegated(
+        "_escalation",
+        "last_action_score_",
+        "The score that started the last action (the cooldown compares with it), or None.",
+    )
+    lr_cuts_ = _delegated("_escalation", "lr_cuts_", "Learning-rate cuts made.")
+    rollbacks_ = _delegated("_escalation", "rollbacks_", "Rollbacks made.")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Policy):
