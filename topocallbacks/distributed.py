@@ -19,7 +19,14 @@ import torch
 import torch.distributed as dist
 from numpy.typing import NDArray
 
-__all__ = ["broadcast_object", "gather_probe_features", "is_distributed", "rank_and_world", "shard"]
+__all__ = [
+    "all_gather_object",
+    "broadcast_object",
+    "gather_probe_features",
+    "is_distributed",
+    "rank_and_world",
+    "shard",
+]
 
 T = TypeVar("T")
 
@@ -75,3 +82,12 @@ def broadcast_object(value: T, src: int = 0) -> T:
     dist.broadcast_object_list(box, src=src)
     result: T = box[0]
     return result
+
+
+def all_gather_object(value: T) -> list[T]:
+    """Every rank's ``value``, in rank order (``[value]`` outside distributed training)."""
+    if not is_distributed():
+        return [value]
+    box: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, value)
+    return box

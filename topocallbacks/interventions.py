@@ -31,6 +31,7 @@ __all__ = [
     "apply",
     "capture_state",
     "current_learning_rates",
+    "has_sharded_state",
     "host_memory_available",
     "live_state_nbytes",
     "restore_state",
@@ -197,12 +198,19 @@ class LoopActuator:
 
 
 def live_state_nbytes(model: Any, optimizers: Iterable[Any]) -> int:
-    """About the bytes :func:`capture_state` will copy, read from the live state without copying it.
+    """About the bytes :func:`capture_state` will copy on this rank, read from the live state without copying it.
 
     The model's ``state_dict`` plus each optimizer's state; an optimizer with no state yet (before its first step)
-    counts as twice the trainable parameters (Adam's two moments), so the estimate is not low at step 0.
+    counts as twice the trainable parameters (Adam's two moments), so the estimate is not low at step 0. A sharded
+    model counts this rank's shards (the parameters' local shards; FSDP1's sharded state dict).
     """
-    total = state_nbytes(model.state_dict())
+    if has_sharded_state(model):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        model_bytes = state_nbytes(get_model_state_dict(model, options=_dcp_options()))
+    else:
+        model_bytes = state_nbytes(model.state_dict())
+    total = model_bytes
     for optimizer in optimizers:
         held = state_nbytes(optimizer.state_dict()["state"])
         params = sum(state_nbytes(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
@@ -340,9 +348,22 @@ def save_on_rank_zero(payload: Any, directory: str | os.PathLike[str], name: str
 
 
 def _host_copy(tree: Any) -> Any:
-    """A deep copy of a state dict with every tensor copied to host memory."""
+    """A deep copy of a state dict with every tensor copied to host memory.
+
+    A sharded tensor stays sharded: a DTensor (FSDP2, tensor parallelism) is copied as its local shard with the same
+    mesh and placements, a ``ShardedTensor`` (FSDP1's sharded state dict) shard by shard; no rank gathers anything.
+    """
     import torch
 
+    if _is_dtensor(tree):
+        from torch.distributed.tensor import DTensor
+
+        local = tree.to_local().detach().to("cpu", copy=True)  # `DTensor.to(copy=True)` would alias on the host
+        return DTensor.from_local(
+            local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride()
+        )
+    if _is_sharded_tensor(tree):
+        return tree.to("cpu") if tree.device.type != "cpu" else copy.deepcopy(tree)
     if isinstance(tree, torch.Tensor):
         return tree.detach().to("cpu", copy=True)
     if isinstance(tree, dict):
@@ -352,6 +373,46 @@ def _host_copy(tree: Any) -> Any:
     return copy.deepcopy(tree)
 
 
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    return type(value).__name__ == "ShardedTensor" and hasattr(value, "local_shards")
+
+
+def has_sharded_state(model: Any) -> bool:
+    """Whether ``model``'s state is sharded across ranks: FSDP1, FSDP2 (``fully_shard``) or DTensor parameters.
+
+    Its state is then read and written through ``torch.distributed.checkpoint``'s state-dict helpers, each rank its
+    own shard (:func:`capture_state`).
+
+    Raises:
+        SnapshotUnsupported: a DeepSpeed engine (its ZeRO partitions are not read or written exactly here).
+    """
+    from .probe.hooks import is_sharded
+
+    if any(type(m).__name__ == "DeepSpeedEngine" for m in model.modules()):
+        raise SnapshotUnsupported(DEEPSPEED_REFUSAL)
+    return is_sharded(model) or any(_is_dtensor(p) for p in model.parameters())
+
+
+#: Why DeepSpeed gets no rollback, and what to do instead (raised at set-up by the adapters).
+DEEPSPEED_REFUSAL = (
+    "`rollback` (and the restore before a `stop`) does not support DeepSpeed: its ZeRO partitions of the parameters "
+    "and optimizer states have no in-memory state-dict API that restores them exactly in place. Use FSDP "
+    "(`fully_shard`, Lightning's FSDPStrategy or ModelParallelStrategy, accelerate's FSDP), where rollback is exact, "
+    "or a rule that only warns or cuts the learning rate: policy={'action': 'lower_lr', "
+    "'after_max_lr_cuts': 'warn', 'on_diverged': 'lower_lr'}"
+)
+
+
+def _dcp_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=False)  # each rank its own shard: nothing gathered, nothing broadcast
+
+
 def capture_state(
     model: Any, optimizers: Iterable[Any], schedulers: Iterable[Any], scaler: Any = None
 ) -> dict[str, Any]:
@@ -359,21 +420,46 @@ def capture_state(
 
     The model's ``state_dict`` (parameters and buffers, e.g. batch-norm statistics), each optimizer's and
     scheduler's ``state_dict`` and the grad scaler's, every tensor copied to the host (the training goes on
-    changing the originals in place).
+    changing the originals in place). A sharded model (:func:`has_sharded_state`) is read through
+    ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``, sharded):
+    each rank copies its own shard, with no collective beyond what those helpers need.
 
     Example:
         >>> import torch
         >>> model = torch.nn.Linear(2, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> sorted(capture_state(model, [optimizer], []))
-        ['model', 'optimizers', 'scaler', 'schedulers']
+        ['model', 'optimizers', 'scaler', 'schedulers', 'sharded']
     """
+    optimizers = list(optimizers)
+    sharded = has_sharded_state(model)
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        options = _dcp_options()
+        model_state = get_model_state_dict(model, options=options)
+        optimizer_states = [
+            get_optimizer_state_dict(model, o, options=options) if o.state else _stateless(o) for o in optimizers
+        ]
+    else:
+        model_state, optimizer_states = model.state_dict(), [o.state_dict() for o in optimizers]
     return {
-        "model": _host_copy(model.state_dict()),
-        "optimizers": [_host_copy(optimizer.state_dict()) for optimizer in optimizers],
+        "model": _host_copy(model_state),
+        "optimizers": [_host_copy(state) for state in optimizer_states],
         "schedulers": [_host_copy(scheduler.state_dict()) for scheduler in schedulers],
         "scaler": None if scaler is None else _host_copy(scaler.state_dict()),
+        "sharded": sharded,
     }
+
+
+def _stateless(optimizer: Any) -> dict[str, Any]:
+    """An optimizer without state yet (before its first update), as its hyper-parameters.
+
+    ``get_optimizer_state_dict`` would create the state with a step of zero gradients, which counts as a step
+    (Adam's bias correction) and so would change the training it watches.
+    """
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    return {"stateless": True, "param_groups": copy.deepcopy(groups)}
 
 
 def restore_state(
@@ -382,10 +468,12 @@ def restore_state(
     """Load :func:`capture_state`'s copy back in place: the parameters are the same objects afterwards.
 
     Copies are loaded (``load_state_dict`` keeps a host tensor it is given as the optimizer's state, and the
-    snapshot must stay intact for a later rollback).
+    snapshot must stay intact for a later rollback). A sharded snapshot goes back through
+    ``set_model_state_dict`` / ``set_optimizer_state_dict``, each rank its own shard.
 
     Raises:
-        InputError: the snapshot holds another number of optimizers or schedulers than given.
+        InputError: the snapshot holds another number of optimizers or schedulers than given, or was taken of a
+            sharded model and the model is not (or the other way round).
     """
     optimizers, schedulers = list(optimizers), list(schedulers)
     if len(snapshot["optimizers"]) != len(optimizers) or len(snapshot["schedulers"]) != len(schedulers):
@@ -393,9 +481,28 @@ def restore_state(
             f"the snapshot holds {len(snapshot['optimizers'])} optimizer(s) and {len(snapshot['schedulers'])} "
             f"scheduler(s); the training has {len(optimizers)} and {len(schedulers)}"
         )
-    model.load_state_dict(snapshot["model"])
-    for optimizer, state in zip(optimizers, snapshot["optimizers"], strict=True):
-        optimizer.load_state_dict(_host_copy(state))
+    sharded = has_sharded_state(model)
+    if bool(snapshot.get("sharded", False)) != sharded:
+        raise InputError(
+            f"the snapshot was taken of a {'sharded' if snapshot.get('sharded') else 'whole'} model; this model is "
+            f"{'sharded' if sharded else 'whole'}"
+        )
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        options = _dcp_options()
+        set_model_state_dict(model, _host_copy(snapshot["model"]), options=options)
+        for optimizer, state in zip(optimizers, snapshot["optimizers"], strict=True):
+            if state.get("stateless"):
+                optimizer.state.clear()
+                for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+                    group.update(copy.deepcopy(saved))
+            else:
+                set_optimizer_state_dict(model, optimizer, _host_copy(state), options=options)
+    else:
+        model.load_state_dict(snapshot["model"])
+        for optimizer, state in zip(optimizers, snapshot["optimizers"], strict=True):
+            optimizer.load_state_dict(_host_copy(state))
     for scheduler, state in zip(schedulers, snapshot["schedulers"], strict=True):
         scheduler.load_state_dict(_host_copy(state))
     if scaler is not None and snapshot.get("scaler") is not None:
@@ -403,7 +510,11 @@ def restore_state(
 
 
 def state_nbytes(tree: Any) -> int:
-    """Bytes held by the tensors of a (nested) state."""
+    """Bytes held by the tensors of a (nested) state on this rank (a sharded tensor's local shards only)."""
+    if _is_dtensor(tree):
+        return state_nbytes(tree.to_local())
+    if _is_sharded_tensor(tree):
+        return sum(state_nbytes(shard.tensor) for shard in tree.local_shards())
     if hasattr(tree, "element_size") and hasattr(tree, "nelement"):
         return int(tree.element_size() * tree.nelement())
     if isinstance(tree, dict):

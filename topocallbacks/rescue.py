@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from ._state import StateFields, Stateful
 from .check import CheckRecord, InterventionRecord
-from .distributed import broadcast_object, rank_and_world
+from .distributed import all_gather_object, broadcast_object, rank_and_world
 from .exceptions import InputError, SnapshotUnsupported
 from .interventions import Actuator, apply, host_memory_available
 from .policy import Decision
@@ -131,7 +131,11 @@ class Rescuer(Stateful):
             # after the check: go back to one taken before the last check before the onset, which that check
             # saw healthy.
             onset -= self.settings.schedule.check_every - 1
-        return self.snapshots.newest_before(onset)
+        # Every rank goes back to the same step: the newest snapshot before the onset that every rank holds (a
+        # rank whose copy failed lacks one), or none anywhere, so that no rank restores alone.
+        held = all_gather_object([s.step for s in self.snapshots.snapshots if s.step < onset])
+        common = set(held[0]).intersection(*held[1:])
+        return self.snapshots.at(max(common)) if common else None
 
     def _settled(self, decision: Decision, target: Snapshot | None) -> tuple[Decision, Snapshot | None]:
         """The decision as carried out, and the snapshot it restores (None: none).
@@ -216,8 +220,19 @@ class Rescuer(Stateful):
     def _keep_snapshot(self, actuator: Actuator, step: int, diagrams: Any) -> None:
         """Keep this healthy state as a snapshot, unless it cannot be kept here (then say so once, and keep none)."""
         try:
-            self._check_room(actuator)
-            payload = _snapshot(actuator)
+            self._check_room(actuator)  # errors other than a refusal propagate: every rank must reach its collective
+            try:
+                kept = self.snapshots.add(step, _snapshot(actuator), diagrams)
+            except SnapshotUnsupported:
+                raise
+            except Exception as error:  # a copy that failed on this rank (host memory, the disk): go on without it
+                warnings.warn(
+                    f"topocallbacks could not keep the snapshot of step {step} on rank {rank_and_world()[0]} "
+                    f"({type(error).__name__}: {error}); a rollback goes back to an older snapshot every rank holds",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return
         except SnapshotUnsupported as error:
             self.snapshots_off = str(error)
             if rank_and_world()[0] == 0:
@@ -227,7 +242,6 @@ class Rescuer(Stateful):
                     stacklevel=4,
                 )
             return
-        kept = self.snapshots.add(step, payload, diagrams)
         kept.lr_factor = self.lr_factor_
         kept.rollback_cut = self.rollback_cut_
 

@@ -57,8 +57,9 @@ class SnapshotStore:
     Args:
         keep: how many are kept.
         directory: None keeps them in host memory; else each is ``torch.save``-d there as
-            ``topo-snapshot-step<S>.pt`` (this rank's file ends in ``-rank<R>`` in distributed training) and the
-            dropped ones are deleted.
+            ``topo-snapshot-step<S>.pt`` (this rank's file ends in ``-rank<R>`` in distributed training; under
+            sharding each rank's file holds its own shards), written whole or not at all, and the dropped ones are
+            deleted.
 
     Example:
         >>> store = SnapshotStore(keep=2)
@@ -85,7 +86,13 @@ class SnapshotStore:
             rank = rank_and_world()[0]
             suffix = f"-rank{rank}" if rank else ""
             snapshot.path = os.path.join(self.directory, f"topo-snapshot-step{step}{suffix}.pt")
-            torch.save(payload, snapshot.path)
+            partial = snapshot.path + ".partial"  # renamed once complete: a file named .pt is never half-written
+            try:
+                torch.save(payload, partial)
+                os.replace(partial, snapshot.path)
+            finally:
+                if os.path.exists(partial):
+                    os.remove(partial)
         self.snapshots = [s for s in self.snapshots if s.step != step] + [snapshot]
         while len(self.snapshots) > self.keep:
             self._drop(self.snapshots.pop(0))
@@ -94,6 +101,10 @@ class SnapshotStore:
     def newest_before(self, step: int) -> Snapshot | None:
         """The newest snapshot taken at a step before ``step``, or None."""
         return next((s for s in reversed(self.snapshots) if s.step < step), None)
+
+    def at(self, step: int) -> Snapshot | None:
+        """The snapshot taken at ``step``, or None."""
+        return next((s for s in self.snapshots if s.step == step), None)
 
     def drop_after(self, step: int) -> None:
         """Forget the snapshots taken after ``step`` (after a rollback to it, they belong to an abandoned past)."""

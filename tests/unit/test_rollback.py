@@ -735,3 +735,33 @@ def test_snapshots_on_disk_skip_the_memory_check(monkeypatch, tmp_path):
     done = loop.run(range(0, 61), fault_at(50, 51))
     assert [(d.step, d.action, d.snapshot_step) for d in done] == [(50, "rollback", 45)]
     assert monitor.snapshots_off is None
+
+
+def test_a_snapshot_copy_that_fails_is_skipped_with_a_warning_and_training_goes_on():
+    loop = Loop(rollback_monitor())
+    take, failed = loop.actuator.snapshot, []
+
+    def failing():
+        if len(loop.batches) - 1 == 40 and not failed:  # the step being acted on
+            failed.append(40)
+            raise MemoryError("no room")
+        return take()
+
+    loop.actuator.snapshot = failing
+    with pytest.warns(RuntimeWarning, match=r"could not keep the snapshot of step 40 on rank 0 \(MemoryError: no room"):
+        done = loop.run(range(0, 51), fault_at(45, 46))
+    # The rollback goes back past the missing copy, to step 35's.
+    assert [(d.step, d.action, d.snapshot_step) for d in done] == [(45, "rollback", 35)]
+
+
+def test_a_snapshot_file_is_written_whole_or_not_at_all(tmp_path):
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("the disk is full")
+
+    store = SnapshotStore(keep=2, directory=str(tmp_path))
+    store.add(10, {"w": torch.ones(3)}, diagrams=None)
+    with pytest.raises(RuntimeError, match="the disk is full"):
+        store.add(20, {"w": torch.ones(3), "bad": Unpicklable()}, diagrams=None)
+    assert sorted(os.listdir(tmp_path)) == ["topo-snapshot-step10.pt"]  # no partial file of step 20
+    assert [s.step for s in store.snapshots] == [10]

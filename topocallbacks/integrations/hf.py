@@ -134,6 +134,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         model = kw["model"]
         self.monitor.resolve_layers(model)  # unknown names fail here, with close matches
         self._found(self._trainer or glue.trainer_holding(self))
+        glue.refuse_unsupported_rollback(self._trainer, self.monitor.keeps_snapshots)
         # Resuming: the checkpoint's saved state (or the Trainer's rebuild's), so that no action fires twice.
         fresh = self.monitor.history or not state.global_step
         restored = (None if fresh else glue.saved_state(state, type(self), self.monitor.settings)) or self._restored

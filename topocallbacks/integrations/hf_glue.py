@@ -17,9 +17,15 @@ from transformers import Trainer, TrainerControl, TrainerState
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer_callback import CallbackHandler
 
-from ..exceptions import InputError, SnapshotUnsupported
+from ..exceptions import ConfigError, InputError, SnapshotUnsupported
 from ..intake import OptimizerStep
-from ..interventions import StateActuator, current_learning_rates, save_on_rank_zero, scale_learning_rate
+from ..interventions import (
+    DEEPSPEED_REFUSAL,
+    StateActuator,
+    current_learning_rates,
+    save_on_rank_zero,
+    scale_learning_rate,
+)
 from ..monitor import TopoMonitor
 from ..settings import MonitorSettings
 from ..sinks import distinct_prefixes
@@ -73,25 +79,29 @@ class TrainerActuator(StateActuator):
         # update is the inner optimizer's step(), which accelerate and the scaler call).
         optimizers = [getattr(optimizer, "optimizer", optimizer)]
         schedulers = [] if scheduler is None else [getattr(scheduler, "scheduler", scheduler)]
+        if self.trainer is not None and getattr(self.trainer, "is_fsdp_enabled", False):
+            model = self.trainer.model_wrapped  # the FSDP root accelerate made: the sharded state is read there
         return model, optimizers, schedulers, scaler
 
     def _check_snapshots(self) -> None:
-        trainer = self.trainer
-        if trainer is not None and (
-            getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)
-        ):
-            # Sharded parameters and optimizer states: a state_dict is not a copy load_state_dict puts back in place.
-            raise SnapshotUnsupported(
-                f"`rollback` does not support {'FSDP' if getattr(trainer, 'is_fsdp_enabled', False) else 'DeepSpeed'} "
-                "(sharded parameters and optimizer states); it runs on one device and with DDP. Use `stop` with "
-                "`checkpoint_on_stop` and resume instead"
-            )
+        if getattr(self.trainer, "is_deepspeed_enabled", False):
+            raise SnapshotUnsupported(DEEPSPEED_REFUSAL)
 
     def _restored(self, model: Any, optimizers: list[Any], schedulers: list[Any]) -> str:
         return f"model, optimizer and {len(schedulers)} scheduler(s) restored"
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
         return save_on_rank_zero(snapshot, self.output_dir, tag + ".pt")
+
+
+def refuse_unsupported_rollback(trainer: Trainer | None, keeps_snapshots: bool) -> None:
+    """At set-up: a rule that can roll back (or restore before a stop) under DeepSpeed is refused, naming why.
+
+    Raises:
+        ConfigError: DeepSpeed and a rule that keeps snapshots.
+    """
+    if keeps_snapshots and getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError(DEEPSPEED_REFUSAL)
 
 
 # --- the Trainer that holds a callback ---------------------------------------------------------------------------

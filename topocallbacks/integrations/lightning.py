@@ -116,6 +116,7 @@ class TopoCollapseCallback(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.monitor.resolve_layers(pl_module)  # unknown names fail here, with close matches
+        glue.refuse_unsupported_rollback(trainer, self.monitor.keeps_snapshots)
         ours = [c for c in trainer.callbacks if isinstance(c, TopoCollapseCallback)]  # type: ignore[attr-defined]
         glue.name_metrics(self, pl_module, ours)
         if self.streaming:

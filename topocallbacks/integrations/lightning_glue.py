@@ -14,8 +14,14 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
-from ..exceptions import InputError, SnapshotUnsupported
-from ..interventions import StateActuator, current_learning_rates, save_on_rank_zero, scale_learning_rate
+from ..exceptions import ConfigError, InputError, SnapshotUnsupported
+from ..interventions import (
+    DEEPSPEED_REFUSAL,
+    StateActuator,
+    current_learning_rates,
+    save_on_rank_zero,
+    scale_learning_rate,
+)
 from ..probe import is_fsdp1_wrapper, resolve_layer
 from ..sinks import distinct_prefixes
 
@@ -50,23 +56,30 @@ class LightningActuator(StateActuator):
         trainer = self.trainer
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # mixed precision's GradScaler, if any
-        return trainer.lightning_module, trainer.optimizers, schedulers, scaler
+        # FSDPStrategy wraps the module in its FSDP root: the sharded state is read and written there.
+        sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+        model = trainer.strategy.model if sharded else trainer.lightning_module
+        return model, trainer.optimizers, schedulers, scaler
 
     def _check_snapshots(self) -> None:
-        strategy = self.trainer.strategy
-        if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
-            # Their parameters and optimizer states are sharded (flat parameters, DTensors, ZeRO partitions): a
-            # state_dict of the LightningModule is not a copy that load_state_dict can put back in place.
-            raise SnapshotUnsupported(
-                f"`rollback` does not support {type(strategy).__name__} (sharded parameters and optimizer states); "
-                "it runs on one device and with DDP. Use `stop` with `checkpoint_on_stop` and resume instead"
-            )
+        if isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            raise SnapshotUnsupported(DEEPSPEED_REFUSAL)
 
     def _restored(self, model: Any, optimizers: list[Any], schedulers: list[Any]) -> str:
         return f"module, {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s) restored"
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
         return save_on_rank_zero(snapshot, self.rescue_dir, tag + ".pt")
+
+
+def refuse_unsupported_rollback(trainer: pl.Trainer, keeps_snapshots: bool) -> None:
+    """At set-up: a rule that can roll back (or restore before a stop) under DeepSpeed is refused, naming why.
+
+    Raises:
+        ConfigError: DeepSpeedStrategy and a rule that keeps snapshots.
+    """
+    if keeps_snapshots and isinstance(trainer.strategy, DeepSpeedStrategy):
+        raise ConfigError(DEEPSPEED_REFUSAL)
 
 
 def step_grad_norm(trainer: pl.Trainer, optimizer: torch.optim.Optimizer, *, sharded: bool) -> Any:
