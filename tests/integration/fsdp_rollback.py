@@ -6,11 +6,12 @@ The watched ``encoder`` (a linear layer after the transformer block) is collapse
 row made equal to the first: rank-one features), so the checks at 15 and 25 roll back, to the snapshots of 10 and
 20, with a learning-rate cut of 0.5 that compounds and a skip of 3 updates. In ``fail`` mode rank 1's copy of the
 snapshot at step 20 fails: both ranks then go back to step 10, the newest snapshot every rank holds. In ``disk``
-mode the snapshots are files (``snapshot_dir``), one per rank.
+mode the snapshots are files (``snapshot_dir``), one per rank; in ``kill`` mode too, and rank 1 is killed
+(SIGKILL) in the middle of its snapshot at step 20.
 
 At every step, after the monitor acted, each rank records a hash of its own shards (parameters, optimizer state) and
 of the gathered full state, the step counters and the learning rate. Run by the tests as
-``torchrun --nproc_per_node 2 tests/integration/fsdp_rollback.py OUT {fsdp2,fsdp1} {plain,fail,disk}``.
+``torchrun --nproc_per_node 2 tests/integration/fsdp_rollback.py OUT {fsdp2,fsdp1} {plain,fail,disk,kill}``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -138,16 +140,19 @@ def main(out: str, kind: str, mode: str) -> None:
     net = sharded(kind)
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.05 * s))
-    on_disk = {"snapshot_dir": str(Path(out, "snapshots"))} if mode == "disk" else {}
+    on_disk = {"snapshot_dir": str(Path(out, "snapshots"))} if mode in ("disk", "kill") else {}
     monitor = TopoMonitor(
         probe=x[:96], layer="encoder", check_every=5, index="rankme", policy=RULE, batch_size=16, **on_disk
     )
     actuator = LoopActuator(optimizer, scheduler, model=net)
     now = [0]  # the step being acted on
-    if mode == "fail" and rank == 1:
+    if mode in ("fail", "kill") and rank == 1:
         take = actuator.snapshot
 
         def failing() -> Any:
+            if now[0] == 20 and mode == "kill":
+                take()
+                os.kill(os.getpid(), signal.SIGKILL)  # killed in the middle of its snapshot, before it is kept
             if now[0] == 20:
                 raise MemoryError("injected: no room for this copy")
             return take()

@@ -98,6 +98,23 @@ def test_lightning_model_parallel_strategy_rolls_back_every_rank_bit_for_bit(tmp
     assert all(found.values()), found
 
 
+@pytest.mark.slow
+def test_a_rank_killed_mid_snapshot_ends_the_job_without_a_hang_or_a_restore(tmp_path):
+    # torchrun ends the other rank; no rank goes on alone, none restores, and no file of the killed copy is left.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    script = Path(__file__).parent / "fsdp_rollback.py"
+    done = subprocess.run(
+        [*launcher, str(script), str(tmp_path), "fsdp2", "kill"], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert done.returncode != 0
+    assert "exitcode  : -9" in done.stdout + done.stderr  # rank 1, killed
+    assert not list(tmp_path.glob("rank*.json"))  # no rank trained on to its end
+    files = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
+    assert "topo-snapshot-step20-rank1.pt" not in files
+    assert not [f for f in files if f.endswith(".partial")]
+
+
 def gpu_script():
     """``benchmarks/gpu_sharded_rollback.py``: the GPU cases' runner and the checks they must pass."""
     spec = importlib.util.spec_from_file_location("gpu_sharded_rollback", BENCHMARKS / "gpu_sharded_rollback.py")
