@@ -347,30 +347,46 @@ def save_on_rank_zero(payload: Any, directory: str | os.PathLike[str], name: str
     return f"saved to {path}"
 
 
-def _host_copy(tree: Any) -> Any:
+def _host_copy(tree: Any, pinned: bool = False) -> Any:
     """A deep copy of a state dict with every tensor copied to host memory.
 
     A sharded tensor stays sharded: a DTensor (FSDP2, tensor parallelism) is copied as its local shard with the same
     mesh and placements, a ``ShardedTensor`` (FSDP1's sharded state dict) shard by shard; no rank gathers anything.
+    ``pinned``: GPU tensors go to pinned host memory with non-blocking copies (:func:`_to_host`).
     """
     import torch
 
     if _is_dtensor(tree):
         from torch.distributed.tensor import DTensor
 
-        local = tree.to_local().detach().to("cpu", copy=True)  # `DTensor.to(copy=True)` would alias on the host
+        local = _to_host(tree.to_local().detach(), pinned)  # `DTensor.to(copy=True)` would alias on the host
         return DTensor.from_local(
             local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride()
         )
     if _is_sharded_tensor(tree):
         return tree.to("cpu") if tree.device.type != "cpu" else copy.deepcopy(tree)
     if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
+        return _to_host(tree.detach(), pinned)
     if isinstance(tree, dict):
-        return {key: _host_copy(value) for key, value in tree.items()}
+        return {key: _host_copy(value, pinned) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_host_copy(value) for value in tree)
+        return type(tree)(_host_copy(value, pinned) for value in tree)
     return copy.deepcopy(tree)
+
+
+def _to_host(tensor: Any, pinned: bool) -> Any:
+    """A host copy of ``tensor``; from a CUDA device with ``pinned``, a non-blocking copy into pinned memory.
+
+    The copy is queued on the current stream, so the training's later in-place updates on that stream come after it;
+    only a reader of the host copy must wait for it (:func:`capture_state`'s ``ready`` event).
+    """
+    if pinned and tensor.device.type == "cuda":
+        import torch
+
+        out = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        out.copy_(tensor, non_blocking=True)
+        return out
+    return tensor.to("cpu", copy=True)
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -420,7 +436,10 @@ def capture_state(
 
     The model's ``state_dict`` (parameters and buffers, e.g. batch-norm statistics), each optimizer's and
     scheduler's ``state_dict`` and the grad scaler's, every tensor copied to the host (the training goes on
-    changing the originals in place). A sharded model (:func:`has_sharded_state`) is read through
+    changing the originals in place). From a GPU the copies go to pinned host memory without blocking the loop,
+    and ``"ready"`` holds a CUDA event recorded after them: wait on it (``ready.synchronize()``) before reading the
+    host tensors (:class:`~topocallbacks.rollback.SnapshotStore` does). A sharded model (:func:`has_sharded_state`) is
+    read through
     ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``, sharded):
     each rank copies its own shard, with no collective beyond what those helpers need.
 
@@ -443,13 +462,23 @@ def capture_state(
         ]
     else:
         model_state, optimizer_states = model.state_dict(), [o.state_dict() for o in optimizers]
-    return {
-        "model": _host_copy(model_state),
-        "optimizers": [_host_copy(state) for state in optimizer_states],
+    state = {
+        "model": _host_copy(model_state, pinned=True),
+        "optimizers": [_host_copy(state, pinned=True) for state in optimizer_states],
         "schedulers": [_host_copy(scheduler.state_dict()) for scheduler in schedulers],
         "scaler": None if scaler is None else _host_copy(scaler.state_dict()),
         "sharded": sharded,
     }
+    if _on_cuda(model):
+        import torch
+
+        state["ready"] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        state["ready"].record()  # after the queued copies: the one point a reader waits for
+    return state
+
+
+def _on_cuda(model: Any) -> bool:
+    return any(p.device.type == "cuda" for p in model.parameters())
 
 
 def _stateless(optimizer: Any) -> dict[str, Any]:

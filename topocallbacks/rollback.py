@@ -32,6 +32,8 @@ class Snapshot:
         lr_factor: the monitor's cumulative learning-rate factor when it was taken.
         rollback_cut: the product of the rollbacks' learning-rate cuts already in its rates (a rollback to it cuts
             only by what the rule asks beyond that).
+        ready: a CUDA event recorded after the copies of a snapshot taken from a GPU (pinned host memory,
+            non-blocking), or None; :meth:`load` waits for it.
     """
 
     step: int
@@ -41,14 +43,26 @@ class Snapshot:
     path: str | None = None
     lr_factor: float = 1.0
     rollback_cut: float = 1.0
+    ready: Any = None
 
     def load(self) -> Any:
-        """The training state (read from :attr:`path` when it lives on disk)."""
+        """The training state (read from :attr:`path` when it lives on disk).
+
+        A copy still on its way from the GPU (:attr:`ready`, a CUDA event) is waited for first: the one
+        synchronisation point of an asynchronous snapshot.
+        """
+        self.wait()
         if self.path is None:
             return self.payload
         import torch
 
         return torch.load(self.path, weights_only=True)  # written by this process: tensors and plain values
+
+    def wait(self) -> None:
+        """Wait until the copy into host memory is complete (at once for a copy that did not come from a GPU)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
 
 
 class SnapshotStore:
@@ -75,8 +89,13 @@ class SnapshotStore:
         self.snapshots: list[Snapshot] = []
 
     def add(self, step: int, payload: Any, diagrams: Any) -> Snapshot:
-        """Keep a new snapshot (dropping the oldest beyond ``keep``); returns it."""
-        snapshot = Snapshot(step, state_nbytes(payload), diagrams)
+        """Keep a new snapshot (dropping the oldest beyond ``keep``); returns it.
+
+        A payload's ``"ready"`` event (:func:`~topocallbacks.interventions.capture_state` from a GPU) is kept beside
+        it, and waited for only when the snapshot is read or written to a file.
+        """
+        ready = payload.pop("ready", None) if isinstance(payload, dict) else None
+        snapshot = Snapshot(step, state_nbytes(payload), diagrams, ready=ready)
         if self.directory is None:
             snapshot.payload = payload
         else:
@@ -87,6 +106,7 @@ class SnapshotStore:
             suffix = f"-rank{rank}" if rank else ""
             snapshot.path = os.path.join(self.directory, f"topo-snapshot-step{step}{suffix}.pt")
             partial = snapshot.path + ".partial"  # renamed once complete: a file named .pt is never half-written
+            snapshot.wait()
             try:
                 torch.save(payload, partial)
                 os.replace(partial, snapshot.path)

@@ -765,3 +765,27 @@ def test_a_snapshot_file_is_written_whole_or_not_at_all(tmp_path):
         store.add(20, {"w": torch.ones(3), "bad": Unpicklable()}, diagrams=None)
     assert sorted(os.listdir(tmp_path)) == ["topo-snapshot-step10.pt"]  # no partial file of step 20
     assert [s.step for s in store.snapshots] == [10]
+
+
+class CopyDone:
+    """Stands in for the CUDA event of a snapshot copied from a GPU (no GPU here): counts the waits on it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_an_asynchronous_snapshot_is_waited_for_once_and_only_when_read_or_written(tmp_path, on_disk):
+    store = SnapshotStore(keep=2, directory=str(tmp_path) if on_disk else None)
+    done = CopyDone()
+    snapshot = store.add(10, {"w": torch.ones(3), "ready": done}, diagrams=None)
+    assert done.waits == (1 if on_disk else 0)  # a file is written from complete host copies; memory waits
+    assert snapshot.nbytes == 12
+    payload = snapshot.load()
+    assert sorted(payload) == ["w"]  # the event is not part of the state
+    assert torch.equal(payload["w"], torch.ones(3))
+    snapshot.load()
+    assert done.waits == 1  # one synchronisation point
