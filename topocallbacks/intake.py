@@ -5,12 +5,15 @@ Kept as given (device tensors are not read on the training step) and taken once 
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import Any
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
+
+from .exceptions import InputError
 
 __all__ = ["Intake", "OptimizerStep", "host_batches", "mean_of"]
 
@@ -37,6 +40,15 @@ def host_batches(batches: list[tuple[int, Any]]) -> list[tuple[int, NDArray[np.f
     return [(step, host[id(b)] if isinstance(b, torch.Tensor) else np.asarray(b)) for step, b in batches]
 
 
+def _check_channel(value: Any, name: str) -> bool:
+    """Whether ``value`` is a plain number; None and tensors pass; anything else is an InputError naming it."""
+    if value is None or isinstance(value, torch.Tensor):
+        return False
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputError(f"`{name}` must be a number or a tensor, got {value!r:.80} of type {type(value).__name__}")
+    return True
+
+
 class Intake:
     """The training channels of the steps since the last check, and (streaming) their batches' features.
 
@@ -59,7 +71,15 @@ class Intake:
         self._unfed = 0  # checks at which a watched training channel had no value (said at the second)
 
     def record(self, loss: Any = None, grad_norm: Any = None) -> None:
-        """One step's loss and gradient norm (floats or tensors; None: not known)."""
+        """One step's loss and gradient norm (floats or tensors; None: not known).
+
+        Raises:
+            InputError: a value that is not a number or a tensor, or a negative gradient norm (NaN and Inf are
+                data: they make the next check a diverged one).
+        """
+        _check_channel(loss, "loss")
+        if _check_channel(grad_norm, "grad_norm") and grad_norm < 0:
+            raise InputError(f"`grad_norm` must be >= 0 (a norm), got {grad_norm!r}")
         if loss is not None or grad_norm is not None:
             self._steps.append((loss, grad_norm))
 

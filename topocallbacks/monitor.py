@@ -19,6 +19,7 @@ log the records, and hand each decision to :meth:`TopoMonitor.act` with their fr
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from ._state import StateFields, Stateful
+from ._validation import check_int
 from .budget import Budget, Plan
 from .check import CheckRecord, InterventionRecord, record_from_dict
 from .distributed import rank_and_world
@@ -33,6 +35,7 @@ from .exceptions import InputError
 from .intake import Intake
 from .interventions import Actuator
 from .pipeline import CheckPipeline, LayeredPipeline, make_pipeline
+from .presets import resolve_settings
 from .probe import AutocastFactory
 from .probing import ProbePass
 from .rescue import Rescuer
@@ -50,10 +53,18 @@ R = TypeVar("R")
 
 
 def _timed(method: Callable[P, R]) -> Callable[P, R]:
-    """A monitor entry point whose time counts as the monitor's own (the overhead budget's measure)."""
+    """A monitor entry point whose time counts as the monitor's own (the overhead budget's measure).
+
+    Its ``step`` argument, if it has one (given by name or by position), must be an integer >= 0: an InputError
+    naming it otherwise.
+    """
+    names = list(inspect.signature(method).parameters)
+    position = names.index("step") if "step" in names else None
 
     @functools.wraps(method)
     def timed(*args: P.args, **kwargs: P.kwargs) -> R:
+        if position is not None:
+            check_int(kwargs["step"] if "step" in kwargs else args[position], "step", minimum=0)
         with args[0].budget.meter.own():  # type: ignore[attr-defined]
             return method(*args, **kwargs)
 
@@ -64,8 +75,9 @@ class TopoMonitor(Stateful):
     """Watches the features of a fixed probe (or of the training batches) and decides when to act.
 
     Args:
-        settings: a :class:`~topocallbacks.settings.MonitorSettings` (a preset's ``settings``, say); default: every
-            option at its default.
+        settings: a :class:`~topocallbacks.settings.MonitorSettings`, or a mapping of options merged into the
+            preset's; default: every option at its default (or the preset's).
+        preset: a preset name (``presets.available()``) or a YAML path whose values are the defaults.
         probe: probe inputs (a tensor, a Dataset, a list of inputs, a mapping of columns such as a tokenizer's
             output, or a list of texts with ``tokenizer``; see :class:`~topocallbacks.probe.Probe`); needed in
             probe mode to run :meth:`check` (:meth:`process` takes features directly).
@@ -95,13 +107,12 @@ class TopoMonitor(Stateful):
         decode={"history": lambda h: [record_from_dict(r) for r in h]},
     )  # fmt: skip
 
-    def __init__(
-        self, settings: MonitorSettings | None = None, *, probe: Any = None, tokenizer: Any = None, **overrides: Any
-    ) -> None:
-        if settings is not None and not isinstance(settings, MonitorSettings):
-            raise InputError(f"`settings` must be a MonitorSettings, got {type(settings).__name__}")
-        base = MonitorSettings() if settings is None else settings
-        self.settings = s = base.merged(overrides) if overrides else base
+    def __init__(self, settings: MonitorSettings | Mapping[str, Any] | None = None, *, preset: str | os.PathLike[str] |
+                 None = None, probe: Any = None, tokenizer: Any = None, **overrides: Any) -> None:  # fmt: skip
+        if settings is not None and not isinstance(settings, (MonitorSettings, Mapping)):
+            raise InputError(f"`settings` must be a MonitorSettings or a mapping of options, got {settings!r:.80}")
+        self.settings = s = resolve_settings(preset, settings, overrides)
+        self.preset = preset
         self.probing = ProbePass(s, probe, tokenizer)
         self.pipeline: CheckPipeline | LayeredPipeline = make_pipeline(s)
         self.schedule = Schedule(s.schedule)
@@ -140,6 +151,11 @@ class TopoMonitor(Stateful):
         """The module names this monitor watches in ``model``, the primary first (:meth:`ProbePass.resolve`)."""
         return self.probing.resolve(model, self.pipeline if isinstance(self.pipeline, LayeredPipeline) else None)
 
+    @classmethod
+    def from_preset(cls, preset: str | os.PathLike[str], probe: Any = None, **overrides: Any) -> TopoMonitor:
+        """A monitor configured by a preset (a name or a YAML path), then overrides, as the callbacks' are."""
+        return cls(preset=preset, probe=probe, **overrides)
+
     # --- the per-step entry point ---------------------------------------------------------------------------
 
     @_timed
@@ -172,7 +188,7 @@ class TopoMonitor(Stateful):
         """Probe mode: run the probe through ``model`` and evaluate it now; every rank calls it, gets one record.
 
         Raises:
-            InputError: no probe, or the probe pass failed (the message names the model, layer and step).
+            InputError: no probe, no module, or a failed probe pass (naming the model, layer, step and probe).
         """
         self._submit_probe(model, step, lag=0)
         return self._collect(step)[-1]  # submitted with lag 0: applied at once
@@ -186,7 +202,7 @@ class TopoMonitor(Stateful):
         returned the primary layer's (``layer`` when it is a key, else the first; the others are in the history).
 
         Raises:
-            InputError: features of the wrong shape, or whose dimension changed since the first check.
+            InputError: features of the wrong shape or whose dimension changed; a bad step, loss or grad_norm.
         """
         self.schedule.settle_background(features)
         primary = self.settings.probe.layer

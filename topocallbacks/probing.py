@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from numpy.typing import NDArray
 
 from .distributed import gather_probe_features
@@ -144,6 +145,8 @@ class ProbePass:
         """
         if self.probe is None:
             raise InputError("this monitor has no probe (and layer): pass features to process() instead")
+        if not hasattr(model, "named_modules"):
+            raise InputError(f"`model` must be a torch module, got {model!r:.80} of type {type(model).__name__}")
         start = time.perf_counter()
         self.autocast = autocast
         try:
@@ -153,6 +156,16 @@ class ProbePass:
         except InputError as exc:
             layer = None if self.extractor is None else list(self.extractor.settings.layers or self.extractor.layer)
             raise InputError(f"{exc} (model {type(model).__name__}, layer {layer!r}, step {step})") from exc
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            if isinstance(exc, torch.OutOfMemoryError) or type(exc).__name__.startswith("Dist"):
+                raise  # not the probe's fault: the device is full, or a collective failed
+            layers = [] if self.extractor is None else list(self.extractor.settings.layers or self.extractor.layer)
+            shown = layers[0] if len(layers) == 1 else layers
+            raise InputError(
+                f"the probe pass of {type(model).__name__} failed at step {step} (layer {shown!r}): "
+                f"{type(exc).__name__}: {exc}. The probe must be inputs that the model's forward takes; this is a "
+                f"{self.probe.describe()}"
+            ) from exc
         return features, (time.perf_counter() - start) * 1e3
 
     @property

@@ -1,6 +1,16 @@
 """Where check records go: a JSONL history file and TensorBoard scalars (and persistence-diagram figures).
 
 Both are optional and framework-free. TensorBoard is imported only when a :class:`TensorBoardSink` is created.
+
+The names every logger receives (the callbacks' loggers too), under ``topo`` (or the callback's prefix):
+
+- each check: ``topo/index``, ``topo/ci`` and its components, ``topo/betti0`` ..., the costs (``topo/check_ms``,
+  ``topo/overhead`` ...), and the rule's view of it: ``topo/score/<channel>`` (the score of each watched channel,
+  ``index``, ``loss`` or ``grad_norm``, once it has one) and ``topo/threshold/<channel>`` (what that score is
+  compared with; the rule holds on a channel when its score reaches its threshold);
+- each intervention, at its step: ``topo/intervention``, the action's code (:data:`ACTION_CODES`: 1 warn,
+  2 lower_lr, 3 rollback, 4 stop), and where the logger takes text, the reason and what was done
+  (:func:`intervention_text`) under ``topo/intervention``.
 """
 
 from __future__ import annotations
@@ -14,10 +24,23 @@ from typing import Any
 
 import numpy as np
 
-from .check import CheckRecord
+from .check import CheckRecord, InterventionRecord
 from .settings import OutputSettings
 
-__all__ = ["JsonlSink", "Sinks", "TensorBoardSink", "distinct_prefixes", "prefix_of", "scalars_of"]
+__all__ = [
+    "ACTION_CODES",
+    "JsonlSink",
+    "Sinks",
+    "TensorBoardSink",
+    "distinct_prefixes",
+    "intervention_scalars",
+    "intervention_text",
+    "prefix_of",
+    "scalars_of",
+]
+
+#: ``topo/intervention``'s value for each action (a marker a dashboard can plot against the other curves).
+ACTION_CODES = {"warn": 1.0, "lower_lr": 2.0, "rollback": 3.0, "stop": 4.0}
 
 
 def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
@@ -62,7 +85,27 @@ def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
         scalars["overhead"] = record.overhead
     for name, value in report.components.items():
         scalars[f"{name}_term"] = value
+    decision = record.decision
+    scores = decision.scores if decision.scores is not None else {"index": decision.score}
+    scalars |= {f"score/{name}": value for name, value in scores.items() if value is not None}
+    scalars |= {f"threshold/{name}": value for name, value in (decision.thresholds or {}).items()}
     return {f"{prefix}/{key}": float(value) for key, value in scalars.items()}
+
+
+def intervention_scalars(record: InterventionRecord, prefix: str = "topo") -> dict[str, float]:
+    """``{<prefix>/intervention: code}`` (:data:`ACTION_CODES`), logged at the intervention's step.
+
+    Example:
+        >>> from topocallbacks.check import InterventionRecord
+        >>> intervention_scalars(InterventionRecord(40, "rollback", "index and loss", "rolled back", 0.5))
+        {'topo/intervention': 3.0}
+    """
+    return {f"{prefix}/intervention": ACTION_CODES.get(record.action, 0.0)}
+
+
+def intervention_text(record: InterventionRecord) -> str:
+    """An intervention in a few lines of text (Markdown): the action and step, why, and what was done."""
+    return f"**{record.action}** at step {record.step}\n\nWhy: {record.reason}\n\nDone: {record.detail}"
 
 
 def prefix_of(record: CheckRecord, prefix: str = "topo") -> str:
@@ -120,9 +163,18 @@ class TensorBoardSink:
         self.prefix = prefix
         self._warned = False
 
-    def write(self, record: CheckRecord, diagrams: list[np.ndarray] | None = None) -> None:
-        """Log a check record's scalars at its step (that of its features); a figure of ``diagrams`` if given."""
+    def write(self, record: CheckRecord | InterventionRecord, diagrams: list[np.ndarray] | None = None) -> None:
+        """Log a check record's scalars at its step (that of its features); a figure of ``diagrams`` if given.
+
+        An intervention: its marker (:func:`intervention_scalars`) and its text (:func:`intervention_text`).
+        """
         step = record.step
+        if isinstance(record, InterventionRecord):
+            for name, value in intervention_scalars(record, self.prefix).items():
+                self.writer.add_scalar(name, value, global_step=step)
+            self.writer.add_text(f"{self.prefix}/intervention", intervention_text(record), global_step=step)
+            self.writer.flush()
+            return
         for name, value in scalars_of(record, self.prefix).items():
             self.writer.add_scalar(name, value, global_step=step)
         if diagrams is not None:
@@ -169,10 +221,10 @@ class Sinks:
         self._tensorboard: TensorBoardSink | None = None  # created at the first check (writers do not pickle)
 
     def write(self, record: Any, diagrams: list[np.ndarray] | None = None, *, prefix: str = "topo") -> None:
-        """Write ``record`` (a check or an intervention) to the JSONL file and, a check, to TensorBoard."""
+        """Write ``record`` (a check or an intervention) to the JSONL file and to TensorBoard."""
         if self._jsonl is not None:
             self._jsonl.write(record.as_dict())
-        if self.output.tensorboard_dir is not None and isinstance(record, CheckRecord):
+        if self.output.tensorboard_dir is not None and isinstance(record, (CheckRecord, InterventionRecord)):
             if self._tensorboard is None:
                 self._tensorboard = TensorBoardSink(self.output.tensorboard_dir, prefix=prefix)
             self._tensorboard.write(record, diagrams)

@@ -127,9 +127,10 @@ def zen_texts() -> list[str]:
     return lines + [f"{a} {b}" for a, b in itertools.pairwise(lines)]
 
 
-def zen_tokenizer(padding_side: str = "right"):
+def zen_tokenizer(padding_side: str = "right", token_type_ids: bool = False):
     """A real BPE tokenizer (the ``tokenizers`` library) trained on those texts, under 256 tokens, with an
-    end-of-text token and no pad token, as GPT-2's and LLaMA's tokenizers come."""
+    end-of-text token and no pad token, as GPT-2's and LLaMA's tokenizers come (``token_type_ids``: it also gives
+    them, as BERT's does)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -137,6 +138,8 @@ def zen_tokenizer(padding_side: str = "right"):
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.BpeTrainer(vocab_size=250, special_tokens=["<|endoftext|>", "<unk>"], show_progress=False)
     tokenizer.train_from_iterator(zen_texts(), trainer)
+    names = ["input_ids", "token_type_ids", "attention_mask"] if token_type_ids else ["input_ids", "attention_mask"]
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", unk_token="<unk>", padding_side=padding_side
-    )
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", unk_token="<unk>", padding_side=padding_side,
+        model_input_names=names,
+    )  # fmt: skip

@@ -166,3 +166,35 @@ def test_probe_from_the_validation_dataloader(tmp_path):
         quiet_trainer(tmp_path, [disabled], 5, limit_val_batches=0).fit(
             tiny("resnet"), digits_loader(batch_size=32), validation
         )
+
+
+class TwoInputEncoder(pl.LightningModule):
+    """A LightningModule whose forward takes input_ids and attention_mask only (no token_type_ids)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(256, 16)
+        self.encoder = torch.nn.Linear(16, 16)
+
+    def forward(self, input_ids, attention_mask=None):
+        hidden = self.encoder(self.embed(input_ids))
+        return hidden if attention_mask is None else hidden * attention_mask.unsqueeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_text_probe_passes_only_the_inputs_the_models_forward_takes_and_says_which_it_dropped(tmp_path):
+    tokenizer = zen_tokenizer(token_type_ids=True)
+    assert "token_type_ids" in tokenizer("a text")  # what made such a model fail before
+    callback = TopoCollapseCallback(probe=zen_texts(), tokenizer=tokenizer, layer="encoder", check_every=5)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(text_windows() % 250), batch_size=16)
+    with pytest.warns(RuntimeWarning, match=r"TwoInputEncoder.forward takes no token_type_ids") as said:
+        quiet_trainer(tmp_path, [callback], 10).fit(TwoInputEncoder(), loader)
+    assert sum("takes no token_type_ids" in str(w.message) for w in said) == 1  # said once, for three checks
+    checks = [r for r in callback.history if r.kind == "check"]
+    assert [(r.step, r.status) for r in checks] == [(0, "ok"), (5, "ok"), (10, "ok")]

@@ -20,8 +20,9 @@ from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture, autocast_for
 from ..settings import MonitorSettings
-from ..sinks import scalars_of
+from ..sinks import intervention_scalars, scalars_of
 from . import hf_glue as glue
+from .reporting import Guard, write_text
 
 __all__ = ["TopoCollapseTrainerCallback"]
 
@@ -30,8 +31,9 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     """Watch representational collapse with topology during ``transformers.Trainer.train``, and act on it.
 
     Every ``check_every`` optimizer steps (and once when training starts) the probe runs through the model; the
-    values (``topo/index``, ``topo/ci``, ...) go to ``state.log_history`` and, through the next ``on_log``, to
-    ``report_to`` and the console; the policy's decision is carried out through ``TrainerControl`` and the
+    values (``topo/index``, ``topo/ci``, ...) go to ``state.log_history`` and, at once and at that step (the start
+    check at step 0), to the ``report_to`` callbacks and the console, without making the Trainer log its loss at
+    check steps; the policy's decision is carried out through ``TrainerControl`` and the
     optimizer and scheduler the Trainer hands over (a cut survives its schedules; a rollback restores the model,
     optimizer, scheduler and grad scaler in place; a stop restores the last healthy state first). Each optimizer
     step's loss (its micro-batches' summed, as the Trainer logs it) and gradient norm before clipping feed the
@@ -91,7 +93,8 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         self.preset = preset
         self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
         self._restored: Mapping[str, Any] | None = None  # set by the Trainer on a rebuilt callback
-        self._to_log: dict[str, float] = {}  # values for the next on_log
+        self._guard = Guard()  # a reporter that fails is said once and never stops training
+        self._unreported: dict[str, float] = {}  # values for report_to and the console, at their step
         self._trainer: Trainer | None = None  # found at on_init_end, or attach()'s
         self._taps: list[glue.Tap] = []  # on the Trainer while it trains: its loss and gradient norm come here
         self._step = OptimizerStep()
@@ -171,14 +174,11 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         for record in self.monitor.on_step(state.global_step, model=kw["model"], features=features, loss=loss,
                                            grad_norm=norm):  # fmt: skip
             self._act(args, state, control, record, kw)
-        if self._to_log:
-            control.should_log = True  # the Trainer logs this step: on_log carries the values to report_to
+        self._report(args, state, control, kw)
         return control
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> Any:
-        if self._to_log and logs is not None:
-            logs.update(self._to_log)  # the callbacks after this one (report_to, the console) see them
-            self._to_log = {}
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
+        self._report(args, state, control, kw)  # the start check's values, at step 0
         return control
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
@@ -196,9 +196,25 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     def _act(self, args: Any, state: TrainerState, control: Any, record: CheckRecord, kw: Mapping[str, Any]) -> None:
         scalars = scalars_of(record, self.prefix)
         state.log_history.append({**scalars, "step": record.step})  # at the step of the check
-        self._to_log.update(scalars)
         actuator = glue.TrainerActuator(state, control, kw, self._trainer, getattr(args, "output_dir", None))
-        self.monitor.act(record, actuator)
+        done = self.monitor.act(record, actuator)
+        if done is not None:  # its marker with the values, its text where a reporter takes text (rank 0)
+            marker = intervention_scalars(done, self.prefix)
+            state.log_history.append({**marker, "step": done.step})
+            scalars = {**scalars, **marker}
+            for reporter, kind, target in glue.text_targets(self._trainer) if state.is_world_process_zero else []:
+                self._guard(reporter, "an intervention's text", write_text, kind, target, done, self.prefix)
+        self._unreported.update(scalars)
+
+    def _report(self, args: Any, state: TrainerState, control: Any, kw: Mapping[str, Any]) -> None:
+        """The values not yet reported go to ``report_to`` and the console, as a Trainer log of them alone would.
+
+        At the end of the step of their check, or, for the start check, at the first step's beginning, once the
+        reporters have started (their step is still 0 then): never through a Trainer log of the loss.
+        """
+        logs, self._unreported = self._unreported, {}
+        for reporter in glue.reporters(self._trainer) if logs else []:
+            self._guard(reporter, "a check's values", reporter.on_log, args, state, control, logs=dict(logs), **kw)
 
     def _bind(self, args: TrainingArguments) -> None:
         """A callback the Trainer rebuilt from ``state()`` becomes another name for the resumed Trainer's own."""

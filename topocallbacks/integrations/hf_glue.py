@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerControl, TrainerState
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_callback import CallbackHandler, PrinterCallback, ProgressCallback
 
 from ..exceptions import ConfigError, InputError, SnapshotUnsupported
 from ..intake import OptimizerStep
@@ -134,6 +134,31 @@ def _objects_holding(value: Any, kind: type) -> list[Any]:
             found.append(referrer)
         elif isinstance(referrer, dict):
             found += [o for o in gc.get_referrers(referrer) if isinstance(o, kind) and vars(o) is referrer]
+    return found
+
+
+def reporters(trainer: Trainer | None) -> list[Any]:
+    """The Trainer's ``report_to`` callbacks and its console (progress bar or printer), in the handler's order."""
+    console = (ProgressCallback, PrinterCallback)
+    handler = [] if trainer is None else trainer.callback_handler.callbacks
+    return [c for c in handler if isinstance(c, (*REPORTERS, *console))]
+
+
+def text_targets(trainer: Trainer | None) -> list[tuple[Any, str, Any]]:
+    """The ``report_to`` callbacks that take text, as ``(callback, kind, object)``.
+
+    For :func:`~topocallbacks.integrations.reporting.write_text`: TensorBoard's writer, the ``mlflow`` and ``wandb``
+    modules with their active runs.
+    """
+    found = []
+    for callback in [] if trainer is None else trainer.callback_handler.callbacks:
+        name = type(callback).__name__
+        if name == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
+            found.append((callback, "tensorboard", callback.tb_writer))
+        elif name == "MLflowCallback" and getattr(callback, "_initialized", False):
+            found.append((callback, "mlflow", callback._ml_flow))
+        elif name == "WandbCallback" and getattr(callback, "_initialized", False):
+            found.append((callback, "wandb", callback._wandb))
     return found
 
 

@@ -13,15 +13,16 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..check import CheckRecord
+from ..check import CheckRecord, InterventionRecord
 from ..exceptions import InputError
 from ..intake import OptimizerStep
 from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture
 from ..settings import MonitorSettings
-from ..sinks import prefix_of, scalars_of
+from ..sinks import intervention_scalars, prefix_of, scalars_of
 from . import lightning_glue as glue
+from .reporting import Guard, write_text
 
 __all__ = ["TopoCollapseCallback"]
 
@@ -88,6 +89,7 @@ class TopoCollapseCallback(Callback):
         self.check_on_validation_end = bool(check_on_validation_end)
         self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
         self._unlogged: list[CheckRecord] = []  # the latest check's records, until they are callback metrics
+        self._guard = Guard()  # a logger that fails is said once and never stops training
         self._sharded_root: torch.nn.Module | None = None  # the strategy's FSDP root the probe runs through, if any
         self._step = OptimizerStep()  # the training channels of the optimizer step under way
         self._seen_step: int | None = None  # the global step last seen (no new one: gradients still accumulate)
@@ -209,9 +211,25 @@ class TopoCollapseCallback(Callback):
         if self._unlogged and self._unlogged[-1].step != record.step:
             self._unlogged = []  # an older check's records: this one's replace them
         self._unlogged.append(record)
-        self.monitor.act(record, glue.LightningActuator(trainer, self.monitor.settings.interventions.rescue_dir))
+        done = self.monitor.act(record, glue.LightningActuator(trainer, self.monitor.settings.interventions.rescue_dir))
+        if done is not None:
+            self._mark_in_loggers(trainer, done)
 
     def _write_to_loggers(self, trainer: pl.Trainer, record: CheckRecord) -> None:
         """The record's values to every logger of the trainer (rank 0), at the step of the check."""
         for logger in trainer.loggers if trainer.is_global_zero else []:
-            logger.log_metrics(scalars_of(record, self.prefix), step=record.step)
+            self._guard(
+                logger, "a check's values", logger.log_metrics, scalars_of(record, self.prefix), step=record.step
+            )
+
+    def _mark_in_loggers(self, trainer: pl.Trainer, record: InterventionRecord) -> None:
+        """An intervention's marker (``topo/intervention``) and, where a logger takes text, its reason (rank 0)."""
+        for logger in trainer.loggers if trainer.is_global_zero else []:
+            marker = intervention_scalars(record, self.prefix)
+            self._guard(logger, "an intervention", logger.log_metrics, marker, step=record.step)
+            text = glue.text_target(logger)
+            if text is not None:
+                kind, target, run_id = text
+                self._guard(
+                    logger, "an intervention's text", write_text, kind, target, record, self.prefix, run_id=run_id
+                )

@@ -82,6 +82,19 @@ def refuse_unsupported_rollback(trainer: pl.Trainer, keeps_snapshots: bool) -> N
         raise ConfigError(DEEPSPEED_REFUSAL)
 
 
+def text_target(logger: Any) -> tuple[str, Any, str | None] | None:
+    """Where ``logger`` takes an intervention's text, or None (scalars only, e.g. CSV).
+
+    ``(kind, object, MLflow run id)`` for :func:`~topocallbacks.integrations.reporting.write_text`.
+    """
+    kind = {"TensorBoardLogger": "tensorboard", "MLFlowLogger": "mlflow", "WandbLogger": "wandb"}.get(
+        type(logger).__name__
+    )
+    if kind is None:
+        return None
+    return kind, logger.experiment, getattr(logger, "run_id", None) if kind == "mlflow" else None
+
+
 def step_grad_norm(trainer: pl.Trainer, optimizer: torch.optim.Optimizer, *, sharded: bool) -> Any:
     """The gradient norm of an optimizer step (on its device, unscaled), None without gradients, or "skipped".
 

@@ -38,6 +38,7 @@ class Decision:
             check (a z-score against their recent checks at the default rule's threshold, whatever the index's
             score). Nothing acts on them, but the check is not healthy: a rollback snapshot is never taken while
             the training loss or gradient norm is spiking, whatever the rule watches.
+        thresholds: each watched channel's threshold (what its score is compared with), or None.
     """
 
     action: Action
@@ -53,6 +54,7 @@ class Decision:
     onset: int | None = None
     scores: dict[str, float | None] | None = None
     unsettled: tuple[str, ...] = ()
+    thresholds: dict[str, float] | None = None
 
     @property
     def fired(self) -> bool:

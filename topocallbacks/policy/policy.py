@@ -133,6 +133,19 @@ class Policy(Stateful):
                 None. With ``settings.sentinels`` such a check acts at once (warm-up or not) and, whatever the
                 setting, none of its values enters a reference: a collapsed state is never learned as healthy.
         """
+        decision = self._decide(step, value, diverged, loss, grad_norm, collapsed)
+        thresholds = {name: self._channels.threshold(name) for name in self._channels.watched}
+        return dataclasses.replace(decision, thresholds=thresholds)
+
+    def _decide(
+        self,
+        step: int,
+        value: float | None,
+        diverged: bool,
+        loss: float | None,
+        grad_norm: float | None,
+        collapsed: str | None,
+    ) -> Decision:
         s = self.settings
         self.checks_ += 1
         observed = {"index": value, "loss": loss, "grad_norm": grad_norm}

@@ -74,6 +74,7 @@ class FeatureExtractor:
             raise InputError("`layer` is required with a `probe`: name the module whose output to watch")
         self.layer: tuple[str, ...] = self.settings.layer or ()
         self._cache: dict[Any, list[Any]] = {}
+        self._said: set[tuple[str, ...]] = set()  # the probe keys the model's forward does not take, said once
 
     @property
     def several(self) -> bool:
@@ -158,7 +159,7 @@ class FeatureExtractor:
                 for batch in self._batches(probe, indices, device):
                     capture.start_batch(attention_mask(batch))
                     with contextlib.suppress(_StopForward):
-                        forward(model, batch)
+                        forward(model, batch, self._said)
         finally:
             for handle in handles:
                 handle.remove()

@@ -124,6 +124,19 @@ class Probe:
     def __len__(self) -> int:
         return len(self.items)
 
+    def describe(self) -> str:
+        """Its inputs in words: ``probe of shape (n, ...) and dtype ...``, or its columns' shapes and dtypes.
+
+        Example:
+            >>> Probe(torch.zeros(10, 3)).describe()
+            'probe of shape (10, 3) and dtype torch.float32'
+        """
+        first = self.items[0]
+        if isinstance(first, dict):
+            columns = ", ".join(f"{k} {(len(self), *v.shape)} {v.dtype}" for k, v in first.items())
+            return f"probe of columns {columns}"
+        return f"probe of shape {(len(self), *first.shape)} and dtype {first.dtype}"
+
     def batches(self, batch_size: int, indices: Sequence[int] | None = None) -> Iterator[Any]:
         """Batches of the inputs (stacked tensors, or dicts of stacked tensors), in probe order."""
         order = range(len(self.items)) if indices is None else indices

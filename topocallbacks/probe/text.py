@@ -6,6 +6,8 @@ as keyword inputs, and its attention mask tells the pooling which tokens are pad
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,9 +90,51 @@ def attention_mask(batch: Any) -> torch.Tensor | None:
     return batch.get("attention_mask") if isinstance(batch, dict) else None
 
 
-def forward(model: torch.nn.Module, batch: Any) -> None:
-    """Run ``model`` on a probe batch: a mapping as keyword inputs (``input_ids=``, ``attention_mask=``...)."""
+def forward(model: torch.nn.Module, batch: Any, said: set[tuple[str, ...]] | None = None) -> None:
+    """Run ``model`` on a probe batch: a mapping as keyword inputs (``input_ids=``, ``attention_mask=``...).
+
+    A mapping's keys that the model's ``forward`` does not take (a tokenizer's ``token_type_ids`` for a model whose
+    ``forward(input_ids, attention_mask)``) are dropped, and said once per set of keys (``said`` remembers them).
+    """
     if isinstance(batch, dict):
-        model(**batch)
+        accepted = accepted_inputs(model)
+        dropped = tuple(sorted(k for k in batch if accepted is not None and k not in accepted))
+        if dropped and said is not None and dropped not in said:
+            said.add(dropped)
+            warnings.warn(
+                f"topocallbacks: {type(model).__name__}.forward takes no {', '.join(dropped)}: the probe passes "
+                f"{', '.join(k for k in batch if k not in dropped)} only",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        model(**{k: v for k, v in batch.items() if k not in dropped})
     else:
         model(batch)
+
+
+def accepted_inputs(model: torch.nn.Module) -> set[str] | None:
+    """The keyword inputs ``model.forward`` takes, or None when it takes any (``**kwargs``).
+
+    A wrapper whose forward takes anything (DDP, FSDP1, accelerate's) is looked through to the module it wraps.
+
+    Example:
+        >>> class Encoder(torch.nn.Module):
+        ...     def forward(self, input_ids, attention_mask=None):
+        ...         return input_ids
+        >>> sorted(accepted_inputs(Encoder()))
+        ['attention_mask', 'input_ids']
+        >>> class Anything(torch.nn.Module):
+        ...     def forward(self, **inputs):
+        ...         return inputs
+        >>> accepted_inputs(Anything()) is None
+        True
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        inner = getattr(model, "module", None)
+        return accepted_inputs(inner) if isinstance(inner, torch.nn.Module) else None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters if p.kind in kinds}
