@@ -25,7 +25,7 @@ RESOLVE = pip compile pyproject.toml --upgrade --quiet --system-certs --find-lin
 	--python-version 3.11 --python-platform x86_64-manylinux_2_28 -c requirements/torch-cpu.txt \
 	--custom-compile-command "make lock"
 
-.PHONY: demo test lint typecheck unit lock test-latest figures collapse rescue clean
+.PHONY: demo test lint typecheck docs unit lock test-latest figures collapse rescue clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,10 +56,15 @@ lint: $(VENV)/.installed-dev
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
+# The documentation site (docs/, mkdocs.yml): built strictly, a broken link or a docstring mkdocstrings cannot read
+# fails; the pages' Python blocks run in tests/unit/test_readme.py. NO_MKDOCS_2_WARNING: Material's banner.
+docs: $(VENV)/.installed-dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 unit: $(VENV)/.installed-dev
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
-test: lint typecheck unit
+test: lint typecheck docs unit
 
 # Refresh the lock: the newest versions that pyproject.toml's ranges allow today (the demo's set at the dev set's
 # versions). Then `make test` and commit requirements/. A package whose newest release breaks the suite is held back

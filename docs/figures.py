@@ -1,7 +1,7 @@
 """Regenerate the README's pictures from the current code (``make figures``).
 
-* ``docs/images/report_index.png``: the report's first figure for the README's Lightning example, run as the README
-  gives it (its code block is read from README.md), with ``callback.report(...)`` added after ``fit``;
+* ``docs/images/report_index.png``: the report's first figure for the Lightning example of ``docs/lightning.md``, run
+  as the page gives it (its code block is read from there), with ``callback.report(...)`` added after ``fit``;
 * ``docs/images/rescue.png``: the picture of ``topocallbacks demo`` (seed 0).
 
 Both are made in a temporary folder (the example writes ``runs/``), and only the two pictures are copied here.
@@ -23,13 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "docs" / "images"
 
 
-def lightning_example(readme: Path = ROOT / "README.md") -> str:
-    """The code block of the README's "With Lightning" section."""
-    text = readme.read_text(encoding="utf-8")
-    section = text.split("\n## With Lightning\n", 1)[1].split("\n## ", 1)[0]
-    match = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)
+def lightning_example(page: Path = ROOT / "docs" / "lightning.md") -> str:
+    """The first code block of the documentation's Lightning page (the example the README shortens)."""
+    text = page.read_text(encoding="utf-8")
+    match = re.search(r"```python\n(.*?)```", text, flags=re.DOTALL)
     if match is None:
-        raise SystemExit("README.md: no ```python block in the 'With Lightning' section")
+        raise SystemExit(f"{page.name}: no ```python block")
     return match.group(1)
 
 
@@ -48,7 +47,7 @@ def report_figure(work: Path) -> Path:
     """Run the README's Lightning example in ``work`` and copy its report's index figure into docs/images."""
     namespace: dict[str, Any] = {"__name__": "__readme__"}
     with working_directory(work):
-        exec(compile(lightning_example(), "README.md (With Lightning)", "exec"), namespace)
+        exec(compile(lightning_example(), "docs/lightning.md", "exec"), namespace)
         callback = namespace["callback"]
         index = callback.report(work / "runs" / "report")
     target = IMAGES / "report_index.png"
