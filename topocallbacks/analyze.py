@@ -73,6 +73,7 @@ from .analysis.loading import load_source
 from .analysis.summaries import EXACT_UP_TO as EXACT_UP_TO
 from .analysis.summaries import _correlations as _correlations
 from .analysis.summaries import _flattening as _flattening
+from .analysis.summaries import findings
 from .analysis.writing import _sections as _sections
 from .analysis.writing import write_outputs
 from .settings import MonitorSettings
@@ -91,6 +92,9 @@ class Analysis:
         csv_path: ``analysis.csv``.
         json_path: ``analysis.json``.
         report_path: the report's ``index.html``.
+        findings: what it found, in a few sentences (:func:`~topocallbacks.analysis.summaries.findings`), also at
+            the top of the report and printed by ``topocallbacks analyze``.
+        layers: the modules analysed, as the layer names and patterns given resolved in the model.
     """
 
     rows: list[dict[str, Any]]
@@ -98,6 +102,8 @@ class Analysis:
     csv_path: Path
     json_path: Path
     report_path: Path
+    findings: list[str] = dataclasses.field(default_factory=list)
+    layers: list[str] = dataclasses.field(default_factory=list)
 
 
 def analyze(
@@ -165,4 +171,6 @@ def analyze(
                          overrides=overrides)  # fmt: skip
     measured = evaluate(source, weights=weights, progress=progress)
     correlations, csv_path, json_path, report_path = write_outputs(source, measured, title=title)
-    return Analysis(measured.rows, correlations, csv_path, json_path, report_path)
+    said = findings(measured.rows, correlations)
+    layers = list(measured.layers)
+    return Analysis(measured.rows, correlations, csv_path, json_path, report_path, said, layers)

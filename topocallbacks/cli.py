@@ -73,6 +73,9 @@ def run_analyze(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         **overrides,
     )
+    print(f"layers: {', '.join(result.layers)}")
+    for sentence in result.findings:
+        print(sentence)
     print(f"table:  {result.csv_path}")
     print(f"json:   {result.json_path}")
     print(f"report: {result.report_path}")
@@ -81,7 +84,14 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``topocallbacks`` command."""
-    parser = argparse.ArgumentParser(prog="topocallbacks", description=__doc__)
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="topocallbacks",
+        description="Watch representational collapse with topology: the demo, a run's HTML report, and the offline "
+        "analysis of saved checkpoints (also as python -m topocallbacks ...).",
+    )
+    parser.add_argument("--version", action="version", version=f"topocallbacks {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",

@@ -471,6 +471,40 @@ def _index_figure(checks: Sequence[CheckRecord], interventions: Sequence[Interve
     return figure
 
 
+def _score_figure(checks: Sequence[CheckRecord], interventions: Sequence[InterventionRecord]) -> Figure | None:
+    """The rule's view: each watched channel's score at every check, its threshold, and what was done; or None.
+
+    The primary layer's checks only (they carry the decision). None for a history without scores (older records).
+    """
+    last = _layers(checks)[-1] if checks else None
+    primary = [c for c in _ok(checks) if c.layer == last]
+    scored: dict[str, list[tuple[int, float]]] = {}
+    thresholds: dict[str, float] = {}
+    for check in primary:
+        decision = check.decision
+        scores = decision.scores if decision.scores is not None else {"index": decision.score}
+        for channel, score in scores.items():
+            if score is not None and math.isfinite(score):
+                scored.setdefault(channel, []).append((check.step, score))
+        thresholds.update(decision.thresholds or {})
+    if not scored:
+        return None
+    figure = _figure()
+    axes = figure.add_subplot()
+    for channel, points in scored.items():
+        steps, values = zip(*points, strict=True)
+        (line,) = axes.plot(steps, values, marker=".", label=f"score: {channel}")
+        if channel in thresholds:
+            axes.axhline(thresholds[channel], color=line.get_color(), linestyle=":", linewidth=1.2,
+                         label=f"threshold: {channel} ({thresholds[channel]:g})")  # fmt: skip
+    _mark_events(axes, primary, interventions)
+    axes.set_title("The rule's scores and thresholds (a channel holds where its score reaches its threshold)")
+    axes.set_xlabel("step")
+    axes.set_ylabel("score")
+    _legend(axes)
+    return figure
+
+
 def _composite_figure(
     checks: Sequence[CheckRecord], interventions: Sequence[InterventionRecord], layer: str | None
 ) -> Figure:
@@ -615,6 +649,14 @@ def _figures(
         "The index the policy watches. Markers on the step axis: decisions that fired (warn, lower_lr, stop) and "
         "diverged checks; dashed lines: what was done (interventions).",
     )
+    scores = _score_figure(checks, interventions)
+    if scores is not None:
+        figures.add(
+            "scores.png",
+            scores,
+            "The score of each channel the rule watches (the index; the training loss and gradient norm when "
+            "watched), its threshold (dotted), and the decisions and interventions (markers, dashed lines).",
+        )
     layers = _layers(checks)
     for i, layer in enumerate(layers[:MAX_COMPOSITE_FIGURES]):
         figures.add(
@@ -859,8 +901,11 @@ def _curves_html(checks: Sequence[CheckRecord], figures: _Figures) -> list[str]:
     parts = [
         "<h2>The watched index</h2>",
         _figure_html("index.png", figures.caption("index.png")),
-        "<h2>The Collapse Index and its components</h2>",
     ]
+    if any(name == "scores.png" for name, _, _ in figures.items):
+        caption = figures.caption("scores.png")
+        parts += ["<h2>The rule's scores and thresholds</h2>", _figure_html("scores.png", caption)]
+    parts.append("<h2>The Collapse Index and its components</h2>")
     composite = [(name, caption) for name, _, caption in figures.items if name.startswith("composite_")]
     parts.extend(_figure_html(name, caption) for name, caption in composite)
     layers = _layers(checks)

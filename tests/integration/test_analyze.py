@@ -165,6 +165,13 @@ def test_hugging_face_layers_named_and_a_checkpoint_that_does_not_fit(gpt2_run, 
         (4, "transformer.h.0", 24),
         (4, "transformer.ln_f", 24),
     ]
+    # A pattern means what `layers=[...]` means everywhere: every module it matches that is not inside another
+    # match (the blocks), not the last sublayer it matches; the modules analysed are in the result.
+    blocks = analyze(folder / "checkpoint-4", probe=probe, out_dir=tmp_path / "blocks", layers=["transformer.h.*"],
+                     progress=False, max_probe_samples=24)  # fmt: skip
+    assert blocks.layers == ["transformer.h.0", "transformer.h.1"]
+    assert [r["layer"] for r in blocks.rows] == ["transformer.h.0", "transformer.h.1"]
+    assert blocks.findings
     # A factory that builds another model: the error names the checkpoint and what differs.
     with pytest.raises(InputError, match=r"checkpoint-2.* does not match the model GPT2LMHeadModel.*shape mismatch"):
         analyze(folder, probe=probe, out_dir=tmp_path / "bad", layers=["transformer.ln_f"], progress=False,

@@ -47,6 +47,10 @@ def test_analyze_command_on_feature_arrays(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"table:  {out / 'analysis.csv'}" in printed
     assert f"report: {out / 'index.html'}" in printed
+    # What it found, in sentences: the features spread with the step, so no drift stands out, and there is no loss.
+    assert "layers: features" in printed
+    assert "No loss was found in the checkpoints" in printed
+    assert "No loss was found in the checkpoints" in (out / "index.html").read_text()  # at the top of the report
     with (out / "analysis.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["step"], r["layer"], r["source"]) for r in rows] == [
@@ -74,3 +78,15 @@ def test_help_lists_every_command():
     )
     for option in ("--probe", "--out", "--layer", "--factory", "--weights", "--trust-checkpoints"):
         assert option in result.stdout
+
+
+def test_version_and_help_without_markup():
+    from topocallbacks import __version__
+
+    result = subprocess.run([sys.executable, "-m", "topocallbacks", "--version"], capture_output=True, text=True)
+    assert result.stdout.strip() == f"topocallbacks {__version__}"
+    for command in ([], ["demo"], ["report"], ["analyze"]):
+        shown = subprocess.run(
+            [sys.executable, "-m", "topocallbacks", *command, "--help"], capture_output=True, text=True, check=True
+        ).stdout
+        assert not [mark for mark in ("``", ":class:", ":func:", ":meth:") if mark in shown], command

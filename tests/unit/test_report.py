@@ -184,7 +184,7 @@ def test_report_of_a_history_file_renders_with_every_image(single):
     _, _, path = single
     assert path.name == "index.html"
     page = check_page(path)
-    assert set(page.images) == {"index.png", "composite_0.png"}  # one layer: no heatmap, no diagrams
+    assert set(page.images) == {"index.png", "scores.png", "composite_0.png"}  # one layer: no heatmap, no diagrams
     text = path.read_text(encoding="utf-8")
     assert "<title>digits collapse</title>" in text
     assert "No persistence diagrams were given" in text
@@ -398,3 +398,18 @@ def test_a_headless_browser_loads_every_image_without_errors(layered):
     assert len(images) == len(parse(path).images) >= 5
     assert all(complete and width > 0 for _, complete, width in images), images
     assert all(url.startswith("file://") for url in requests), requests
+
+
+def test_the_scores_figure_draws_each_score_its_threshold_and_the_interventions(single):
+    monitor, _, _ = single
+    checks = [r for r in monitor.history if isinstance(r, CheckRecord)]
+    interventions = [r for r in monitor.history if not isinstance(r, CheckRecord)]
+    figure = _figures(checks, interventions, {}, []).get("scores.png")
+    (axes,) = figure.axes
+    scored = {c.step: c.decision.score for c in checks if c.ok and c.decision.score is not None}
+    (line,) = [l for l in axes.get_lines() if l.get_label() == "score: index"]
+    assert dict(zip(line.get_xdata(), line.get_ydata(), strict=True)) == pytest.approx(scored)
+    (threshold,) = [l for l in axes.get_lines() if l.get_label().startswith("threshold: index")]
+    assert set(threshold.get_ydata()) == {monitor.settings.rule.threshold}
+    cuts = [l for l in axes.get_lines() if l.get_label() == "intervention: lower_lr"]
+    assert [l.get_xdata()[0] for l in cuts] == [r.step for r in interventions if r.action == "lower_lr"][:1]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..exceptions import InputError
-from ..probe import FeatureExtractor, Probe, resolve_layer
+from ..probe import FeatureExtractor, Probe, resolve_layer, resolve_layers
 from ..settings import MonitorSettings
 from .checkpoints import _Checkpoint, _discover, _feature_arrays, _short, _state_dict, _torch_load
 from .models import _build, _hf_model, _hf_state, _load_state, _resolve_factory
@@ -194,7 +194,9 @@ def _model_layers(
         raise InputError(
             f"`layers` is required: name the module(s) of {type(model).__name__} to analyse; some names: {names[:12]}"
         )
-    return list(dict.fromkeys(resolve_layer(model, name) for name in layers)), base, preset_used
+    # As `layers=[...]` everywhere: a pattern stands for every module it matches that is not inside another match
+    # ("transformer.h.*": the blocks), a name for its module.
+    return resolve_layers(model, layers), base, preset_used
 
 
 def _probe_set(probe: Any, trust: bool, settings: MonitorSettings) -> Probe:

@@ -18,7 +18,7 @@ from ..functional.weights import flattening_step
 from .checkpoints import _Checkpoint
 from .evaluating import _NOT_CORRELATED, QUANTITIES
 
-__all__ = ["EXACT_UP_TO"]
+__all__ = ["EXACT_UP_TO", "MOVED", "findings"]
 
 
 def _series(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
@@ -96,3 +96,67 @@ def _flattening(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         step = flattening_step(list(steps), list(values))
         results.append({"source": source, "layer": layer, "quantity": quantity, "flattening_step": step})
     return results
+
+
+#: A layer "moved" at a checkpoint where its diagram drift reached this many times its median drift.
+MOVED = 3.0
+
+
+def findings(rows: Sequence[Mapping[str, Any]], correlations: Sequence[Mapping[str, Any]]) -> list[str]:
+    r"""What the analysis found, in a few sentences with their numbers.
+
+    Which layer moved first (its diagram drift at least :data:`MOVED` times its median) and when, how far its
+    effective rank went from the first checkpoint to the last, and which quantity follows a loss most closely
+    (Spearman, p < 0.05), or that none does.
+
+    Example:
+        >>> rows = [{"source": "features", "layer": "h.0", "step": s, "diagram_drift": d, "effective_rank": r}
+        ...         for s, d, r in [(0, None, 30.0), (10, 0.1, 29.0), (20, 0.1, 28.0), (30, 0.9, 5.0)]]
+        >>> print("\n".join(findings(rows, [])))
+        h.0 moved at step 30: its diagram drift reached 0.9, 9.0x its median (0.1).
+        The effective rank of h.0 went from 30 at step 0 to 5 at step 30 (-83 %).
+        No loss was found in the checkpoints, so nothing is compared with one.
+    """
+    series = _series(rows)
+    layers = list(dict.fromkeys(layer for source, layer, _ in series if source == "features"))
+    said: list[str] = []
+    moves = []
+    for layer in layers:
+        drift = series.get(("features", layer, "diagram_drift"), [])
+        if len(drift) < 2:
+            continue
+        median = float(np.median([v for _, v in drift]))
+        moved = [(s, v) for s, v in drift if median > 0 and v >= MOVED * median]
+        if moved:
+            moves.append((moved[0][0], layer, moved[0][1], median))
+    moves.sort()
+    if moves:
+        step, layer, value, median = moves[0]
+        text = f"{layer} moved{' first' if len(moves) > 1 else ''} at step {step}: its diagram drift reached "
+        text += f"{value:.3g}, {value / median:.1f}x its median ({median:.3g})."
+        if len(moves) > 1:
+            text += " Then " + ", ".join(f"{m[1]} at step {m[0]}" for m in moves[1:4]) + "."
+        said.append(text)
+    elif layers:
+        said.append(f"No layer's diagram drift reached {MOVED:g}x its median: no checkpoint stands out.")
+    for layer in layers[:3]:
+        rank = series.get(("features", layer, "effective_rank"), [])
+        if len(rank) >= 2 and rank[0][1] > 0:
+            (s0, r0), (s1, r1) = rank[0], rank[-1]
+            said.append(
+                f"The effective rank of {layer} went from {r0:.3g} at step {s0} to {r1:.3g} at step {s1} "
+                f"({100 * (r1 - r0) / r0:+.0f} %)."
+            )
+    found = [c for c in correlations if c.get("rho") is not None and c.get("p_value") is not None]
+    if not correlations:
+        said.append("No loss was found in the checkpoints, so nothing is compared with one.")
+    elif found and found[0]["p_value"] < 0.05:
+        best = found[0]
+        said.append(
+            f"{best['quantity'].replace('_', ' ')} at {best['layer']} follows {best['loss']} most closely "
+            f"(Spearman rho = {best['rho']:+.2f}, p = {best['p_value']:.2g}, {best['n']} checkpoints)."
+        )
+    else:
+        n = max((c.get("n", 0) for c in correlations), default=0)
+        said.append(f"No quantity follows a loss at p < 0.05 over {n} checkpoints.")
+    return said

@@ -17,7 +17,7 @@ from ..report import _e, _Figures, _fmt, _Section, _series_figure, _write
 from .checkpoints import _Checkpoint
 from .evaluating import QUANTITIES, Measured
 from .loading import Source
-from .summaries import _correlations, _flattening, _series
+from .summaries import _correlations, _flattening, _series, findings
 
 __all__ = ["write_outputs"]
 
@@ -139,7 +139,7 @@ def _sections(
     """The analysis's sections of the report: the overview (which goes first), the losses, geometry, weights."""
     series = _series(rows)
     sections = [
-        _overview_section(summary),
+        _overview_section(summary, findings(rows, correlations)),
         _loss_section(correlations, losses, checkpoints),
         _geometry_section(rows, series),
     ]
@@ -149,10 +149,11 @@ def _sections(
     return sections
 
 
-def _overview_section(summary: Mapping[str, str]) -> _Section:
+def _overview_section(summary: Mapping[str, str], found: Sequence[str]) -> _Section:
+    said = "".join(f"<p>{_e(sentence)}</p>" for sentence in found)
     table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in summary.items())
     links = "<p>The numbers: <a href='analysis.csv'>analysis.csv</a>, <a href='analysis.json'>analysis.json</a>.</p>"
-    return _Section("The offline analysis", f"<table>{table}</table>{links}")
+    return _Section("The offline analysis", f"{said}<table>{table}</table>{links}")
 
 
 def _loss_section(
