@@ -143,6 +143,8 @@ class CheckRecord:
         step_ms: a training step's own time over that interval (the monitor's time left out).
         plan: the overhead budget's plan from this check on (:class:`~topocallbacks.budget.Plan` as a dict), when
             it changed at this check.
+        loss: the mean training loss since the check before, as the rule saw it (None: none was passed).
+        grad_norm: the mean gradient norm (before clipping) since the check before (None: none was passed).
     """
 
     kind: ClassVar[str] = "check"
@@ -166,6 +168,8 @@ class CheckRecord:
     overhead: float | None = None
     step_ms: float | None = None
     plan: dict[str, Any] | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
 
     @property
     def ok(self) -> bool:

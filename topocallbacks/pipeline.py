@@ -336,6 +336,8 @@ class CheckPipeline(Stateful):
             window=engine.window,
             density=_density(engine.n_edges, int(cloud.shape[0])),
             sentinels=sentinels,
+            loss=loss,
+            grad_norm=grad_norm,
         )
         figures = None  # full (unthresholded) diagrams for a TensorBoard figure, when one is due
         output = s.output
@@ -348,7 +350,9 @@ class CheckPipeline(Stateful):
         decision = self.policy.decide(step, None, diverged=True, loss=loss, grad_norm=grad_norm)
         self.checks_ += 1
         elapsed = (time.perf_counter() - start) * 1e3
-        record = CheckRecord(step, "diverged", self.settings.index.name, None, decision, elapsed)
+        record = CheckRecord(
+            step, "diverged", self.settings.index.name, None, decision, elapsed, loss=loss, grad_norm=grad_norm
+        )
         return Evaluation(record, self.share())
 
     # --- state --------------------------------------------------------------------------------------------

@@ -136,6 +136,24 @@ _REMEDIES: dict[str, tuple[str, ...]] = {
     ),
 }
 
+#: Remedies chosen by what the training loss did at the check (its mean since the check before against the median
+#: of the checks before): it jumped with the features, or it kept falling (a reorganisation of healthy learning).
+_LOSS_REMEDIES: dict[str, tuple[str, ...]] = {
+    "loss_jumped": (
+        "the loss jumped with the features: a bad batch run or a learning-rate spike looks like this; roll back past "
+        "it and skip the batches that caused it (the default rule's rollback with rollback_skip), then lower the "
+        "learning rate",
+        "clip gradients (e.g. max norm 1.0) so that one bad batch cannot move the weights that far",
+    ),
+    "loss_fell": (
+        "the loss kept falling at this check: a reorganisation during healthy learning looks like this; watch the "
+        "task metric before acting (the default rule waits for the loss to confirm)",
+    ),
+}
+
+#: A loss at this many times the median of the checks before counts as a jump.
+LOSS_JUMP = 2.0
+
 _CAVEAT = (
     "These hints say what moved and what such a move often means; they are not a finding about the cause. The "
     "package's own evaluation (README, 'Does it warn early?') found no feature index that warns reliably before "
@@ -264,6 +282,7 @@ class _Event:
     detail: str | None = None
     components: tuple[_Move, ...] = ()
     layers: tuple[_Move, ...] = ()
+    loss: _Move | None = None
 
     @property
     def top(self) -> str:
@@ -336,6 +355,14 @@ def _related_check(intervention: InterventionRecord, checks: Sequence[CheckRecor
     return None
 
 
+def _loss_move(check: CheckRecord | None, checks: Sequence[CheckRecord]) -> _Move | None:
+    """The training loss at ``check`` against the checks of its layer before it, or None (no loss recorded)."""
+    if check is None or check.loss is None or not math.isfinite(check.loss):
+        return None
+    past = [c.loss for c in checks if c.layer == check.layer and c.step < check.step and c.loss is not None]
+    return _move("loss", past, check.loss) if past else None
+
+
 def _events(checks: Sequence[CheckRecord], interventions: Sequence[InterventionRecord]) -> list[_Event]:
     """Every fired decision, diverged check and intervention, with its diagnosis, in step order."""
     events: list[_Event] = []
@@ -362,6 +389,7 @@ def _events(checks: Sequence[CheckRecord], interventions: Sequence[InterventionR
                 detail=detail,
                 components=_component_moves(check, checks),
                 layers=_layer_moves(check.step, checks),
+                loss=_loss_move(check, checks),
             )
         )
     for i, intervention in enumerate(interventions):
@@ -379,6 +407,7 @@ def _events(checks: Sequence[CheckRecord], interventions: Sequence[InterventionR
                 detail=intervention.detail,
                 components=() if related is None else _component_moves(related, checks),
                 layers=() if related is None else _layer_moves(related.step, checks),
+                loss=_loss_move(related, checks),
             )
         )
     return sorted(events, key=lambda e: (e.step, e.kind != "decision"))
@@ -501,6 +530,26 @@ def _score_figure(checks: Sequence[CheckRecord], interventions: Sequence[Interve
     axes.set_title("The rule's scores and thresholds (a channel holds where its score reaches its threshold)")
     axes.set_xlabel("step")
     axes.set_ylabel("score")
+    _legend(axes)
+    return figure
+
+
+def _loss_figure(checks: Sequence[CheckRecord], interventions: Sequence[InterventionRecord]) -> Figure | None:
+    """The training loss the rule saw at each check (its mean since the check before), and what was done; or None."""
+    last = _layers(checks)[-1] if checks else None
+    points = [(c.step, c.loss) for c in checks if c.layer == last and c.loss is not None and math.isfinite(c.loss)]
+    if not points:
+        return None
+    figure = _figure()
+    axes = figure.add_subplot()
+    steps, values = zip(*points, strict=True)
+    axes.plot(steps, values, marker=".", color="#444", label="training loss (mean since the check before)")
+    if min(values) > 0 and max(values) / min(values) > 100:
+        axes.set_yscale("log")
+    _mark_events(axes, [c for c in checks if c.layer == last], interventions)
+    axes.set_title("The training loss at the checks")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
     _legend(axes)
     return figure
 
@@ -657,6 +706,14 @@ def _figures(
             "The score of each channel the rule watches (the index; the training loss and gradient norm when "
             "watched), its threshold (dotted), and the decisions and interventions (markers, dashed lines).",
         )
+    loss = _loss_figure(checks, interventions)
+    if loss is not None:
+        figures.add(
+            "loss.png",
+            loss,
+            "The training loss the rule saw at each check (the mean of the steps since the check before), with the "
+            "decisions and interventions.",
+        )
     layers = _layers(checks)
     for i, layer in enumerate(layers[:MAX_COMPOSITE_FIGURES]):
         figures.add(
@@ -716,9 +773,21 @@ def _also_moved(event: _Event) -> list[_Move]:
     return [m for m in event.components[1:] if abs(m.change) >= ALSO_CHANGE]
 
 
-def _remedy_keys(event: _Event) -> list[str]:
-    """Which remedy lists apply: the top mover's, then those of the other components that moved a lot."""
-    return list(dict.fromkeys([event.top, *(m.name for m in _also_moved(event))]))
+def _remedies(event: _Event) -> list[str]:
+    """The hints that fit the finding: what the loss did first, then the top mover's, then the other movers'.
+
+    A loss that kept falling replaces the generic hints of a drift (nothing points at a fault); a loss that jumped
+    puts the hints for a spike first.
+    """
+    keys = list(dict.fromkeys([event.top, *(m.name for m in _also_moved(event))]))
+    loss, hints = event.loss, list[str]()
+    if loss is not None and event.top != "diverged":
+        if loss.before > 0 and loss.after >= LOSS_JUMP * loss.before:
+            hints += _LOSS_REMEDIES["loss_jumped"]
+        elif loss.after < loss.before:
+            hints += _LOSS_REMEDIES["loss_fell"]
+            keys = [k for k in keys if k != "drift"]
+    return list(dict.fromkeys([*hints, *(r for key in keys for r in _REMEDIES[key])]))
 
 
 def _diagnosis_html(event: _Event) -> str:
@@ -767,9 +836,14 @@ def _diagnosis_html(event: _Event) -> str:
             f"</code> moved the most: {_fmt(leader.after)} against a median of {_fmt(leader.before)} "
             f"({leader.change:+.3g}; {_e(_fmt_z(leader.z))}). Then {others}.</p>"
         )
+    if event.loss is not None:
+        loss = event.loss
+        parts.append(
+            f"<p><b>The training loss:</b> {_fmt(loss.after)} against a median of {_fmt(loss.before)} over the "
+            f"{loss.history} checks before ({_e(_fmt_z(loss.z))}).</p>"
+        )
     if top == "diverged" or history:
-        remedies = dict.fromkeys(r for key in _remedy_keys(event) for r in _REMEDIES[key])
-        items = "".join(f"<li>{_e(r)}</li>" for r in remedies)
+        items = "".join(f"<li>{_e(r)}</li>" for r in _remedies(event))
         parts.append(f"<p><b>What people often try</b> (hints, not prescriptions):</p><ul>{items}</ul>")
     css = "diverged" if top == "diverged" else event.action
     return f"<div class='event {_e(css)}'>{''.join(parts)}</div>"
@@ -902,9 +976,9 @@ def _curves_html(checks: Sequence[CheckRecord], figures: _Figures) -> list[str]:
         "<h2>The watched index</h2>",
         _figure_html("index.png", figures.caption("index.png")),
     ]
-    if any(name == "scores.png" for name, _, _ in figures.items):
-        caption = figures.caption("scores.png")
-        parts += ["<h2>The rule's scores and thresholds</h2>", _figure_html("scores.png", caption)]
+    for name, title in (("scores.png", "The rule's scores and thresholds"), ("loss.png", "The training loss")):
+        if any(name == shown for shown, _, _ in figures.items):
+            parts += [f"<h2>{title}</h2>", _figure_html(name, figures.caption(name))]
     parts.append("<h2>The Collapse Index and its components</h2>")
     composite = [(name, caption) for name, _, caption in figures.items if name.startswith("composite_")]
     parts.extend(_figure_html(name, caption) for name, caption in composite)

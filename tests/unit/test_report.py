@@ -413,3 +413,43 @@ def test_the_scores_figure_draws_each_score_its_threshold_and_the_interventions(
     assert set(threshold.get_ydata()) == {monitor.settings.rule.threshold}
     cuts = [l for l in axes.get_lines() if l.get_label() == "intervention: lower_lr"]
     assert [l.get_xdata()[0] for l in cuts] == [r.step for r in interventions if r.action == "lower_lr"][:1]
+
+
+def test_the_loss_the_rule_saw_is_in_the_records_and_drawn_with_the_interventions(tmp_path):
+    probe = _digits_probe(80, 0)
+    rng = np.random.default_rng(3)
+    monitor = TopoMonitor(check_every=1, summary=False)
+    losses = {}
+    for i in range(8):
+        losses[i * 5] = 2.0 / (1 + i)
+        monitor.process(probe + 0.05 * rng.normal(size=probe.shape), i * 5, loss=losses[i * 5], grad_norm=1.0)
+    checks = [r for r in monitor.history if isinstance(r, CheckRecord)]
+    assert {c.step: c.loss for c in checks} == losses  # one step per check: the mean is that step's loss
+    assert {c.grad_norm for c in checks} == {1.0}
+    figure = _figures(checks, [], {}, []).get("loss.png")
+    (line,) = [l for l in figure.axes[0].get_lines() if l.get_label().startswith("training loss")]
+    assert dict(zip(line.get_xdata(), line.get_ydata(), strict=True)) == pytest.approx(losses)
+    path = write_report(monitor.history, tmp_path)
+    assert "loss.png" in parse(path).images
+
+
+def test_the_hints_follow_what_the_loss_did_at_the_alarm(tmp_path):
+    # The same drift alarm twice: once with the loss jumping 5x with it, once with the loss still falling.
+    probe = _digits_probe(80, 0)
+    rng = np.random.default_rng(4)
+    pages = {}
+    for case, last_loss in (("jumped", 5.0), ("fell", 0.2)):
+        monitor = TopoMonitor(check_every=1, summary=False, policy=old_rule(warmup=3, action="warn"))
+        for i in range(7):
+            features = probe + 0.05 * rng.normal(size=probe.shape)
+            if i == 6:
+                features = _dimensional_collapse(features, 1.0)  # the features move: an index alarm
+            monitor.process(features, i * 5, loss=last_loss if i == 6 else 1.0 - 0.05 * i)
+        (alarm,) = [r for r in monitor.history if isinstance(r, CheckRecord) and r.decision.fired]
+        assert alarm.step == 30
+        pages[case] = diagnoses(write_report(monitor.history, tmp_path / case))
+    assert "The training loss:</b> 5.000 against a median of 0.875 over the 6 checks before" in pages["jumped"]
+    assert "the loss jumped with the features" in pages["jumped"]
+    assert "the loss kept falling" not in pages["jumped"]
+    assert "the loss kept falling at this check" in pages["fell"]
+    assert "the loss jumped" not in pages["fell"]
