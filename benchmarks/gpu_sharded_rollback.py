@@ -80,17 +80,11 @@ def fsdp_args(version: str) -> dict[str, Any]:
 
 def hf_worker(out: str, version: str) -> None:
     import torch
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from tests.integration.fsdp_rollback import RULE, Classifier, collapse, digest
+    from tests.integration.fsdp_rollback import RULE, Classifier, collapse, record_state
     from tests.integration.models import digits
     from topocallbacks.hf import TopoCollapseTrainerCallback
-    from topocallbacks.interventions import current_learning_rates
 
     images, labels = digits()
     x = images.flatten(1)
@@ -118,17 +112,7 @@ def hf_worker(out: str, version: str) -> None:
             self.seen: dict[str, dict] = {"local": {}, "full": {}, "lr": {}, "steps": {}}
 
         def on_step_end(self, args, state, control, **kw):
-            options = StateDictOptions(full_state_dict=False)
-            model, optimizer = trainer.model_wrapped, trainer.optimizer.optimizer
-            tree = {
-                "model": get_model_state_dict(model, options=options),
-                "optimizer": get_optimizer_state_dict(model, optimizer, options=options)["state"],
-            }
-            step = state.global_step
-            self.seen["local"][step] = digest(tree, local=True)
-            self.seen["full"][step] = digest(tree, local=False)
-            self.seen["lr"][step] = current_learning_rates([optimizer])[0]
-            self.seen["steps"][step] = sorted({float(v["step"]) for v in tree["optimizer"].values()})
+            record_state(self.seen, state.global_step, trainer.model_wrapped, trainer.optimizer.optimizer)
 
     watcher = TopoCollapseTrainerCallback(
         probe=x[:96], layer="encoder", check_every=5, index="rankme", policy=RULE, batch_size=16, summary=False

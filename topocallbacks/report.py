@@ -698,22 +698,21 @@ def _figures(
         "The index the policy watches. Markers on the step axis: decisions that fired (warn, lower_lr, stop) and "
         "diverged checks; dashed lines: what was done (interventions).",
     )
-    scores = _score_figure(checks, interventions)
-    if scores is not None:
-        figures.add(
-            "scores.png",
-            scores,
+    optional = {
+        "scores.png": (
+            _score_figure(checks, interventions),
             "The score of each channel the rule watches (the index; the training loss and gradient norm when "
             "watched), its threshold (dotted), and the decisions and interventions (markers, dashed lines).",
-        )
-    loss = _loss_figure(checks, interventions)
-    if loss is not None:
-        figures.add(
-            "loss.png",
-            loss,
+        ),
+        "loss.png": (
+            _loss_figure(checks, interventions),
             "The training loss the rule saw at each check (the mean of the steps since the check before), with the "
             "decisions and interventions.",
-        )
+        ),
+    }
+    for name, (figure, caption) in optional.items():
+        if figure is not None:  # None: the history has no scores (older records), or no loss was passed
+            figures.add(name, figure, caption)
     layers = _layers(checks)
     for i, layer in enumerate(layers[:MAX_COMPOSITE_FIGURES]):
         figures.add(

@@ -105,6 +105,23 @@ def digest(tree: Any, local: bool) -> str:
     return out.hexdigest()
 
 
+def record_state(seen: dict[str, Any], step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """Into ``seen`` at ``step``: hashes of this rank's shards and of the gathered state (parameters, optimizer
+    state), the learning rate and the optimizer's step counters; returns the model's sharded state dict.
+
+    The optimizer state is read only once it exists: the helper would create it with a step of zero gradients.
+    """
+    options = StateDictOptions(full_state_dict=False)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer.state else {"state": {}}
+    state = {"model": model_state, "optimizer": optim_state["state"]}
+    seen["local"][step] = digest(state, local=True)
+    seen["full"][step] = digest(state, local=False)
+    seen["lr"][step] = current_learning_rates([optimizer])[0]
+    seen["steps"][step] = sorted({float(v["step"]) for v in optim_state["state"].values()})
+    return model_state
+
+
 def collapse(net: torch.nn.Module) -> None:
     """Every row of ``encoder.weight`` made equal to its first (on the rank that holds it, broadcast to the rest)."""
     options = StateDictOptions(full_state_dict=False)
@@ -177,14 +194,7 @@ def main(out: str, kind: str, mode: str) -> None:
         now[0] = step
         for record in monitor.on_step(step, model=net):
             monitor.act(record, actuator)
-        model_state = get_model_state_dict(net, options=options)
-        # (Read only once the optimizer has state: the helper would create it with a step of zero gradients.)
-        optim_state = get_optimizer_state_dict(net, optimizer, options=options) if optimizer.state else {"state": {}}
-        state = {"model": model_state, "optimizer": optim_state["state"]}
-        seen["local"][step] = digest(state, local=True)
-        seen["full"][step] = digest(state, local=False)
-        seen["lr"][step] = current_learning_rates([optimizer])[0]
-        seen["steps"][step] = sorted({float(v["step"]) for v in optim_state["state"].values()})
+        model_state = record_state(seen, step, net, optimizer)
         seen["local_numel"][step] = sum(t.numel() for _, t in tensors(model_state, local=True) if t is not None)
     caught.__exit__(None, None, None)
     seen["warnings"] = [str(w.message) for w in said if "topocallbacks" in str(w.message)]

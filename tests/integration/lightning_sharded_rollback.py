@@ -19,13 +19,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.integration.fsdp_rollback import RULE, Classifier, collapse, digest
+from tests.integration.fsdp_rollback import RULE, Classifier, collapse, record_state
 from tests.integration.models import digits
-from topocallbacks.interventions import current_learning_rates
 from topocallbacks.lightning import TopoCollapseCallback
 
 IMAGES, LABELS = digits()
@@ -70,17 +68,7 @@ class Report(pl.Callback):
         self.seen: dict = {"local": {}, "full": {}, "lr": {}, "steps": {}}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        options = StateDictOptions(full_state_dict=False)
-        optimizer, model = trainer.optimizers[0], trainer.strategy.model
-        state = {
-            "model": get_model_state_dict(model, options=options),
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=options)["state"],
-        }
-        step = trainer.global_step
-        self.seen["local"][step] = digest(state, local=True)
-        self.seen["full"][step] = digest(state, local=False)
-        self.seen["lr"][step] = current_learning_rates([optimizer])[0]
-        self.seen["steps"][step] = sorted({float(v["step"]) for v in state["optimizer"].values()})
+        record_state(self.seen, trainer.global_step, trainer.strategy.model, trainer.optimizers[0])
 
     def on_train_end(self, trainer, pl_module):
         data = {"rank": trainer.global_rank, "history": [r.as_dict() for r in self.watched.history], **self.seen}

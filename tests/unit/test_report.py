@@ -407,12 +407,12 @@ def test_the_scores_figure_draws_each_score_its_threshold_and_the_interventions(
     figure = _figures(checks, interventions, {}, []).get("scores.png")
     (axes,) = figure.axes
     scored = {c.step: c.decision.score for c in checks if c.ok and c.decision.score is not None}
-    (line,) = [l for l in axes.get_lines() if l.get_label() == "score: index"]
+    (line,) = [d for d in axes.get_lines() if d.get_label() == "score: index"]
     assert dict(zip(line.get_xdata(), line.get_ydata(), strict=True)) == pytest.approx(scored)
-    (threshold,) = [l for l in axes.get_lines() if l.get_label().startswith("threshold: index")]
+    (threshold,) = [d for d in axes.get_lines() if d.get_label().startswith("threshold: index")]
     assert set(threshold.get_ydata()) == {monitor.settings.rule.threshold}
-    cuts = [l for l in axes.get_lines() if l.get_label() == "intervention: lower_lr"]
-    assert [l.get_xdata()[0] for l in cuts] == [r.step for r in interventions if r.action == "lower_lr"][:1]
+    cuts = [d for d in axes.get_lines() if d.get_label() == "intervention: lower_lr"]
+    assert [d.get_xdata()[0] for d in cuts] == [r.step for r in interventions if r.action == "lower_lr"][:1]
 
 
 def test_the_loss_the_rule_saw_is_in_the_records_and_drawn_with_the_interventions(tmp_path):
@@ -427,7 +427,7 @@ def test_the_loss_the_rule_saw_is_in_the_records_and_drawn_with_the_intervention
     assert {c.step: c.loss for c in checks} == losses  # one step per check: the mean is that step's loss
     assert {c.grad_norm for c in checks} == {1.0}
     figure = _figures(checks, [], {}, []).get("loss.png")
-    (line,) = [l for l in figure.axes[0].get_lines() if l.get_label().startswith("training loss")]
+    (line,) = [d for d in figure.axes[0].get_lines() if d.get_label().startswith("training loss")]
     assert dict(zip(line.get_xdata(), line.get_ydata(), strict=True)) == pytest.approx(losses)
     path = write_report(monitor.history, tmp_path)
     assert "loss.png" in parse(path).images
