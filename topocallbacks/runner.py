@@ -161,6 +161,8 @@ class Runner(Stateful):
             emit: called with each record (and the figures of the check's last one, None for the others) in order.
         """
         collected: list[CheckRecord] = []
+        if not self._pending or self._pending[0].apply_at > step:
+            return collected  # the common step: nothing to apply (kept cheap: it runs at every training step)
         rank = rank_and_world()[0]
         while self._pending and self._pending[0].apply_at <= step:
             pending = self._pending[0]

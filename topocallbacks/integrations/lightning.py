@@ -106,13 +106,21 @@ class TopoCollapseCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        """Unique per watched layer(s) and mode (and ``prefix`` when given, to watch one layer twice)."""
-        key: dict[str, str] = {"layer": ",".join(self.layer), "mode": self.monitor.settings.schedule.mode}
+        """Unique per watched layer(s) and mode (and ``prefix`` when given, to watch one layer twice).
+
+        Made once from the settings (Lightning asks for it several times a step).
+        """
+        settings = self.monitor.settings
+        cached = self.__dict__.get("_state_key")
+        if cached is not None and cached[0] is settings:
+            return str(cached[1])
+        key: dict[str, str] = {"layer": ",".join(self.layer), "mode": settings.schedule.mode}
         if self.layers:
             key["layers"] = ",".join(self.layers)
-        if self.monitor.settings.output.prefix is not None:
-            key["prefix"] = self.monitor.settings.output.prefix
-        return self._generate_state_key(**key)
+        if settings.output.prefix is not None:
+            key["prefix"] = settings.output.prefix
+        self._state_key = (settings, self._generate_state_key(**key))
+        return str(self._state_key[1])
 
     report = property(lambda self: self.monitor.report, doc="Write the HTML report (:meth:`TopoMonitor.report`).")
 
