@@ -439,9 +439,8 @@ def capture_state(
     changing the originals in place). From a GPU the copies go to pinned host memory without blocking the loop,
     and ``"ready"`` holds a CUDA event recorded after them: wait on it (``ready.synchronize()``) before reading the
     host tensors (:class:`~topocallbacks.rollback.SnapshotStore` does). A sharded model (:func:`has_sharded_state`) is
-    read through
-    ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``, sharded):
-    each rank copies its own shard, with no collective beyond what those helpers need.
+    read through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``,
+    sharded): each rank copies its own shard, with no collective beyond what those helpers need.
 
     Example:
         >>> import torch
