@@ -1,6 +1,7 @@
 """Two CPU processes (gloo) train an MLP sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) in a plain loop
-with a ``TopoMonitor``; each rank writes what it saw to <out>/rank<r>.json. (FSDP1, ``FullyShardedDataParallel``,
-refuses a machine without an accelerator, as do Lightning's and accelerate's FSDP.)
+with a ``TopoMonitor``; each rank writes what it saw to <out>/rank<r>.json. (FSDP1 runs on CPU too, with
+``device_id=torch.device("cpu")``: ``fsdp_rollback.py``; Lightning's FSDPStrategy and accelerate's FSDP refuse a
+machine without an accelerator.)
 
 Run by the tests as ``torchrun --nproc_per_node 2 tests/integration/fsdp_check.py OUT`` (under a timeout).
 """
