@@ -20,7 +20,7 @@ from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture
 from ..settings import MonitorSettings
-from ..sinks import intervention_scalars, prefix_of, scalars_of
+from ..sinks import intervention_scalars, scalars_of
 from . import lightning_glue as glue
 from .reporting import Guard, write_text
 
@@ -162,13 +162,8 @@ class TopoCollapseCallback(Callback):
         ):
             self._act(trainer, record)
         unlogged, self._unlogged = self._unlogged, []
-        for record in unlogged:
-            index = f"{prefix_of(unlogged[-1], self.prefix)}/index"  # the deciding (primary) layer's, on the bar
-            for name, value in scalars_of(record, self.prefix).items():
-                # Callback metrics (EarlyStopping, ModelCheckpoint, the progress bar): they stay until logged
-                # again. The loggers got the record at its own step already.
-                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == index, logger=False,
-                              batch_size=1)  # fmt: skip
+        if unlogged:  # the loggers got the records at their own step already
+            glue.set_callback_metrics(trainer, unlogged, self.prefix)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
