@@ -154,12 +154,12 @@ class ProbePass:
                 self.resolve(model, layered)
             features = self.gathered(model)
         except InputError as exc:
-            layer = None if self.extractor is None else list(self.extractor.settings.layers or self.extractor.layer)
+            layer = self._watched() or None
             raise InputError(f"{exc} (model {type(model).__name__}, layer {layer!r}, step {step})") from exc
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             if isinstance(exc, torch.OutOfMemoryError) or type(exc).__name__.startswith("Dist"):
                 raise  # not the probe's fault: the device is full, or a collective failed
-            layers = [] if self.extractor is None else list(self.extractor.settings.layers or self.extractor.layer)
+            layers = self._watched()
             shown = layers[0] if len(layers) == 1 else layers
             raise InputError(
                 f"the probe pass of {type(model).__name__} failed at step {step} (layer {shown!r}): "
@@ -167,6 +167,10 @@ class ProbePass:
                 f"{self.probe.describe()}"
             ) from exc
         return features, (time.perf_counter() - start) * 1e3
+
+    def _watched(self) -> list[str]:
+        """The watched layer names (patterns as given), for messages."""
+        return [] if self.extractor is None else list(self.extractor.settings.layers or self.extractor.layer)
 
     @property
     def spec_state(self) -> dict[str, Any] | None:

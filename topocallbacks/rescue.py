@@ -221,29 +221,34 @@ class Rescuer(Stateful):
         """Keep this healthy state as a snapshot, unless it cannot be kept here (then say so once, and keep none)."""
         try:
             self._check_room(actuator)  # errors other than a refusal propagate: every rank must reach its collective
-            try:
-                kept = self.snapshots.add(step, _snapshot(actuator), diagrams)
-            except SnapshotUnsupported:
-                raise
-            except Exception as error:  # a copy that failed on this rank (host memory, the disk): go on without it
-                warnings.warn(
-                    f"topocallbacks could not keep the snapshot of step {step} on rank {rank_and_world()[0]} "
-                    f"({type(error).__name__}: {error}); a rollback goes back to an older snapshot every rank holds",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                return
         except SnapshotUnsupported as error:
-            self.snapshots_off = str(error)
-            if rank_and_world()[0] == 0:
-                warnings.warn(
-                    f"topocallbacks keeps no rollback snapshots: {error}. A rollback decision warns instead.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+            self._turn_off(error)
+            return
+        try:
+            kept = self.snapshots.add(step, _snapshot(actuator), diagrams)
+        except SnapshotUnsupported as error:
+            self._turn_off(error)
+            return
+        except Exception as error:  # a copy that failed on this rank (host memory, the disk): go on without it
+            warnings.warn(
+                f"topocallbacks could not keep the snapshot of step {step} on rank {rank_and_world()[0]} "
+                f"({type(error).__name__}: {error}); a rollback goes back to an older snapshot every rank holds",
+                RuntimeWarning,
+                stacklevel=4,
+            )
             return
         kept.lr_factor = self.lr_factor_
         kept.rollback_cut = self.rollback_cut_
+
+    def _turn_off(self, error: SnapshotUnsupported) -> None:
+        """No snapshots from now on, said once (rank 0): a rollback decision warns instead."""
+        self.snapshots_off = str(error)
+        if rank_and_world()[0] == 0:
+            warnings.warn(
+                f"topocallbacks keeps no rollback snapshots: {error}. A rollback decision warns instead.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
     def _check_room(self, actuator: Actuator) -> None:
         """Before the first snapshot in host memory: refuse snapshots that would take most of the memory left.

@@ -93,6 +93,7 @@ class TopoCollapseCallback(Callback):
         self._sharded_root: torch.nn.Module | None = None  # the strategy's FSDP root the probe runs through, if any
         self._step = OptimizerStep()  # the training channels of the optimizer step under way
         self._seen_step: int | None = None  # the global step last seen (no new one: gradients still accumulate)
+        self._state_key = self._key_of(resolved)  # Lightning asks for it several times a step: made once
 
     @classmethod
     def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseCallback:
@@ -106,21 +107,16 @@ class TopoCollapseCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        """Unique per watched layer(s) and mode (and ``prefix`` when given, to watch one layer twice).
+        """Unique per watched layer(s) and mode (and ``prefix`` when given, to watch one layer twice)."""
+        return self._state_key
 
-        Made once from the settings (Lightning asks for it several times a step).
-        """
-        settings = self.monitor.settings
-        cached = self.__dict__.get("_state_key")
-        if cached is not None and cached[0] is settings:
-            return str(cached[1])
-        key: dict[str, str] = {"layer": ",".join(self.layer), "mode": settings.schedule.mode}
-        if self.layers:
-            key["layers"] = ",".join(self.layers)
+    def _key_of(self, settings: MonitorSettings) -> str:
+        key: dict[str, str] = {"layer": ",".join(settings.probe.layer or ()), "mode": settings.schedule.mode}
+        if settings.probe.layers:
+            key["layers"] = ",".join(settings.probe.layers)
         if settings.output.prefix is not None:
             key["prefix"] = settings.output.prefix
-        self._state_key = (settings, self._generate_state_key(**key))
-        return str(self._state_key[1])
+        return self._generate_state_key(**key)
 
     report = property(lambda self: self.monitor.report, doc="Write the HTML report (:meth:`TopoMonitor.report`).")
 
@@ -227,8 +223,8 @@ class TopoCollapseCallback(Callback):
 
     def _mark_in_loggers(self, trainer: pl.Trainer, record: InterventionRecord) -> None:
         """An intervention's marker (``topo/intervention``) and, where a logger takes text, its reason (rank 0)."""
+        marker = intervention_scalars(record, self.prefix)
         for logger in trainer.loggers if trainer.is_global_zero else []:
-            marker = intervention_scalars(record, self.prefix)
             self._guard(logger, "an intervention", logger.log_metrics, marker, step=record.step)
             text = glue.text_target(logger)
             if text is not None:
