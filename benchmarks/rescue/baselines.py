@@ -101,6 +101,20 @@ class OlmoSkipStep(StepDetector):
         return latest <= float(history.mean()) + self.sigma * float(history.std(ddof=1))
 
 
+class RecomputeStep(OlmoSkipStep):
+    """Recompute the last step: the fault-tolerance practice of redoing a step whose loss or gradient is suspect.
+
+    A step flagged by OLMo-core's rule above (6 sigma over the last 128 steps, loss or gradient norm) has its
+    gradients discarded and computed again on the same batch before the update. This is what guards against a
+    transient hardware fault (a bit flip in one step's compute); it cannot help against a bad batch or a bad
+    learning rate, which compute the same gradients again. It is here as the control the rescue issue asked for.
+    """
+
+    def on_step(self, position: int, loss: float, grad_norm: float) -> StepChange | None:
+        change = super().on_step(position, loss, grad_norm)
+        return None if change is None else StepChange("recompute", recompute=True)
+
+
 class FoundryKillLossSpike(StepDetector):
     """llm-foundry's ``KillLossSpike`` callback (``llmfoundry.callbacks.kill_loss_spike``), enabled (it stops).
 
@@ -210,6 +224,10 @@ class MetricDetector:
         self.checks = 0
         self.rollbacks = 0
         self.last_action: int | None = None
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.snapshots.nbytes
 
     def on_step(self, position: int, loss: float, grad_norm: float) -> StepChange | None:
         return None

@@ -33,3 +33,7 @@ def trunk_summary_path(directory: Path, arch: str, seed: int) -> Path:
 
 def runs_path(directory: Path, arch: str, seed: int, key: str) -> Path:
     return directory / f"runs-{arch}-seed{seed}-{key}.json"
+
+
+def timing_path(directory: Path, arch: str) -> Path:
+    return directory / f"timing-{arch}.json"

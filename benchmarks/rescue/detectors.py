@@ -6,7 +6,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from baselines import FoundryKillLossSpike, LightningSpikeDetection, MetricDetector, OlmoSkipStep, ZClip
+from baselines import (
+    FoundryKillLossSpike,
+    LightningSpikeDetection,
+    MetricDetector,
+    OlmoSkipStep,
+    RecomputeStep,
+    ZClip,
+)
 from engine import TopoDetector
 from faults import Architecture, Setup
 
@@ -17,7 +24,7 @@ class DetectorSpec:
 
     detector: str
     action: str
-    family: str  # "ours" or "baseline"
+    family: str  # "ours" (candidates for the default), "control" or "baseline"
     description: str
     make: Callable[[Architecture, Setup], Any]
     policy: dict[str, Any] | None = None  # ours: the TopoMonitor policy (check_every is the suite's)
@@ -27,13 +34,18 @@ class DetectorSpec:
         return f"{self.detector}+{self.action}"
 
 
-def _ours(policy: dict[str, Any]) -> Callable[[Architecture, Setup], Any]:
-    return lambda arch, setup: TopoDetector(dict(policy), setup.check_every)
+def _ours(policy: dict[str, Any], replay_data: bool = False) -> Callable[[Architecture, Setup], Any]:
+    return lambda arch, setup: TopoDetector(dict(policy), setup.check_every, replay_data)
 
 
 def ours(detector: str, action: str, description: str, policy: dict[str, Any]) -> DetectorSpec:
     """A row of ours: the library's monitor with ``policy``."""
     return DetectorSpec(detector, action, "ours", description, _ours(policy), policy)
+
+
+# Plain replay, the control for luck: the default rule's trigger and rollback, but the data goes back with the
+# state (the same batches again, in the same order), no updates skipped, no rate cut; after 4 rollbacks the stop.
+PLAIN_REPLAY = {"rollback_lr_factor": None, "rollback_skip": 0}
 
 
 # The library's rule before the default-rule issue (#22): diagram drift alone, z >= 4.5, with action rollback; no
@@ -65,6 +77,10 @@ DETECTORS: dict[str, DetectorSpec] = {
         ours("ours_loss_only", "rollback",
              "the default rule's actions on the loss alone (what does the topology add?)",
              {"channels": ["loss"], "require": 1, "sentinels": False}),
+        DetectorSpec("plain_replay", "rollback", "control",
+                     "plain replay: the default rule's trigger and rollback, the same data again in the same order, "
+                     "no skip, no rate cut (then stop after 4); the control for luck",
+                     _ours(PLAIN_REPLAY, replay_data=True), PLAIN_REPLAY),
         ours("ours_old_default", "rollback",
              "the library's rule before #22 with rollback: drift alone, no first cut, no skip, 2 rollbacks",
              OLD_DEFAULT),
@@ -72,6 +88,9 @@ DETECTORS: dict[str, DetectorSpec] = {
                      lambda arch, setup: LightningSpikeDetection()),
         DetectorSpec("olmo_skip", "skip", "baseline", "OLMo-core skip step (6 sigma, 128 steps)",
                      lambda arch, setup: OlmoSkipStep()),
+        DetectorSpec("recompute", "recompute", "baseline",
+                     "recompute the last step: OLMo-core's 6-sigma flag, the step's gradients computed again",
+                     lambda arch, setup: RecomputeStep()),
         DetectorSpec("foundry_kill", "stop", "baseline", "llm-foundry KillLossSpike defaults, enabled",
                      lambda arch, setup: FoundryKillLossSpike()),
         DetectorSpec("zclip", "clip", "baseline", "ZClip z = 2.5, always on", lambda arch, setup: ZClip()),

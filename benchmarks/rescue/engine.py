@@ -118,8 +118,13 @@ class TopoDetector:
 
     needs_checks = True
 
-    def __init__(self, policy: dict[str, Any], check_every: int) -> None:
+    def __init__(self, policy: dict[str, Any], check_every: int, replay_data: bool = False) -> None:
         self.monitor = TopoMonitor(check_every=check_every, policy=policy)
+        self.replay_data = replay_data  # plain replay: after a rollback the data goes back with the state
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.monitor.snapshots.nbytes
 
     def on_step(self, position: int, loss: float, grad_norm: float) -> StepChange | None:
         self.monitor.record_dynamics(loss, grad_norm)
@@ -163,9 +168,14 @@ class BranchActuator:
         return LoopActuator(trainee.optimizer, trainee.scheduler, model=trainee.model)
 
     def snapshot(self) -> dict[str, Any]:
-        if self.run.trainee is None:
+        self.run.snapshots_taken += 1
+        if self.run.trainee is None:  # the trunk's copy: the cost model adds a measured copy (``timing_job``)
             return self.run.trunk.states[self.position]
-        return self._live().snapshot()
+        started = time.perf_counter()
+        try:
+            return self._live().snapshot()
+        finally:
+            self.run.snapshot_seconds += time.perf_counter() - started
 
     def restore(self, snapshot: Any) -> str:
         live = self._live()
@@ -232,6 +242,17 @@ class Run:
         self.final_updates: int | None = None
         self.live_steps = 0
         self.live_evaluations = 0
+        # The monitor's step is the count of training steps taken (``clock``): it equals the data position
+        # unless a plain-replay rollback sent the data back; ``positions`` maps a check's clock to its position.
+        self.clock = 0
+        self.positions: dict[int, int] = {}
+        self.replayed = 0  # positions trained again after a plain-replay rollback
+        self.detector_seconds = 0.0  # in the detector's calls, its actions included (snapshots, restores)
+        self.probe_passes = 0  # checks at which the detector needed the probe's features
+        self.snapshot_bytes = 0  # the most the detector's snapshots held at once
+        self.snapshots_taken = 0
+        self.snapshot_seconds = 0.0  # live copies (the cost model counts a measured copy per snapshot instead)
+        self.branch_seconds = 0.0  # materialising from the trunk (the benchmark's, not the detector's)
 
     @property
     def trunk(self) -> Trunk:
@@ -242,6 +263,7 @@ class Run:
         """Go live at ``position`` (before its training step, after its check): the trunk's state there."""
         if self.trainee is not None:
             return
+        started = time.perf_counter()
         check = position - position % self.setup.check_every
         trainee = RescueTrainee(self.arch, self.seed, self.kind, self.setup)
         trainee.restore(self.trunk.states[check])
@@ -250,6 +272,7 @@ class Run:
             self.live_steps += 1
         self.trainee = trainee
         self.branched_at = position
+        self.branch_seconds += time.perf_counter() - started
 
     # --- the loop -------------------------------------------------------------------------------------------
 
@@ -262,16 +285,30 @@ class Run:
             p = self.position
             self._step(p)
             self.position = p + 1
+            self.clock += 1
             if self.stopped_at is None and self.position % self.setup.check_every == 0:
                 self._check(self.position)
 
     def _log_change(self, position: int, change: StepChange) -> None:
         self.events.append({"position": position, "action": change.action, "clip_to": change.clip_to})
 
+    def _timed(self, call: Callable[[], Any]) -> Any:
+        """``call()``, its seconds added to ``detector_seconds`` less any branching or live snapshot inside it."""
+        aside = self.branch_seconds + self.snapshot_seconds
+        started = time.perf_counter()
+        try:
+            return call()
+        finally:
+            inside = self.branch_seconds + self.snapshot_seconds - aside
+            self.detector_seconds += time.perf_counter() - started - inside
+
+    def _judge(self, p: int, loss: float, norm: float) -> StepChange | None:
+        return self._timed(lambda: self.detector.on_step(p, loss, norm))
+
     def _step(self, p: int) -> None:
         if self.trainee is None:
             loss, norm = float(self.trunk.loss[p]), float(self.trunk.grad_norm[p])
-            change = self.detector.on_step(p, loss, norm)
+            change = self._judge(p, loss, norm)
             if change is None:
                 return
             self._log_change(p, change)
@@ -286,7 +323,7 @@ class Run:
             if live_loss != loss:  # pragma: no cover - the replay and the live step must agree bit for bit
                 raise RuntimeError(f"position {p}: the live loss {live_loss!r} is not the trunk's {loss!r}")
             return
-        _, _, change = self.trainee.step(p, decide=lambda loss, norm: self.detector.on_step(p, loss, norm))
+        _, _, change = self.trainee.step(p, decide=lambda loss, norm: self._judge(p, loss, norm))
         self.live_steps += 1
         if change is not None:
             self._log_change(p, change)
@@ -314,12 +351,22 @@ class Run:
             self.curve.append((q, observation.metric))
         if self.detector.needs_checks:
             assert observation is not None
-            for event in self.detector.on_check(q, observation, BranchActuator(self, q)):
+            self.probe_passes += 1
+            self.positions[self.clock] = q
+            events = self._timed(lambda: self.detector.on_check(self.clock, observation, BranchActuator(self, q)))
+            self.snapshot_bytes = max(self.snapshot_bytes, getattr(self.detector, "snapshot_bytes", 0))
+            for event in events:
+                event["position"] = q
+                if event.get("snapshot_step") is not None:
+                    event["snapshot_step"] = self.positions[event["snapshot_step"]]
                 if event["action"] == "warn":
                     self.warnings += 1
                     continue
                 if event["action"] == "rollback":
                     event["updates_undone"] = self.last_undone
+                    if getattr(self.detector, "replay_data", False):  # the same data again, from the snapshot
+                        self.replayed += q - event["snapshot_step"]
+                        self.position = event["snapshot_step"]
                 self.events.append(event)
 
     def finish(self) -> float:
@@ -346,6 +393,7 @@ class Run:
             twin.detector = self.detector.clone()
             twin.curve = list(self.curve)
             twin.events = [dict(event) for event in self.events]
+            twin.positions = dict(self.positions)
             if self.trainee is not None:
                 twin.trainee = RescueTrainee(self.arch, self.seed, kind, self.setup)
                 twin.trainee.restore(self.trainee.state())
@@ -369,6 +417,15 @@ class Run:
             "curve": self.curve,
             "live_steps": self.live_steps,
             "live_evaluations": self.live_evaluations,
+            "cost": {
+                "detector_seconds": self.detector_seconds,
+                "snapshots": self.snapshots_taken,
+                "probe_passes": self.probe_passes,
+                "steps_trained": self.clock,  # positions trained, replayed ones included, up to the end or stop
+                "positions_replayed": self.replayed,
+                "steps_recomputed": sum(e["action"] == "recompute" for e in self.events),
+                "snapshot_bytes": self.snapshot_bytes,
+            },
         }
 
 
@@ -383,6 +440,32 @@ def run_detector(
     for twin in runs.values():
         twin.finish()
     return runs
+
+
+def measure_costs(arch: Architecture, setup: Setup, repeats: int = 7) -> dict[str, float]:
+    """Seconds of one training step, one probe pass and one snapshot copy of a setting (medians, seed 0).
+
+    The rescue suite's cost model (``outputs.wall_clock_ratio``) prices a run with these: branched runs are not
+    timed end to end (most of a run is replayed from its trunk), so a run's training steps, the probe passes and
+    snapshots its detector needed are counted, and only the detector's own calls are timed.
+    """
+    trainee = RescueTrainee(arch, 0, "healthy", setup)
+    for p in range(3):  # warm-up
+        trainee.step(p)
+
+    def median(call: Callable[[int], Any]) -> float:
+        times = []
+        for i in range(repeats):
+            started = time.perf_counter()
+            call(i)
+            times.append(time.perf_counter() - started)
+        return float(np.median(times))
+
+    return {
+        "step_seconds": median(lambda i: trainee.step(3 + i)),
+        "probe_seconds": median(lambda i: trainee.probe()),
+        "copy_seconds": median(lambda i: trainee.state()),
+    }
 
 
 def run_live(arch: Architecture, seed: int, setup: Setup, kind: str, make: Callable[[], Any]) -> Run:

