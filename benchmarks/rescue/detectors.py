@@ -44,7 +44,8 @@ def ours(detector: str, action: str, description: str, policy: dict[str, Any]) -
 
 
 # Plain replay, the control for luck: the default rule's trigger and rollback, but the data goes back with the
-# state (the same batches again, in the same order), no updates skipped, no rate cut; after 4 rollbacks the stop.
+# state (the same batches again, in the same order), no updates skipped, no rate cut (the engine's actuator ignores
+# the cuts the policy asks for from the second rollback on); after 4 rollbacks the stop.
 PLAIN_REPLAY = {"rollback_lr_factor": None, "rollback_skip": 0}
 
 

@@ -120,7 +120,9 @@ class TopoDetector:
 
     def __init__(self, policy: dict[str, Any], check_every: int, replay_data: bool = False) -> None:
         self.monitor = TopoMonitor(check_every=check_every, policy=policy)
-        self.replay_data = replay_data  # plain replay: after a rollback the data goes back with the state
+        # Plain replay: after a rollback the data go back with the state, and the rate is never cut (the policy's
+        # ``rollback_lr_factor=None`` still cuts from the second rollback on; the actuator ignores those cuts).
+        self.replay_data = replay_data
 
     @property
     def snapshot_bytes(self) -> int:
@@ -189,6 +191,8 @@ class BranchActuator:
         return f"{detail} ({undone} updates undone)"
 
     def scale_learning_rate(self, factor: float) -> str:
+        if getattr(self.run.detector, "replay_data", False):  # plain replay never changes the rate
+            return "rate left as it was (plain replay)"
         return self._live().scale_learning_rate(factor)
 
     def skip_updates(self, count: int) -> str:

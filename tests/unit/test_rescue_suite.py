@@ -154,6 +154,19 @@ def test_plain_replay_sends_the_data_back_and_every_run_counts_its_steps(quick, 
     assert ratios["ours_default+rollback"] > 1.0  # probe passes and snapshots are not free
 
 
+@slow
+@needs_data
+def test_plain_replay_never_cuts_the_rate(suite):
+    engine, faults, detectors = suite["engine"], suite["faults"], suite["detectors"]
+    arch, setup = faults.ARCHITECTURES["vit"], faults.QUICK
+    spec = detectors.DETECTORS["plain_replay+rollback"]
+    run = engine.run_live(arch, 0, setup, "structural", lambda: spec.make(arch, setup))
+    rollbacks = [e for e in run.events if e["action"] == "rollback"]
+    assert len(rollbacks) >= 2  # the policy (rollback_lr_factor=None) asks for a cut from the second one on
+    fresh = faults.RescueTrainee(arch, 0, "structural", setup)
+    assert run.trainee.scheduler.base_lrs == fresh.scheduler.base_lrs  # no cut reached the optimizer
+
+
 @needs_data
 def test_recomputing_a_step_gives_the_same_update_when_the_compute_is_deterministic(suite):
     faults = suite["faults"]
