@@ -15,9 +15,10 @@ healthy twin's, and its cost is what it does to the healthy twin and its estimat
 branching (``engine.py``): the unprotected trunks are trained once per (setting, seed) and a detector's run is
 replayed from them until its first action, then trained live.
 
-Work is cached per (architecture, seed) trunk and per (architecture, seed, detector) in ``benchmarks/rescue/cache/``
-(git-ignored; an interrupted run resumes; ``--force`` recomputes). Outputs: ``benchmarks/results/rescue.json`` (one
-record per run), ``rescue.md`` (the table and the targets), ``rescue/rates.png`` and ``rescue/<setting>_<fault>.png``.
+Work is cached per (setting, seed) trunk and per (setting, seed, row) in ``benchmarks/rescue/cache/`` (git-ignored;
+an interrupted run resumes; ``--force`` recomputes). Outputs: ``benchmarks/results/rescue.json`` (one record per
+run), ``rescue.md`` (the table and the targets), ``rescue/<setting>_<fault>.png`` and the rescue-rate figure
+``docs/images/rescue_rates.png`` (``rescue/rates.png`` under ``--out``).
 """
 
 from __future__ import annotations
