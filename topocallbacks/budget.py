@@ -18,7 +18,9 @@ import torch
 
 from .check import CheckRecord
 
-__all__ = ["FLOOR_INTERVALS", "MIN_PROBE", "Budget", "Costs", "Footprint", "Meter", "Plan", "plan", "replan"]
+__all__ = [
+    "FLOOR_INTERVALS", "LAG_MARGIN", "MIN_PROBE", "Budget", "Costs", "Footprint", "Meter", "Plan", "plan", "replan",
+]  # fmt: skip
 
 #: The safety floor: a check at least every this many configured intervals (``check_every``), whatever the budget.
 #: The default rule's snapshots reach two healthy checks back and its skip covers two intervals: at 4 intervals the
@@ -26,6 +28,9 @@ __all__ = ["FLOOR_INTERVALS", "MIN_PROBE", "Budget", "Costs", "Footprint", "Mete
 FLOOR_INTERVALS = 4
 #: The fewest probe samples the budget goes down to (half of the 256-point diagram subsample a check takes).
 MIN_PROBE = 128
+#: The budget lengthens a background check's lag until the predicted evaluation, times this margin (the worker's
+#: time varies from check to check), fits in the steps before its decision is applied.
+LAG_MARGIN = 1.5
 #: How the evaluation's cost grows with the probe size between the sizes the budget chooses from: pairwise
 #: distances grow as n², the 256-point diagram subsample and the fixed costs slower (measured on a 512-d MLP layer:
 #: 9.5, 30 and 85 ms at 128, 256 and 512 points; (n/512)^1.5 predicts 10.6 and 30).
@@ -59,6 +64,8 @@ class Plan:
     Attributes:
         intervals: configured intervals (``check_every`` steps) between checks, 1 to :data:`FLOOR_INTERVALS`.
         background: evaluate in the background worker.
+        lag: steps between a background check and the step its decision is applied at (None: the settings'
+            ``lag``); never more than the steps to the next check.
         probe_size: probe samples (None: the probe as given).
         predicted: the predicted share of the step time the monitor costs under this plan.
         met: whether the prediction is within the budget.
@@ -69,6 +76,7 @@ class Plan:
     probe_size: int | None = None
     predicted: float = 0.0
     met: bool = True
+    lag: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -91,7 +99,8 @@ class Footprint:
     Args:
         costs: a measured interval.
         check_every: the configured interval, in steps.
-        lag: the steps a worker has before the loop waits for its check (``ScheduleSettings.apply_lag``).
+        lag: the steps a worker has before the loop waits for its check (``ScheduleSettings.apply_lag``), unless
+            :meth:`share` is given another.
     """
 
     def __init__(self, costs: Costs, check_every: int, lag: int = 1) -> None:
@@ -104,15 +113,21 @@ class Footprint:
         c = self.costs
         return float(c.eval_ms * (n / c.n) ** EVAL_EXPONENT)
 
+    def hiding_lag(self, n: int, intervals: int) -> int:
+        """The fewest steps, from the footprint's lag up to the next check, that hide the evaluation at ``n``."""
+        step_ms = max(self.costs.step_ms, 1e-6)
+        needed = math.ceil(LAG_MARGIN * self.eval_ms(n) / step_ms)
+        return int(min(max(self.lag, needed), intervals * self.check_every))
+
     def probe_ms(self, n: int) -> float:
         """The probe pass's predicted milliseconds at ``n`` probe samples."""
         return self.costs.probe_ms * n / self.costs.n
 
-    def share(self, n: int, background: bool, intervals: int) -> float:
-        """The predicted share of the training step time the monitor costs."""
+    def share(self, n: int, background: bool, intervals: int, lag: int | None = None) -> float:
+        """The predicted share of the training step time the monitor costs (``lag``: None, the footprint's)."""
         c = self.costs
         interval_ms = intervals * self.check_every * max(c.step_ms, 1e-6)
-        hidden_ms = self.lag * max(c.step_ms, 0.0)
+        hidden_ms = (self.lag if lag is None else lag) * max(c.step_ms, 0.0)
         evaluation = max(0.0, self.eval_ms(n) - hidden_ms) if background else self.eval_ms(n)
         return (self.probe_ms(n) + c.other_ms + evaluation) / interval_ms
 
@@ -124,13 +139,17 @@ def plan(
     can_move: bool,
     can_shrink: bool,
     current: Plan,
+    can_lag: bool = False,
 ) -> Plan:
     """The plan that keeps the monitor within ``budget``, adapting in this order, each only as far as needed.
 
     1. *where*: into the background worker, when ``can_move`` (the setting is automatic and a core is free): it
        changes nothing in what a check measures;
-    2. *cadence*: more configured intervals between checks, up to :data:`FLOOR_INTERVALS` (the safety floor);
-    3. *probe size*: halved, down to :data:`MIN_PROBE`, when ``can_shrink`` (the size is automatic and the warm-up
+    2. *lag*: in the background, when ``can_lag`` (``lag`` is automatic), a decision is applied as many steps
+       after its check as hide the evaluation (:data:`LAG_MARGIN` times its prediction), at most until the next
+       check: what a check measures is unchanged, its decision acts up to one interval later;
+    3. *cadence*: more configured intervals between checks, up to :data:`FLOOR_INTERVALS` (the safety floor);
+    4. *probe size*: halved, down to :data:`MIN_PROBE`, when ``can_shrink`` (the size is automatic and the warm-up
        is not over): a smaller probe restarts the calibration, so it comes last.
 
     When even the floor and the smallest probe miss the budget, that plan is returned with ``met`` False (the
@@ -151,8 +170,9 @@ def plan(
     best: Plan | None = None
     for n in sizes:  # the probe size last: only when no cadence up to the floor meets the budget with it
         for intervals in range(1, FLOOR_INTERVALS + 1):
-            share = footprint.share(n, background, intervals)
-            candidate = Plan(intervals, background, None if n == n0 else n, share, share <= budget)
+            lag = footprint.hiding_lag(n, intervals) if background and can_lag else None
+            share = footprint.share(n, background, intervals, lag)
+            candidate = Plan(intervals, background, None if n == n0 else n, share, share <= budget, lag)
             if candidate.met:
                 return _keep_size(candidate, current)
             if best is None or share < best.predicted:
@@ -221,14 +241,24 @@ class Meter:
 
 
 def replan(
-    costs: Costs, check_every: int, budget: float, current: Plan, *, can_move: bool, can_shrink: bool, lag: int = 1
+    costs: Costs,
+    check_every: int,
+    budget: float,
+    current: Plan,
+    *,
+    can_move: bool,
+    can_shrink: bool,
+    lag: int = 1,
+    can_lag: bool = False,
 ) -> tuple[Plan, str | None]:
     """The plan after a measured interval, and a warning when it misses the budget (None: it meets it)."""
     footprint = Footprint(costs, check_every, lag)
-    chosen = plan(footprint, budget, can_move=can_move, can_shrink=can_shrink, current=current)
+    chosen = plan(footprint, budget, can_move=can_move, can_shrink=can_shrink, current=current, can_lag=can_lag)
     if chosen.met:
         return chosen, None
-    where = "in the background" if chosen.background else "in the training loop"
+    where = "in the training loop"
+    if chosen.background:
+        where = f"in the background with decisions applied {chosen.lag or lag} steps later"
     size = f"{chosen.probe_size or costs.n} probe samples"
     held = [] if can_move else ["`background` is set"]
     held += [] if can_shrink or chosen.probe_size else ["the probe size is set (or the warm-up is over)"]
@@ -294,12 +324,13 @@ class Budget:
         chosen, why = replan(
             costs, s.schedule.check_every, budget, schedule.plan, can_move=can_move,
             can_shrink=can_shrink and record.n_points // 2 >= MIN_PROBE, lag=s.schedule.apply_lag,
+            can_lag=s.schedule.lag is None,  # an explicit `lag` wins
         )  # fmt: skip
         if why is not None and not schedule.warned_:
             schedule.warned_ = True
             warnings.warn(why, RuntimeWarning, stacklevel=2)
-        same = (chosen.intervals, chosen.background, chosen.probe_size) == (
-            schedule.plan.intervals, schedule.plan.background, schedule.plan.probe_size,
+        same = (chosen.intervals, chosen.background, chosen.probe_size, chosen.lag) == (
+            schedule.plan.intervals, schedule.plan.background, schedule.plan.probe_size, schedule.plan.lag,
         )  # fmt: skip
         self._settle = not same
         if not same:

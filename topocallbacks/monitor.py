@@ -340,13 +340,13 @@ class TopoMonitor(Stateful):
         return self.budget.measure(record, self.schedule, self.policy.checks_)
 
     def _follow(self, plan: Plan) -> None:
-        """Take the budget's plan; a smaller probe restarts the calibration (a new pipeline, a new worker)."""
+        """Take the budget's plan; a smaller probe restarts the calibration (a new pipeline, in the same worker)."""
         resized = plan.probe_size not in (None, self.schedule.plan.probe_size)
         self.schedule.follow(plan)
         if resized and plan.probe_size is not None:
             self.probing.resize(plan.probe_size)
-            self.pipeline = self.runner.pipeline = make_pipeline(self.settings)
-            self.runner.close()
+            self.pipeline = make_pipeline(self.settings)
+            self.runner.reset(self.pipeline)
 
     def _share_extra(self) -> dict[str, Any]:
         return {"lr_factor": self.rescuer.lr_factor_}

@@ -203,6 +203,22 @@ class Runner(Stateful):
             done += self.collect(self._pending[-1].apply_at, final=True, annotate=annotate, emit=emit)
         return done
 
+    def reset(self, pipeline: CheckPipeline | LayeredPipeline) -> None:
+        """Evaluate the next checks with a new ``pipeline`` (the budget resized the probe), in a running worker too.
+
+        The checks already submitted keep the old pipeline: rank 0 first waits for their evaluations (the mirror
+        follows the worker in order). A running worker then starts the new pipeline instead of a new process being
+        started (that would pay the interpreter's imports again).
+        """
+        if rank_and_world()[0] == 0 and self._pending:
+            self._receive(self._pending[-1])
+        self.pipeline = pipeline
+        if self._worker is not None:
+            try:
+                self._worker.request(("init", self.settings_dict, pipeline.state_dict()))
+            except WorkerFailed:
+                self.close()  # the next background check starts a new one (its failure is counted then)
+
     def close(self) -> None:
         """Stop the worker (the next background check starts a new one from the pipeline's state)."""
         if self._worker is not None:

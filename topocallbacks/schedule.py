@@ -111,7 +111,8 @@ class Schedule(Stateful):
         self._background = value["background_setting"]
 
     def apply_at(self, step: int, lag: int | None = None) -> int:
-        """The step at which a check of ``step`` is applied: ``lag`` given, else the settings' lag in the background."""
+        """The step a check of ``step`` is applied at: ``lag``, else in the background the plan's or settings' lag."""
         if lag is None:
-            lag = self.settings.apply_lag if self.background else 0
+            planned = self.plan.lag if self.plan.lag is not None else self.settings.apply_lag
+            lag = planned if self.background else 0
         return step + lag

@@ -328,8 +328,9 @@ class ScheduleSettings(_Section):
             training loop (False), or None: in the background when the model trains on an accelerator. A
             background check's decision is applied ``lag`` steps after its features were taken, on every rank.
         lag: steps between a check and the step at which its decision is applied, in the background (None: half
-            the check interval, at most 20 steps, at least 1). If the worker is late the loop waits there, and the
-            record says how long (``wait_ms``).
+            the check interval, at most 20 steps, at least 1; with an ``overhead_budget``, as many steps as hide the
+            worker's evaluation, up to the next check). If the worker is late the loop waits there, and the record
+            says how long (``wait_ms``).
         worker_threads: threads the background worker's numerical libraries may use.
         worker_timeout: seconds the training loop waits for the worker at a check's applied step before it counts
             the worker as stuck; a stuck or dead worker is replaced once (the new one gets the checks it had not
@@ -342,7 +343,9 @@ class ScheduleSettings(_Section):
             measured and logged, not enforced). The share is measured at every check (``topo/overhead``, whatever
             this setting) and, with a budget, kept by adapting the checks the schedule calls (``on_step``), in
             this order and only as far as needed, planned on the cheaper of the last two intervals: where checks
-            are evaluated (the background worker, when ``background`` is automatic and a core is free), the cadence
+            are evaluated (the background worker, when ``background`` is automatic and a core is free), the lag of
+            a background check's decision (when ``lag`` is automatic: enough steps to hide the evaluation, at most
+            until the next check), the cadence
             (more ``check_every`` intervals between checks, at most :data:`~topocallbacks.budget.FLOOR_INTERVALS`),
             the probe size (halved down to :data:`~topocallbacks.budget.MIN_PROBE`, when ``max_probe_samples``
             is automatic, during the warm-up: it restarts the calibration). When even that misses the budget, one

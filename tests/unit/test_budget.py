@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from topocallbacks import TopoMonitor
-from topocallbacks.budget import FLOOR_INTERVALS, MIN_PROBE, Costs, Footprint, Meter, Plan, plan, replan
+from topocallbacks.budget import FLOOR_INTERVALS, LAG_MARGIN, MIN_PROBE, Costs, Footprint, Meter, Plan, plan, replan
+from topocallbacks.schedule import Schedule
+from topocallbacks.settings import ScheduleSettings
 
 
 def costs(**changes):
@@ -48,6 +50,38 @@ def test_the_planner_moves_first_then_slows_down_then_shrinks_the_probe():
     assert shrunk.probe_size == 256
     assert shrunk.intervals == 3  # 14.1 ms / 300 ms = 4.7 %
     assert shrunk.predicted == pytest.approx(footprint.share(256, False, 3))
+
+
+def test_in_the_background_the_lag_grows_until_it_hides_the_evaluation_and_never_past_the_next_check():
+    # 1 ms steps, a 40 ms evaluation, decisions 5 steps after their check: the loop would wait 35 ms a check.
+    footprint = Footprint(costs(step_ms=1.0, eval_ms=40.0, probe_ms=0.1, other_ms=0.1), check_every=10, lag=5)
+    assert footprint.hiding_lag(512, intervals=1) == 10  # 1.5 x 40 = 60 steps wanted, the next check is 10 away
+    assert footprint.hiding_lag(512, intervals=4) == 40
+    lagged = plan(footprint, 0.05, can_move=True, can_shrink=False, current=Plan(), can_lag=True)
+    # At 1-3 intervals the lag cannot reach 60 steps and the loop still waits (e.g. 30 ms of 10); at 4 it hides all.
+    assert (lagged.background, lagged.intervals, lagged.lag, lagged.met) == (True, FLOOR_INTERVALS, 40, True)
+    assert lagged.predicted == pytest.approx(0.2 / 40)
+    fixed = plan(footprint, 0.05, can_move=True, can_shrink=False, current=Plan())  # an explicit `lag` is kept
+    assert (fixed.intervals, fixed.lag, fixed.met) == (FLOOR_INTERVALS, None, False)
+    assert fixed.predicted == pytest.approx((0.2 + 35.0) / 40)
+    # Slower steps: the configured cadence stays and the lag covers the evaluation with its margin.
+    slow = plan(Footprint(costs(step_ms=4.0, eval_ms=40.0), 10, lag=5), 0.2, can_move=True, can_shrink=False,
+                current=Plan(), can_lag=True)  # fmt: skip
+    assert (slow.intervals, slow.lag) == (1, 10)  # 1.5 x 40 / 4 = 15 steps wanted, 10 to the next check
+    assert (Footprint(costs(step_ms=8.0), 10, lag=5).hiding_lag(512, 1), LAG_MARGIN) == (8, 1.5)  # ceil(7.5)
+    # In the loop there is no lag to plan.
+    loop = plan(footprint, 0.05, can_move=False, can_shrink=False, current=Plan(), can_lag=True)
+    assert (loop.background, loop.lag) == (False, None)
+
+
+def test_the_schedule_applies_a_background_decision_after_the_plans_lag():
+    schedule = Schedule(ScheduleSettings(check_every=10, background=True))
+    assert schedule.apply_at(20) == 25  # the settings' lag: half the interval
+    schedule.follow(Plan(background=True, lag=7))
+    assert schedule.apply_at(20) == 27
+    assert schedule.apply_at(20, lag=0) == 20  # an explicit check is applied at once
+    schedule.follow(Plan(background=False, lag=7))
+    assert schedule.apply_at(20) == 20  # in the loop: at once
 
 
 def test_the_planner_never_goes_past_the_floor_and_says_when_the_budget_is_missed():
@@ -174,3 +208,44 @@ def test_a_cheap_check_keeps_the_configured_cadence():
 def test_the_budget_must_be_a_positive_share():
     with pytest.raises(ValueError, match="overhead_budget"):
         TopoMonitor(probe=torch.randn(8, 16), layer="body", overhead_budget=-0.1)
+
+
+def test_a_background_monitor_takes_the_planned_lag_and_probe_size_in_the_same_worker():
+    # Steps of 1 ms against a worker's evaluation of milliseconds: decisions 2 steps after their check (the lag of a
+    # 5-step interval) would make the loop wait at each; the budget lengthens the lag up to the next check. 1 % cannot
+    # be met at 256 points: the probe is halved too, and the worker that runs starts the new pipeline, no new process.
+    torch.manual_seed(0)
+    model, probe = Net(), torch.randn(256, 16)
+    monitor = TopoMonitor(probe=probe, layer="body", check_every=5, background=True, overhead_budget=0.01,
+                          policy={"action": "warn"})  # fmt: skip
+    workers = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(121):
+            time.sleep(0.001)
+            monitor.on_step(step, model=model, loss=1.0)
+            if monitor.runner._worker is not None:
+                workers.add(monitor.runner._worker.process.pid)
+        monitor.finish()
+    monitor.close()
+    assert len(workers) == 1
+    checks = [r for r in monitor.history if r.kind == "check"]
+    resized = [r for r in checks if r.plan is not None and r.plan["probe_size"] is not None]
+    assert resized[0].plan["probe_size"] == MIN_PROBE
+    later = [r for r in checks if r.step > resized[0].applied_step]  # submitted after the new size took effect
+    assert later
+    assert all(r.n_points == MIN_PROBE for r in later)
+    lags = [r.plan["lag"] for r in checks if r.plan is not None]
+    assert lags
+    assert lags[0] > monitor.settings.schedule.apply_lag  # longer than the configured lag, to hide the evaluation
+    configured = monitor.settings.schedule.apply_lag
+    # A plan is followed from the step its record is applied at, for the checks submitted after it (a check of that
+    # very step was submitted before it).
+    plans = [(r.applied_step, r.plan) for r in checks if r.plan is not None]
+    assert all(p["lag"] <= p["intervals"] * 5 for _, p in plans)  # never past the next check
+    applied = [r for r in checks if r.applied_step is not None]
+    assert len(applied) >= 6
+    for record in applied:
+        in_force = [p for at, p in plans if at < record.step]
+        lag = in_force[-1]["lag"] if in_force and in_force[-1]["lag"] is not None else configured
+        assert record.applied_step - record.step == lag
