@@ -548,8 +548,11 @@ def test_the_default_rule_rolls_an_induced_lr_blow_up_back_four_times_then_stops
     healthy = [r.step for r in records if r.decision.healthy and r.step < stop.step]
     assert stop.snapshot_step == healthy[-1]
     assert stop.detail.startswith(f"restored the last healthy state, the snapshot of step {stop.snapshot_step} ")
-    assert "the rollbacks' cut kept: learning rate x 0.5" in stop.detail
     cuts_in_snapshot = sum(r.step <= stop.snapshot_step for r in done[:4])  # the snapshot's rate holds them
+    if cuts_in_snapshot < 4:  # the cuts made after the snapshot are kept (which checks were healthy varies)
+        assert f"the rollbacks' cut kept: learning rate x {0.5 ** (4 - cuts_in_snapshot)}" in stop.detail
+    else:
+        assert "cut kept" not in stop.detail
     expected = rates.rates[stop.snapshot_step][0] * 0.5 ** (4 - cuts_in_snapshot)
     assert fit.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
     assert (tmp_path / f"topo-stop-step{stop.step}.ckpt").is_file()
