@@ -2,10 +2,13 @@
 
 A process, not a thread: the check is CPU work in numpy, scipy, GUDHI and Python that would otherwise compete for
 the training loop's interpreter lock. The training process starts it with ``python -m topocallbacks._worker
-READ_FD WRITE_FD`` (a fresh interpreter that imports no torch and never re-runs the user's script), then sends it
-requests over two pipes and reads one reply per evaluation, in order:
+READ_FD WRITE_FD`` (a fresh interpreter that imports no torch and never re-runs the user's script); the worker
+loads the compiled kernels (numba, when installed) before it reads a request, so that its first check does not pay
+for them. The training process sends it requests over two pipes and reads one reply per request but ``"stop"``, in
+order:
 
-* ``("init", settings_dict, state_or_None)``: create the pipeline (from a saved state when resuming);
+* ``("init", settings_dict, state_or_None)``: create the pipeline (from a saved state when resuming), answered
+  with ``("ready",)``;
 * ``("evaluate", step, features, dynamics)``: a probe check (``features``: an array, or ``{layer: array}`` when
   several layers are watched); ``("window", step, batches, dynamics)``: push
   streaming batches, then check the window (``dynamics``: the training loss and gradient norm since the last
@@ -17,6 +20,7 @@ requests over two pipes and reads one reply per evaluation, in order:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
@@ -36,10 +40,29 @@ __all__ = ["WorkerFailed", "WorkerProcess", "main"]
 _STOP_GRACE = 5.0
 
 
+def _evaluate(pipeline: Any, message: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The answer to an ``"evaluate"`` or ``"window"`` request."""
+    from .pipeline import CheckPipeline
+
+    kind, step, payload = message[:3]
+    dynamics = message[3] if len(message) > 3 else None
+    if kind == "evaluate":
+        evaluation = pipeline.evaluate(payload, step, dynamics)
+    elif kind == "window" and isinstance(pipeline, CheckPipeline):
+        pipeline.push(payload)
+        evaluation = pipeline.evaluate_window(step, dynamics)
+    else:
+        raise RuntimeError(f"unknown request {kind!r}")
+    record = None if evaluation.record is None else evaluation.record.as_dict()
+    return ("ok", record, evaluation.shared, evaluation.figures, [r.as_dict() for r in evaluation.others])
+
+
 def _serve(receive: Connection, send: Connection) -> int:
+    from .functional._jit import core_kernel
     from .pipeline import CheckPipeline, LayeredPipeline, make_pipeline
     from .settings import MonitorSettings
 
+    core_kernel()  # numba's import and the cached machine code: now, not in the first check
     pipeline: CheckPipeline | LayeredPipeline | None = None
     while True:
         try:
@@ -54,20 +77,11 @@ def _serve(receive: Connection, send: Connection) -> int:
                 pipeline = make_pipeline(MonitorSettings.from_dict(message[1]))
                 if message[2] is not None:
                     pipeline.load_state_dict(message[2])
-                continue
-            if pipeline is None:
+                reply: tuple[Any, ...] = ("ready",)
+            elif pipeline is None:
                 raise RuntimeError(f"the worker got {kind!r} before 'init'")
-            dynamics = message[3] if len(message) > 3 else None
-            if kind == "evaluate":
-                evaluation = pipeline.evaluate(message[2], message[1], dynamics)
-            elif kind == "window" and isinstance(pipeline, CheckPipeline):
-                pipeline.push(message[2])
-                evaluation = pipeline.evaluate_window(message[1], dynamics)
             else:
-                raise RuntimeError(f"unknown request {kind!r}")
-            record = None if evaluation.record is None else evaluation.record.as_dict()
-            others = [r.as_dict() for r in evaluation.others]
-            reply: tuple[Any, ...] = ("ok", record, evaluation.shared, evaluation.figures, others)
+                reply = _evaluate(pipeline, message)
         except Exception:  # any failure goes back to the training process, with its traceback
             reply = ("error", traceback.format_exc())
         try:
@@ -88,15 +102,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         send.close()
 
 
-def _shutdown(process: subprocess.Popen[bytes], send: Connection, receive: Connection, outbox: Any) -> None:
-    outbox.put(None)  # the sending thread ends (a write under way fails once the pipe is closed)
-    send.close()  # the worker reads the end of its requests, or fails to answer: either way it exits
-    receive.close()
+#: Workers told to stop whose exit a reaper thread waits for (killed at the interpreter's exit if still there).
+_REAPING: set[subprocess.Popen[bytes]] = set()
+
+
+def _reap(process: subprocess.Popen[bytes]) -> None:
     try:
         process.wait(timeout=_STOP_GRACE)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+    finally:
+        _REAPING.discard(process)
+
+
+@atexit.register
+def _kill_unreaped() -> None:
+    for process in list(_REAPING):
+        with contextlib.suppress(OSError):
+            process.kill()
+
+
+def _shutdown(
+    process: subprocess.Popen[bytes], send: Connection, receive: Connection, outbox: Any, wait: bool = True
+) -> None:
+    """Tell the worker to stop; wait for its exit (killed after a grace period) here, or in a reaper thread."""
+    outbox.put(None)  # the sending thread ends (a write under way fails once the pipe is closed)
+    send.close()  # the worker reads the end of its requests, or fails to answer: either way it exits
+    receive.close()
+    if wait:
+        _reap(process)
+    else:  # the training loop does not wait for the interpreter's exit (a few hundred milliseconds)
+        _REAPING.add(process)
+        threading.Thread(target=_reap, args=(process,), name="topocallbacks-reaper", daemon=True).start()
 
 
 class WorkerFailed(RuntimeError):
@@ -146,6 +184,8 @@ class WorkerProcess:
         # writes). One thread keeps them in order.
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._send_error: OSError | None = None
+        self._ready = False  # the worker answered its first "init"
+        self._early: tuple[Any, ...] | None = None  # a first answer that was not "ready" (an init that failed)
         self._sender = threading.Thread(target=self._send_all, name="topocallbacks-requests", daemon=True)
         self._sender.start()
         self._finalizer = weakref.finalize(self, _shutdown, self.process, self.send, self.receive, self._outbox)
@@ -169,6 +209,35 @@ class WorkerProcess:
             raise self._died()
         self._outbox.put(message)
 
+    @property
+    def ready(self) -> bool:
+        """Whether the worker has started and set up its pipeline (read without waiting)."""
+        if not self._ready and self._early is None:
+            with contextlib.suppress(EOFError, OSError):
+                if self.receive.poll(0):
+                    answer = self.receive.recv()
+                    if answer[0] == "ready":
+                        self._ready = True
+                    else:
+                        self._early = answer
+        return self._ready
+
+    def _next(self, timeout: float | None) -> tuple[Any, ...]:
+        """The next answer that is not ``("ready",)``, waiting at most ``timeout`` seconds in all."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while True:
+            if self._early is not None:
+                early, self._early = self._early, None
+                return early
+            if deadline is not None and not self.receive.poll(max(0.0, deadline - time.perf_counter())):
+                raise WorkerFailed(
+                    f"the background check worker (pid {self.process.pid}) did not answer within {timeout:g} s"
+                )
+            answer: tuple[Any, ...] = self.receive.recv()
+            if answer[0] != "ready":
+                return answer
+            self._ready = True
+
     def reply(
         self, timeout: float | None = None
     ) -> tuple[dict[str, Any] | None, dict[str, Any], Any, float, list[dict[str, Any]]]:
@@ -185,11 +254,7 @@ class WorkerProcess:
         """
         start = time.perf_counter()
         try:
-            if timeout is not None and not self.receive.poll(timeout):
-                raise WorkerFailed(
-                    f"the background check worker (pid {self.process.pid}) did not answer within {timeout:g} s"
-                )
-            answer = self.receive.recv()
+            answer = self._next(timeout)
         except (EOFError, OSError) as exc:
             raise self._died() from exc
         waited = time.perf_counter() - start
@@ -199,8 +264,11 @@ class WorkerProcess:
         return answer[1], answer[2], answer[3], waited, answer[4]
 
     def close(self) -> None:
-        """Stop the worker (it finishes the request in hand, if any; killed after a grace period)."""
-        self._finalizer()
+        """Stop the worker (it finishes the request in hand, if any; killed after a grace period), without waiting."""
+        arguments = self._finalizer.detach()
+        if arguments is not None:
+            process, send, receive, outbox = arguments[2]
+            _shutdown(process, send, receive, outbox, wait=False)
 
     def kill(self) -> None:
         """Kill the worker at once (a stuck one too), and close the pipes."""

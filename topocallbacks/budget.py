@@ -250,8 +250,12 @@ def replan(
     can_shrink: bool,
     lag: int = 1,
     can_lag: bool = False,
+    kept_in_loop: str = "`background` is set",
 ) -> tuple[Plan, str | None]:
-    """The plan after a measured interval, and a warning when it misses the budget (None: it meets it)."""
+    """The plan after a measured interval, and a warning when it misses the budget (None: it meets it).
+
+    ``kept_in_loop``: why the checks cannot move to the worker, when ``can_move`` is False (for the warning).
+    """
     footprint = Footprint(costs, check_every, lag)
     chosen = plan(footprint, budget, can_move=can_move, can_shrink=can_shrink, current=current, can_lag=can_lag)
     if chosen.met:
@@ -260,7 +264,7 @@ def replan(
     if chosen.background:
         where = f"in the background with decisions applied {chosen.lag or lag} steps later"
     size = f"{chosen.probe_size or costs.n} probe samples"
-    held = [] if can_move else ["`background` is set"]
+    held = [] if can_move else [kept_in_loop]
     held += [] if can_shrink or chosen.probe_size else ["the probe size is set (or the warm-up is over)"]
     why = f" ({' and '.join(held)})" if held else ""
     return chosen, (
@@ -296,17 +300,30 @@ class Budget:
         self._scheduled: set[int] = set()  # the steps of pending checks the schedule called (on_step)
         self._settle = False  # the interval after a new plan holds its one-off costs (a worker starting...)
         self._previous: Costs | None = None  # the interval before: a plan needs two (one-off costs are not planned on)
+        self._missed = 0  # plans in a row that missed the budget (the first ones may still carry one-off costs)
+
+    @property
+    def may_move(self) -> bool:
+        """Whether the budget may move the checks into the background worker.
+
+        Then one starts beside the loop at the first check, so that it is ready when they move (a worker takes
+        about a second to start).
+        """
+        schedule = self.settings.schedule
+        return schedule.overhead_budget is not None and schedule.background is None and self.free_core
 
     def scheduled(self, step: int, by_schedule: bool) -> None:
         """Note a check submitted at ``step``: by the schedule (planned for) or by the caller (measured only)."""
         if by_schedule:
             self._scheduled.add(step)
 
-    def measure(self, record: CheckRecord, schedule: Any, checks: int) -> CheckRecord:
+    def measure(self, record: CheckRecord, schedule: Any, checks: int, worker: str = "ready") -> CheckRecord:
         """``record`` (a CheckRecord) with the interval's cost, and the new plan when it changed (then ``record.plan``).
 
-        ``checks``: the policy's checks so far (the probe may shrink only during the warm-up). Warns once when the
-        budget cannot be met.
+        ``checks``: the policy's checks so far (the probe may shrink only during the warm-up). ``worker``: the
+        background worker is ``"ready"``, ``"starting"`` (the checks stay in the loop meanwhile, and a budget missed
+        until then is not counted) or ``"failed"``. Warns once, when two plans in a row miss the budget (the second
+        made on two intervals of the first: one-off costs such as a first check's imports are behind it).
         """
         share, step_ms, own_ms = self.meter.interval(record.step)
         s, budget = self.settings, self.settings.schedule.overhead_budget
@@ -319,14 +336,21 @@ class Budget:
         if previous is None:  # the first checks pay one-off costs (compilation, caches): plan on two intervals
             return dataclasses.replace(record, overhead=share, step_ms=step_ms)
         costs = min(previous, measured, key=lambda c: Footprint(c, s.schedule.check_every).share(c.n, False, 1))
-        can_move = s.schedule.background is None and self.free_core  # an explicit `background` wins
+        can_move = self.may_move and worker == "ready"  # an explicit `background` wins
+        kept_in_loop = (
+            "`background` is set" if s.schedule.background is not None
+            else "no core is free for a worker" if not self.free_core
+            else f"the background worker {'is still starting' if worker == 'starting' else 'did not start'}"
+        )  # fmt: skip
         can_shrink = s.probe.size is None and not schedule.streaming and checks <= s.rule.warmup
         chosen, why = replan(
             costs, s.schedule.check_every, budget, schedule.plan, can_move=can_move,
             can_shrink=can_shrink and record.n_points // 2 >= MIN_PROBE, lag=s.schedule.apply_lag,
-            can_lag=s.schedule.lag is None,  # an explicit `lag` wins
+            can_lag=s.schedule.lag is None, kept_in_loop=kept_in_loop,  # an explicit `lag` wins
         )  # fmt: skip
-        if why is not None and not schedule.warned_:
+        waiting = worker == "starting" and not schedule.plan.background
+        self._missed = 0 if why is None else self._missed + (not waiting)
+        if why is not None and self._missed >= 2 and not schedule.warned_:
             schedule.warned_ = True
             warnings.warn(why, RuntimeWarning, stacklevel=2)
         same = (chosen.intervals, chosen.background, chosen.probe_size, chosen.lag) == (

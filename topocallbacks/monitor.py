@@ -325,7 +325,7 @@ class TopoMonitor(Stateful):
     def _submit(self, request: Request, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
         self.budget.scheduled(step, lag is None)  # only checks the schedule called are planned for
         at, background = self.schedule.apply_at(step, lag), self.schedule.background
-        self.runner.submit(request, at, background=background, probe_ms=probe_ms)
+        self.runner.submit(request, at, background=background, probe_ms=probe_ms, prestart=self.budget.may_move)
 
     def _collect(self, step: int) -> list[CheckRecord]:
         records = self.runner.collect(step, annotate=self._annotate, emit=self.emit)
@@ -337,7 +337,7 @@ class TopoMonitor(Stateful):
     def _annotate(self, records: list[CheckRecord]) -> CheckRecord:
         """Rank 0: the deciding record with the layers' moves, the interval's cost and the budget's new plan."""
         record = with_layer_moves([r for r in self.history if isinstance(r, CheckRecord)], records)
-        return self.budget.measure(record, self.schedule, self.policy.checks_)
+        return self.budget.measure(record, self.schedule, self.policy.checks_, self.runner.worker)
 
     def _follow(self, plan: Plan) -> None:
         """Take the budget's plan; a smaller probe restarts the calibration (a new pipeline, in the same worker)."""

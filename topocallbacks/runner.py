@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch
 
 from ._state import StateFields, Stateful
 from ._worker import WorkerFailed, WorkerProcess
@@ -97,6 +100,7 @@ class Runner(Stateful):
         self.timeout = timeout
         self._pending: collections.deque[_Pending] = collections.deque()
         self._worker: WorkerProcess | None = None
+        self._synced = True  # the worker's pipeline is the mirror's (False after a check evaluated here beside it)
         #: Worker failures so far; after the second the checks run in the training loop (:attr:`in_loop`).
         self.failures = 0
 
@@ -115,16 +119,50 @@ class Runner(Stateful):
         """The step at which the newest pending check is applied (None: none pending)."""
         return self._pending[-1].apply_at if self._pending else None
 
-    def submit(self, request: Request, apply_at: int, *, background: bool, probe_ms: float = 0.0) -> None:
-        """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker."""
+    @property
+    def worker(self) -> str:
+        """Rank 0: ``"ready"`` (a worker set up its pipeline), ``"starting"`` or ``"failed"`` (none, or it died)."""
+        if self._worker is None or self.in_loop:
+            return "failed"
+        if self._worker.ready:
+            return "ready"
+        return "starting" if self._worker.process.poll() is None else "failed"
+
+    def prestart(self) -> None:
+        """Rank 0: start a worker now, beside the checks in the loop, so that it is ready if they move to it.
+
+        The training runs on the CPU then: the worker gets at most the cores its threads leave free (one at least).
+        """
+        if rank_and_world()[0] == 0 and self._worker is None and not self.in_loop:
+            self.threads = min(self.threads, max(1, (os.cpu_count() or 1) - torch.get_num_threads()))
+            try:
+                self._start_worker()
+            except (RuntimeError, OSError) as failure:  # the checks stay in the loop; one would start on use
+                warnings.warn(f"topocallbacks: could not start the background worker ({failure})", RuntimeWarning,
+                              stacklevel=3)  # fmt: skip
+                self.close()
+
+    def submit(
+        self, request: Request, apply_at: int, *, background: bool, probe_ms: float = 0.0, prestart: bool = False
+    ) -> None:
+        """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker.
+
+        ``prestart``: start a worker beside the loop even for a check evaluated here (:meth:`prestart`).
+        """
         pending = _Pending(request[1], apply_at, probe_ms)
         self._pending.append(pending)
         if rank_and_world()[0] != 0:
             return
+        if prestart and not background:
+            self.prestart()
         if background and not self.in_loop:
             pending.request = request
             try:
-                self._start_worker().request(request)
+                worker = self._start_worker()
+                if not self._synced:  # checks were evaluated here since it started: it starts from the mirror
+                    worker.request(("init", self.settings_dict, self.pipeline.state_dict()))
+                    self._synced = True
+                worker.request(request)
             except WorkerFailed as failure:
                 self._recover(failure)
         else:
@@ -143,6 +181,7 @@ class Runner(Stateful):
             pending.evaluation = self.pipeline.evaluate_window(step, dynamics)
         pending.request = None
         pending.eval_ms += (time.perf_counter() - start) * 1e3
+        self._synced = self._worker is None
 
     def collect(
         self,
@@ -216,6 +255,7 @@ class Runner(Stateful):
         if self._worker is not None:
             try:
                 self._worker.request(("init", self.settings_dict, pipeline.state_dict()))
+                self._synced = True
             except WorkerFailed:
                 self.close()  # the next background check starts a new one (its failure is counted then)
 
@@ -230,6 +270,7 @@ class Runner(Stateful):
     def _start_worker(self) -> WorkerProcess:
         if self._worker is None:
             self._worker = WorkerProcess(self.settings_dict, self.pipeline.state_dict(), threads=self.threads)
+            self._synced = True
         return self._worker
 
     def _receive(self, pending: _Pending) -> float:

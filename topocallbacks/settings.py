@@ -331,7 +331,9 @@ class ScheduleSettings(_Section):
             the check interval, at most 20 steps, at least 1; with an ``overhead_budget``, as many steps as hide the
             worker's evaluation, up to the next check). If the worker is late the loop waits there, and the record
             says how long (``wait_ms``).
-        worker_threads: threads the background worker's numerical libraries may use.
+        worker_threads: threads the background worker's numerical libraries may use (when the overhead budget moves
+            the checks of a model trained on the CPU to the worker: at most the cores the training's threads leave
+            free).
         worker_timeout: seconds the training loop waits for the worker at a check's applied step before it counts
             the worker as stuck; a stuck or dead worker is replaced once (the new one gets the checks it had not
             answered), then the checks run in the loop, each time with one warning: training never hangs and never

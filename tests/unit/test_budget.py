@@ -2,16 +2,31 @@
 and a monitor that measures every interval and, with a budget, follows the plan."""
 
 import itertools
+import os
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
+from tests.unit.test_background import without_timing
 from topocallbacks import TopoMonitor
-from topocallbacks.budget import FLOOR_INTERVALS, LAG_MARGIN, MIN_PROBE, Costs, Footprint, Meter, Plan, plan, replan
+from topocallbacks.budget import (
+    FLOOR_INTERVALS,
+    LAG_MARGIN,
+    MIN_PROBE,
+    Budget,
+    Costs,
+    Footprint,
+    Meter,
+    Plan,
+    plan,
+    replan,
+)  # fmt: skip
+from topocallbacks.check import CheckRecord, Decision
 from topocallbacks.schedule import Schedule
-from topocallbacks.settings import ScheduleSettings
+from topocallbacks.settings import MonitorSettings, ScheduleSettings
 
 
 def costs(**changes):
@@ -181,8 +196,8 @@ def test_every_check_after_the_first_reports_its_intervals_overhead_whatever_the
 
 
 def test_a_check_that_costs_far_more_than_the_budget_slows_the_cadence_to_the_floor_and_warns_once():
-    # Steps of ~0 ms against checks of milliseconds: no plan can meet 2 %.
-    monitor, checks, budget_warnings = run(0.02, 0.0)
+    # Steps of ~0 ms against checks of milliseconds: no plan can meet 2 % (warned at the second plan that misses).
+    monitor, checks, budget_warnings = run(0.02, 0.0, steps=121)
     assert len(budget_warnings) == 1
     assert "cannot be met" in str(budget_warnings[0].message)
     planned = [r.plan for r in checks if r.plan is not None]
@@ -249,3 +264,93 @@ def test_a_background_monitor_takes_the_planned_lag_and_probe_size_in_the_same_w
         in_force = [p for at, p in plans if at < record.step]
         lag = in_force[-1]["lag"] if in_force and in_force[-1]["lag"] is not None else configured
         assert record.applied_step - record.step == lag
+
+
+def test_a_budget_that_may_move_the_checks_starts_the_worker_at_the_first_check_and_moves_them_to_it():
+    # On a CPU with a free core, `background` automatic: the checks start in the loop and the budget moves them to
+    # the worker, which starts beside the loop at the first check (it takes about a second).
+    torch.manual_seed(0)
+    model, probe = Net(), torch.randn(256, 16)
+    monitor = TopoMonitor(probe=probe, layer="body", check_every=2, overhead_budget=0.5, policy={"action": "warn"})
+    assert monitor.budget.may_move
+    pids, status_at_move = set(), None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2000):
+            time.sleep(0.001)
+            records = monitor.on_step(step, model=model, loss=1.0)
+            if step == 0:  # the first check ran in the loop, and a worker started beside it
+                assert not monitor.schedule.background
+                assert [r.step for r in records] == [0]
+            pids.add(monitor.runner._worker.process.pid)
+            if any(r.plan is not None and r.plan["background"] for r in records):
+                status_at_move = monitor.runner.worker
+                break
+        monitor.finish()
+    monitor.close()
+    assert status_at_move == "ready"
+    # The model trains on the CPU: the worker takes at most the cores the training's threads leave (2 configured).
+    assert monitor.runner.threads == min(2, max(1, (os.cpu_count() or 1) - torch.get_num_threads()))
+    assert len(pids) == 1  # the worker that started at the first check is the one the checks moved to
+    assert monitor.schedule.background
+
+
+def record_at(step, check_ms):
+    decision = Decision(action="none", reason="", step=step)
+    return CheckRecord(step=step, status="ok", index="diagram_drift", index_value=0.0, n_points=512,
+                       decision=decision, check_ms=check_ms, probe_ms=0.1)  # fmt: skip
+
+
+def plans_of(worker, intervals=6):
+    """What a budget of 2 % makes of checks of 40 ms in the loop every ~10 ms of training, the worker as given."""
+    budget = Budget(MonitorSettings.from_dict({"overhead_budget": 0.02, "check_every": 10}))
+    schedule = Schedule(budget.settings.schedule)
+    made = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(intervals + 1):
+            time.sleep(0.01)  # the interval's training: 10 steps of ~1 ms
+            budget.scheduled(10 * k, True)
+            plan = budget.measure(record_at(10 * k, 40.0), schedule, checks=k, worker=worker).plan
+            if plan is not None:
+                schedule.follow(Plan(**plan))
+                made.append(plan)
+    return schedule.plan, made, [str(w.message) for w in caught if "overhead budget" in str(w.message)]
+
+
+def test_the_budget_moves_the_checks_only_to_a_ready_worker_and_warns_after_two_plans_that_miss():
+    # In the loop a 40 ms check every ~10 ms of training misses 2 % at any cadence up to the floor, at any size.
+    final, made, warned = plans_of("starting")
+    assert made  # it planned (in the loop: the floor, the smallest probe)...
+    assert (final.background, final.intervals, final.probe_size, final.met) == (
+        False,
+        FLOOR_INTERVALS,
+        MIN_PROBE,
+        False,
+    )
+    assert warned == []  # ...but a miss while the worker starts is not warned of: the checks will move
+    final, made, warned = plans_of("ready")
+    assert made[0]["background"]  # moved at the first plan, where the lag hides the evaluation
+    assert (final.background, final.met, warned) == (True, True, [])
+    final, made, warned = plans_of("failed")
+    assert len(made) == 1  # the same plan again: not a new one
+    assert not final.background
+    assert len(warned) == 1  # the second plan in a row that missed (one-off costs are behind it by then)
+    assert "the background worker did not start" in warned[0]
+
+
+def test_checks_evaluated_in_the_loop_beside_a_started_worker_reach_it_before_it_evaluates_the_next():
+    rng = np.random.default_rng(0)
+    clouds = [rng.normal(size=(120, 8)) + 0.05 * i for i in range(3)]
+    inline = TopoMonitor(check_every=1, background=False, policy={"action": "warn"})
+    expected = [inline.process(cloud, step, loss=1.0) for step, cloud in enumerate(clouds)]
+    monitor = TopoMonitor(check_every=1, background=False, policy={"action": "warn"})
+    try:
+        monitor.runner.prestart()  # a worker starts from the empty pipeline
+        first = [monitor.process(cloud, step, loss=1.0) for step, cloud in enumerate(clouds[:2])]  # in the loop
+        monitor.schedule.follow(Plan(background=True))
+        last = monitor.process(clouds[2], 2, loss=1.0)  # evaluated by the worker, which must have the loop's state
+        assert monitor.runner.worker == "ready"
+    finally:
+        monitor.close()
+    assert [without_timing(r) for r in [*first, last]] == [without_timing(r) for r in expected]
