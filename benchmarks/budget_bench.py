@@ -9,8 +9,8 @@ interleaved over repeats (the minimum of each, so that a busy neighbour affects 
 callback at its defaults (the budget off: measured and logged only); the callback with ``overhead_budget=0.02``;
 and the same budget on a fit ten times as long (4,000 steps, against no callback for as long), where the one-off
 costs (the first checks, the worker's start) weigh a tenth as much. For each: the wall time against no callback,
-the monitor's own measure (its time over the training's own time, summed over the intervals between checks, as the
-end-of-run summary gives it; the one-off costs before the first check are not in it), the median interval's share
+the monitor's own measure (its time over the training's own time, summed over the intervals between checks with
+the first check's, as the end-of-run summary gives it; the callback's set-up is not in it), the median interval's share
 (the steady state), the checks run, and the plan the budget chose.
 
 Also the footprint model's check (``topocallbacks.budget.Footprint``): from one measured check at 512 points, the

@@ -77,7 +77,11 @@ def summary_text(
 
 
 def overhead_of(checks: Sequence[CheckRecord]) -> tuple[float, list[float]] | None:
-    """The monitor's time over the training's own time summed over the measured intervals, and each one's share."""
+    """The monitor's time over the training's own time summed over the measured intervals, and each one's share.
+
+    The first check of the run (no interval before it) counts too: its probe pass and its evaluation or wait in the
+    loop are the monitor's time.
+    """
     shares: list[float] = []
     train: list[float] = []  # each interval's training time (ms)
     for previous, r in itertools.pairwise(checks):
@@ -86,14 +90,15 @@ def overhead_of(checks: Sequence[CheckRecord]) -> tuple[float, list[float]] | No
             train.append(r.step_ms * (r.step - previous.step))
     if not shares:
         return None
-    return sum(share * t for share, t in zip(shares, train, strict=True)) / max(sum(train), 1e-12), shares
+    first = checks[0].probe_ms + checks[0].wait_ms if checks[0].overhead is None else 0.0
+    return (first + sum(share * t for share, t in zip(shares, train, strict=True))) / max(sum(train), 1e-12), shares
 
 
 def cost_line(checks: Sequence[CheckRecord], budget: float | None) -> str | None:
     """What the monitor cost the training loop over the measured intervals: in all, and the median interval's share.
 
-    In all: the monitor's time over the training's own time, summed over the intervals between checks (the one-off
-    costs before the first check are not in it).
+    In all: the monitor's time over the training's own time, summed over the intervals between checks, with the
+    first check's time in the loop (the callback's set-up before it is not in it).
 
     Example:
         >>> from topocallbacks.check import Decision
@@ -102,7 +107,7 @@ def cost_line(checks: Sequence[CheckRecord], budget: float | None) -> str | None
         ...                       probe_ms=3.0, overhead=share, step_ms=ms)
         ...           for s, share, ms in [(0, None, None), (10, 0.03, 100.0), (20, 0.01, 300.0)]]
         >>> print(cost_line(checks, 0.02))
-          monitor cost: 1.5 % of the training time (2 intervals; median 2.0 %, last 1.0 %; budget 2.0 %)
+          monitor cost: 2.6 % of the training time (2 intervals; median 2.0 %, last 1.0 %; budget 2.0 %)
           per check (medians): probe 3 ms, evaluation 40 ms, the loop waited 40 ms
     """
     measured = overhead_of(checks)
