@@ -336,7 +336,9 @@ class Budget:
         if previous is None:  # the first checks pay one-off costs (compilation, caches): plan on two intervals
             return dataclasses.replace(record, overhead=share, step_ms=step_ms)
         costs = min(previous, measured, key=lambda c: Footprint(c, s.schedule.check_every).share(c.n, False, 1))
-        can_move = self.may_move and worker == "ready"  # an explicit `background` wins
+        # An explicit `background` wins; checks in the loop move only to a worker that is ready (already in the
+        # background, e.g. on an accelerator, they stay there while a worker restarts).
+        can_move = self.may_move and (schedule.background or worker == "ready")
         kept_in_loop = (
             "`background` is set" if s.schedule.background is not None
             else "no core is free for a worker" if not self.free_core
@@ -348,7 +350,7 @@ class Budget:
             can_shrink=can_shrink and record.n_points // 2 >= MIN_PROBE, lag=s.schedule.apply_lag,
             can_lag=s.schedule.lag is None, kept_in_loop=kept_in_loop,  # an explicit `lag` wins
         )  # fmt: skip
-        waiting = worker == "starting" and not schedule.plan.background
+        waiting = worker == "starting" and not schedule.background
         self._missed = 0 if why is None else self._missed + (not waiting)
         if why is not None and self._missed >= 2 and not schedule.warned_:
             schedule.warned_ = True

@@ -301,10 +301,11 @@ def record_at(step, check_ms):
                        decision=decision, check_ms=check_ms, probe_ms=0.1)  # fmt: skip
 
 
-def plans_of(worker, intervals=6):
+def plans_of(worker, intervals=6, on_accelerator=False):
     """What a budget of 2 % makes of checks of 40 ms in the loop every ~10 ms of training, the worker as given."""
     budget = Budget(MonitorSettings.from_dict({"overhead_budget": 0.02, "check_every": 10}))
     schedule = Schedule(budget.settings.schedule)
+    schedule.settle_background(torch.empty(1, device="meta" if on_accelerator else "cpu"))
     made = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -337,6 +338,13 @@ def test_the_budget_moves_the_checks_only_to_a_ready_worker_and_warns_after_two_
     assert not final.background
     assert len(warned) == 1  # the second plan in a row that missed (one-off costs are behind it by then)
     assert "the background worker did not start" in warned[0]
+    # Checks already in the background (`background` automatic, a model on an accelerator) stay there while their
+    # worker restarts (after a rollback) or starts.
+    for worker in ("failed", "starting"):
+        final, made, _ = plans_of(worker, on_accelerator=True)
+        assert made
+        assert all(p["background"] for p in made)
+        assert final.background
 
 
 def test_checks_evaluated_in_the_loop_beside_a_started_worker_reach_it_before_it_evaluates_the_next():
