@@ -246,18 +246,13 @@ class Runner(Stateful):
         """Evaluate the next checks with a new ``pipeline`` (the budget resized the probe), in a running worker too.
 
         The checks already submitted keep the old pipeline: rank 0 first waits for their evaluations (the mirror
-        follows the worker in order). A running worker then starts the new pipeline instead of a new process being
-        started (that would pay the interpreter's imports again).
+        follows the worker in order). A running worker then gets the new pipeline's state before its next check,
+        as after checks in the loop, instead of a new process being started (that would pay the imports again).
         """
         if rank_and_world()[0] == 0 and self._pending:
             self._receive(self._pending[-1])
         self.pipeline = pipeline
-        if self._worker is not None:
-            try:
-                self._worker.request(("init", self.settings_dict, pipeline.state_dict()))
-                self._synced = True
-            except WorkerFailed:
-                self.close()  # the next background check starts a new one (its failure is counted then)
+        self._synced = self._worker is None
 
     def close(self) -> None:
         """Stop the worker (the next background check starts a new one from the pipeline's state)."""
