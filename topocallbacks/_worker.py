@@ -38,6 +38,9 @@ __all__ = ["WorkerFailed", "WorkerProcess", "main"]
 
 #: Seconds a stopping worker gets to exit before it is killed.
 _STOP_GRACE = 5.0
+#: Seconds a worker that has not said it is ready yet gets to start (a fresh interpreter, scipy, numba's kernels: a
+#: second on an idle machine, many more on a busy one), whatever the check's timeout: the timeout is for a check.
+START_TIMEOUT = 120.0
 
 
 def _evaluate(pipeline: Any, message: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -223,20 +226,31 @@ class WorkerProcess:
         return self._ready
 
     def _next(self, timeout: float | None) -> tuple[Any, ...]:
-        """The next answer that is not ``("ready",)``, waiting at most ``timeout`` seconds in all."""
-        deadline = None if timeout is None else time.perf_counter() + timeout
+        """The next answer that is not ``("ready",)``, waiting at most ``timeout`` seconds once the worker is ready.
+
+        A worker still starting gets up to :data:`START_TIMEOUT` seconds (or ``timeout`` if longer) to say it is
+        ready, and ``timeout`` from then on: a slow start on a busy machine is not a stuck check.
+        """
+
+        def limit() -> float | None:
+            if timeout is None:
+                return None
+            return time.perf_counter() + (timeout if self._ready else max(timeout, START_TIMEOUT))
+
+        deadline = limit()
         while True:
             if self._early is not None:
                 early, self._early = self._early, None
                 return early
             if deadline is not None and not self.receive.poll(max(0.0, deadline - time.perf_counter())):
-                raise WorkerFailed(
-                    f"the background check worker (pid {self.process.pid}) did not answer within {timeout:g} s"
-                )
+                what = f"did not answer within {timeout:g} s" if self._ready else (
+                    f"did not start within {max(timeout or 0.0, START_TIMEOUT):g} s")  # fmt: skip
+                raise WorkerFailed(f"the background check worker (pid {self.process.pid}) {what}")
             answer: tuple[Any, ...] = self.receive.recv()
             if answer[0] != "ready":
                 return answer
             self._ready = True
+            deadline = limit()  # the check's own timeout, from the worker's start on
 
     def reply(
         self, timeout: float | None = None
