@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -146,6 +146,9 @@ class MMHM:
             and benchmarks; ``"edge"`` applies to probe updates, ``"vertex"`` to both modes).
         link_certificates: also try the GUDHI link certificate when a vertex is not dominated (more operations
             certified, each a little dearer).
+        clock: seconds, monotonic, that times each update for the cost model and the deadlines of the incremental
+            paths (``time.perf_counter``, the wall clock; a test passes its own, e.g. ``time.thread_time``, which
+            a busy machine does not slow down).
 
     Raises:
         InputError: an argument is out of range.
@@ -192,6 +195,7 @@ class MMHM:
         window: int | None = None,
         path: str = "auto",
         link_certificates: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.epsilon = check_positive_float(epsilon, "epsilon")
         self.window = None if window is None else check_int(window, "window", minimum=2)
@@ -199,6 +203,7 @@ class MMHM:
             raise InputError(f"`path` must be one of {sorted(_PATH_CHOICES)}, got {path!r}")
         self.path = path
         self.link_certificates = bool(link_certificates)
+        self.clock = clock
         self.cost_model = CostModel()
         self.last_stats: UpdateStats | None = None
         self._reset()
@@ -256,7 +261,7 @@ class MMHM:
         """:meth:`update` of a validated cloud."""
         if self._mode == "stream":
             raise InputError("this engine is in streaming mode (push was called): use push(batch), or a new MMHM")
-        start = time.perf_counter()
+        start = self.clock()
         if self._mode is None:
             self._mode = "probe"
             self._allocate(*cloud.shape)
@@ -300,7 +305,7 @@ class MMHM:
             raise InputError("push needs a window: create the engine with MMHM(epsilon=..., window=W)")
         if self._mode == "probe":
             raise InputError("this engine is in probe mode (update was called): use update(points), or a new MMHM")
-        start = time.perf_counter()
+        start = self.clock()
         if self._mode is None:
             self._mode = "stream"
             self._allocate(self.window, cloud.shape[1])
@@ -412,7 +417,7 @@ class MMHM:
         if state["mode"] is None or state["rebuild"] or points is None:
             return
         cloud = as_points(points, "state['points']", min_samples=1)
-        start = time.perf_counter()
+        start = self.clock()
         self._mode = state["mode"]
         if self._mode == "probe":
             self._allocate(*cloud.shape)
@@ -505,7 +510,7 @@ class MMHM:
         """From scratch: (β0, β1) of the whole ε-graph, exactly as the from-scratch function computes them.
 
         Args:
-            start: ``perf_counter`` at the start of the update.
+            start: :attr:`clock` at the start of the update.
             reason: why the rebuild was chosen.
             graph: the ε-graph of the alive points (adjacency, rows, cols) if the caller already computed it.
             flipped: edges that changed since the last update, if known (probe mode).
@@ -586,7 +591,7 @@ class MMHM:
         """Split the complex into modules (components with their β1) if a rebuild left only totals."""
         if self._totals is None:
             return
-        tick = time.perf_counter()
+        tick = self.clock()
         if self._stale_edges is not None:
             self._degree = degrees(self._adjacency)
             self._stale_edges = None
@@ -596,7 +601,7 @@ class MMHM:
         self._finalize()
         self._totals = None
         # A one-off cost of the update that follows a rebuild, kept out of that path's learned law.
-        self._setup_seconds += time.perf_counter() - tick
+        self._setup_seconds += self.clock() - tick
 
     def _with_pending_modules(self, estimate: CostEstimate, n: int, edges: int) -> CostEstimate:
         """An incremental path's estimate plus building the modules first, if a rebuild left only totals.
@@ -767,7 +772,7 @@ class MMHM:
         self, path: str, start: float, done: int, total: int, features: Mapping[str, float], reason: str
     ) -> None:
         """Abandon an incremental update past its deadline: teach the model, then rebuild from the final points."""
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
         self.cost_model.observe(path, features, elapsed * total / max(done, 1))
         self._last_tried[path] = self._updates + 1
         self._setup_seconds = 0.0
@@ -788,7 +793,7 @@ class MMHM:
 
     def _past(self, deadline: float | None) -> bool:
         """Whether an incremental path ran past ``deadline`` (checked every ``_DEADLINE_CHECK_EVERY`` operations)."""
-        return deadline is not None and self._ops % _DEADLINE_CHECK_EVERY == 0 and time.perf_counter() > deadline
+        return deadline is not None and self._ops % _DEADLINE_CHECK_EVERY == 0 and self.clock() > deadline
 
     def _vertex_path(
         self,
@@ -1040,7 +1045,7 @@ class MMHM:
         estimate: CostEstimate | None,
         features: Mapping[str, float] | None = None,
     ) -> None:
-        seconds = time.perf_counter() - start
+        seconds = self.clock() - start
         self._updates += 1
         setup, self._setup_seconds = self._setup_seconds, 0.0
         if features is not None and path in PATHS:
