@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.waiting import HANG_SECONDS
+
 HERE = Path(__file__).parent
 
 
 def run_two_ranks(
-    script: str, directory: Path, *args: Any, torchrun: bool = False, timeout: int = 300
+    script: str, directory: Path, *args: Any, torchrun: bool = False, timeout: float = HANG_SECONDS
 ) -> tuple[list[dict[str, Any]], subprocess.CompletedProcess[str]]:
     """Run ``script`` (itself spawning two ranks, or under ``torchrun`` with two processes) writing into
     ``directory``; each rank's JSON and the finished process. Fails with the output's tail if the script failed.

@@ -97,6 +97,7 @@ def gpt2_features(checkpoint, probe_file, settings):
     return FeatureExtractor(settings.probe, layer=("transformer.ln_f",))(model, Probe(items)), model
 
 
+@pytest.mark.slow
 def test_hugging_face_checkpoints_match_the_functional_core(gpt2_run, tmp_path):
     folder, probe = gpt2_run
     before = snapshot(folder)

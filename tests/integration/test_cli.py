@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import HANG_SECONDS
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -15,7 +17,7 @@ def test_demo_command_writes_into_its_default_folder_only(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_SECONDS,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     folder = tmp_path / "topocallbacks-demo"
@@ -81,7 +83,7 @@ def test_lightning_cli_configures_the_callback_from_yaml(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_SECONDS,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "CHECKS [0, 5, 10]" in result.stdout

@@ -32,6 +32,7 @@ def _gather_worker(rank, world, init_file, n, out):
 
 
 @pytest.mark.parametrize("n", [7, 8, 1])
+@pytest.mark.slow
 def test_probe_features_are_gathered_in_order_without_padding_duplicates(tmp_path, n):
     mp.spawn(_gather_worker, args=(2, str(tmp_path / "init"), n, str(tmp_path)), nprocs=2, join=True)
     expected = np.arange(n * 3, dtype=np.float32).reshape(n, 3)

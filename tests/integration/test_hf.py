@@ -224,6 +224,7 @@ def test_a_rebuilt_callback_follows_the_new_arguments_of_the_users_callback(tmp_
     assert (tmp_path / "h").read_text().count("\n") == 2  # the new history file receives the new checks
 
 
+@pytest.mark.slow
 def test_two_rebuilt_callbacks_on_one_layer_each_resume_their_own_state(tmp_path):
     args = arguments(
         tmp_path, max_steps=8, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=True

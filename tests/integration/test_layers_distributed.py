@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import HANG_SECONDS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
@@ -54,7 +56,11 @@ def test_two_ranks_agree_on_every_layer_and_cut_once(tmp_path, mode):
     script.write_text(SCRIPT.format(root=str(ROOT)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=400, env=env
+        [sys.executable, str(script), str(tmp_path), mode],
+        capture_output=True,
+        text=True,
+        timeout=HANG_SECONDS,
+        env=env,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.ranks import run_two_ranks
+from tests.waiting import HANG_SECONDS
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
@@ -105,7 +106,11 @@ def test_a_rank_killed_mid_snapshot_ends_the_job_without_a_hang_or_a_restore(tmp
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     script = Path(__file__).parent / "fsdp_rollback.py"
     done = subprocess.run(
-        [*launcher, str(script), str(tmp_path), "fsdp2", "kill"], capture_output=True, text=True, env=env, timeout=240
+        [*launcher, str(script), str(tmp_path), "fsdp2", "kill"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG_SECONDS,
     )
     assert done.returncode != 0
     assert "exitcode  : -9" in done.stdout + done.stderr  # rank 1, killed
@@ -131,7 +136,7 @@ def test_the_gpu_scripts_hf_worker_passes_its_checks_with_ddp_on_cpu(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
         [*launcher, str(BENCHMARKS / "gpu_sharded_rollback.py"), "--hf-worker", str(tmp_path), "0"],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env, timeout=HANG_SECONDS,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     found = gpu_script().checks([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)])

@@ -3,7 +3,6 @@ and a monitor that measures every interval and, with a budget, follows the plan.
 
 import itertools
 import os
-import time
 import warnings
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from tests.unit.test_background import without_timing
+from tests.waiting import wait_until
 from topocallbacks import TopoMonitor
 from topocallbacks.budget import (
     FLOOR_INTERVALS,
@@ -168,7 +168,19 @@ class Net(torch.nn.Module):
         return self.head(self.body(x))
 
 
-def run(budget, step_seconds, steps=61, check_every=5, probe_size=256):
+def fixed_costs(monkeypatch, step_ms, eval_ms, probe_ms=0.5, other_ms=0.3):
+    """Let the budget plan on these costs (at 256 probe points; the pass linear, the evaluation as n^1.5), not on
+    the wall-clock ones: a plan then follows from the costs alone, however busy the machine is."""
+
+    def measured(record, step_ms_, own_ms):
+        scale = record.n_points / 256
+        return Costs(step_ms=step_ms, probe_ms=probe_ms * scale, eval_ms=eval_ms * scale**1.5, other_ms=other_ms,
+                     n=record.n_points)  # fmt: skip
+
+    monkeypatch.setattr("topocallbacks.budget.measured_costs", measured)
+
+
+def run(budget, steps=61, check_every=5, probe_size=256):
     torch.manual_seed(0)
     model = Net()
     probe = torch.randn(probe_size, 16)
@@ -177,7 +189,6 @@ def run(budget, step_seconds, steps=61, check_every=5, probe_size=256):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
-            time.sleep(step_seconds)  # the training step
             monitor.on_step(step, model=model, loss=1.0)
     monitor.close()
     checks = [r for r in monitor.history if r.kind == "check"]
@@ -186,7 +197,7 @@ def run(budget, step_seconds, steps=61, check_every=5, probe_size=256):
 
 
 def test_every_check_after_the_first_reports_its_intervals_overhead_whatever_the_budget():
-    _, checks, budget_warnings = run(None, 0.0, steps=21)
+    _, checks, budget_warnings = run(None, steps=21)
     assert [r.step for r in checks] == [0, 5, 10, 15, 20]  # no budget: the cadence is the configured one
     assert checks[0].overhead is None
     assert checks[0].step_ms is None
@@ -195,9 +206,10 @@ def test_every_check_after_the_first_reports_its_intervals_overhead_whatever_the
     assert not budget_warnings
 
 
-def test_a_check_that_costs_far_more_than_the_budget_slows_the_cadence_to_the_floor_and_warns_once():
-    # Steps of ~0 ms against checks of milliseconds: no plan can meet 2 % (warned at the second plan that misses).
-    monitor, checks, budget_warnings = run(0.02, 0.0, steps=121)
+def test_a_check_that_costs_far_more_than_the_budget_slows_the_cadence_to_the_floor_and_warns_once(monkeypatch):
+    # Steps of 10 us against checks of 40 ms: no plan can meet 2 % (warned at the second plan that misses).
+    fixed_costs(monkeypatch, step_ms=0.01, eval_ms=40.0)
+    monitor, checks, budget_warnings = run(0.02, steps=121)
     assert len(budget_warnings) == 1
     assert "cannot be met" in str(budget_warnings[0].message)
     planned = [r.plan for r in checks if r.plan is not None]
@@ -210,10 +222,10 @@ def test_a_check_that_costs_far_more_than_the_budget_slows_the_cadence_to_the_fl
     assert monitor.schedule.plan.intervals == FLOOR_INTERVALS
 
 
-def test_a_cheap_check_keeps_the_configured_cadence():
-    # 50 ms steps: an interval of 500 ms against a check of tens of milliseconds on a 128-point probe (the first
-    # checks pay one-off costs of hundreds of milliseconds: the plan is made on two intervals, the cheaper one).
-    monitor, checks, budget_warnings = run(1.0, 0.05, steps=51, check_every=10, probe_size=128)
+def test_a_cheap_check_keeps_the_configured_cadence(monkeypatch):
+    # 50 ms steps: an interval of 500 ms against a check of 20 ms on a 128-point probe.
+    fixed_costs(monkeypatch, step_ms=50.0, eval_ms=20.0 * 2**1.5)
+    monitor, checks, budget_warnings = run(1.0, steps=51, check_every=10, probe_size=128)
     assert [r.step for r in checks] == [0, 10, 20, 30, 40, 50]
     assert not budget_warnings
     assert monitor.schedule.plan.intervals == 1
@@ -225,10 +237,12 @@ def test_the_budget_must_be_a_positive_share():
         TopoMonitor(probe=torch.randn(8, 16), layer="body", overhead_budget=-0.1)
 
 
-def test_a_background_monitor_takes_the_planned_lag_and_probe_size_in_the_same_worker():
-    # Steps of 1 ms against a worker's evaluation of milliseconds: decisions 2 steps after their check (the lag of a
-    # 5-step interval) would make the loop wait at each; the budget lengthens the lag up to the next check. 1 % cannot
-    # be met at 256 points: the probe is halved too, and the worker that runs starts the new pipeline, no new process.
+def test_a_background_monitor_takes_the_planned_lag_and_probe_size_in_the_same_worker(monkeypatch):
+    # Steps of 1 ms against a worker's evaluation of 30 ms (the costs planned on are fixed): decisions 2 steps after
+    # their check (the lag of a 5-step interval) would make the loop wait at each; the budget lengthens the lag up to
+    # the next check. 1 % cannot be met at 256 points: the probe is halved too, and the worker that runs starts the
+    # new pipeline, no new process.
+    fixed_costs(monkeypatch, step_ms=1.0, eval_ms=30.0, probe_ms=0.7)
     torch.manual_seed(0)
     model, probe = Net(), torch.randn(256, 16)
     monitor = TopoMonitor(probe=probe, layer="body", check_every=5, background=True, overhead_budget=0.01,
@@ -237,7 +251,6 @@ def test_a_background_monitor_takes_the_planned_lag_and_probe_size_in_the_same_w
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(121):
-            time.sleep(0.001)
             monitor.on_step(step, model=model, loss=1.0)
             if monitor.runner._worker is not None:
                 workers.add(monitor.runner._worker.process.pid)
@@ -266,9 +279,13 @@ def test_a_background_monitor_takes_the_planned_lag_and_probe_size_in_the_same_w
         assert record.applied_step - record.step == lag
 
 
-def test_a_budget_that_may_move_the_checks_starts_the_worker_at_the_first_check_and_moves_them_to_it():
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the budget moves checks to a worker only where a core is free")
+def test_a_budget_that_may_move_the_checks_starts_the_worker_at_the_first_check_and_moves_them_to_it(monkeypatch):
     # On a CPU with a free core, `background` automatic: the checks start in the loop and the budget moves them to
-    # the worker, which starts beside the loop at the first check (it takes about a second).
+    # the worker, which starts beside the loop at the first check (it takes a second, or many on a busy machine: the
+    # test waits for it to say it is ready). 40 ms checks every 2 steps of 1 ms miss 50 % in the loop at any
+    # cadence down to the floor, and meet it beside the loop.
+    fixed_costs(monkeypatch, step_ms=1.0, eval_ms=40.0)
     torch.manual_seed(0)
     model, probe = Net(), torch.randn(256, 16)
     monitor = TopoMonitor(probe=probe, layer="body", check_every=2, overhead_budget=0.5, policy={"action": "warn"})
@@ -276,12 +293,12 @@ def test_a_budget_that_may_move_the_checks_starts_the_worker_at_the_first_check_
     pids, status_at_move = set(), None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for step in range(2000):
-            time.sleep(0.001)
+        for step in range(200):
             records = monitor.on_step(step, model=model, loss=1.0)
             if step == 0:  # the first check ran in the loop, and a worker started beside it
                 assert not monitor.schedule.background
                 assert [r.step for r in records] == [0]
+                assert wait_until(lambda: monitor.runner.worker == "ready"), "the worker did not start"
             pids.add(monitor.runner._worker.process.pid)
             if any(r.plan is not None and r.plan["background"] for r in records):
                 status_at_move = monitor.runner.worker
@@ -304,13 +321,15 @@ def record_at(step, check_ms):
 def plans_of(worker, intervals=6, on_accelerator=False):
     """What a budget of 2 % makes of checks of 40 ms in the loop every ~10 ms of training, the worker as given."""
     budget = Budget(MonitorSettings.from_dict({"overhead_budget": 0.02, "check_every": 10}))
+    now = [0.0]
+    budget.meter = Meter(clock=lambda: now[0])  # the interval's time is the test's, not the machine's
     schedule = Schedule(budget.settings.schedule)
     schedule.settle_background(torch.empty(1, device="meta" if on_accelerator else "cpu"))
     made = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for k in range(intervals + 1):
-            time.sleep(0.01)  # the interval's training: 10 steps of ~1 ms
+            now[0] += 0.01  # the interval's training: 10 steps of 1 ms
             budget.scheduled(10 * k, True)
             plan = budget.measure(record_at(10 * k, 40.0), schedule, checks=k, worker=worker).plan
             if plan is not None:

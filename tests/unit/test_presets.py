@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.waiting import HANG_SECONDS
 from topocallbacks import ConfigError, MonitorSettings, Policy, presets
 from topocallbacks.presets import parse_preset
 
@@ -167,7 +168,7 @@ def test_a_built_wheel_ships_the_presets(tmp_path):
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(ROOT)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_SECONDS,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     wheel = next(tmp_path.glob("topocallbacks-*.whl"))

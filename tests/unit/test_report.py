@@ -14,6 +14,7 @@ import torch
 from matplotlib.image import imread
 
 from tests.unit.rules import old_rule
+from tests.waiting import HANG_SECONDS
 from topocallbacks import InputError, TopoMonitor
 from topocallbacks.check import CheckRecord, InterventionRecord
 from topocallbacks.cli import _digits_probe, _dimensional_collapse
@@ -373,6 +374,7 @@ def test_a_headless_browser_loads_every_image_without_errors(layered):
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=chromium,
+            timeout=HANG_SECONDS * 1e3,  # milliseconds; a browser starts slowly on a busy machine
             args=[
                 "--no-sandbox",
                 "--disable-gpu",
@@ -383,6 +385,7 @@ def test_a_headless_browser_loads_every_image_without_errors(layered):
         )
         try:
             page = browser.new_page()
+            page.set_default_timeout(HANG_SECONDS * 1e3)
             problems, requests = [], []
             page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
             page.on("pageerror", lambda error: problems.append(str(error)))
