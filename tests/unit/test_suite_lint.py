@@ -1,0 +1,124 @@
+"""The suite's own lint: no test depends on how fast the machine is (issue 34).
+
+A test may not assert a wall-clock duration or compare two timings, and may not sleep to let something happen:
+it waits for the event (:mod:`tests.waiting`), injects a clock or the measured costs, or asserts a property that
+holds at any speed. Timing claims live in ``benchmarks/``. The few exceptions are listed below with their reasons;
+a new one must be added there, reviewed, and explained.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+# A value that is a duration: a name or attribute like check_ms, wait_ms, seconds, elapsed, duration, ..., or a
+# reading of a clock.
+TIMING_NAME = re.compile(r"(^|_)(ms|seconds|secs|elapsed|duration|durations|wall)$")
+CLOCKS = {"perf_counter", "perf_counter_ns", "time", "monotonic", "monotonic_ns", "process_time", "thread_time"}
+
+#: (file, function) -> why its timing assertion or sleep holds at any speed.
+EXCEPTIONS = {
+    ("unit/test_background.py", "test_a_late_worker_makes_the_loop_wait_and_the_record_says_so"): (
+        "wait_ms > check_ms is an order of events, not a speed: the worker is stopped before the check is sent and "
+        "resumed only once the loop waits, so its evaluation lies inside the loop's wait on one monotonic clock"
+    ),
+    ("unit/test_collapse_index.py", "test_report_components_are_the_documented_formulas"): (
+        "the total's interval contains the Betti numbers' (nested readings of one monotonic clock): an order"
+    ),
+    ("unit/test_mmhm.py", "test_predictions_and_budget"): (
+        "the predictions of a fresh engine's cost model from its priors: arithmetic, no time is measured"
+    ),
+    ("unit/test_background.py", "test_a_worker_slow_to_start_is_waited_for_and_the_timeout_counts_for_its_checks"): (
+        "the sleep is a lower bound, not a race: it keeps a stopped worker from starting for longer than its "
+        "timeout; a slower machine only makes the start later"
+    ),
+}
+
+
+def timing_operand(node: ast.AST) -> bool:
+    """Whether an expression reads a duration (a timing name, or a clock)."""
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name) and TIMING_NAME.search(child.id):
+            return True
+        if isinstance(child, ast.Attribute) and TIMING_NAME.search(child.attr):
+            return True
+        if (
+            isinstance(child, ast.Call)
+            and isinstance(child.func, ast.Attribute)
+            and child.func.attr in CLOCKS
+            and isinstance(child.func.value, ast.Name)
+            and child.func.value.id == "time"
+        ):
+            return True
+    return False
+
+
+def harmless(node: ast.AST) -> bool:
+    """A bound every duration meets at any speed: 0 (a measured time is positive) or None (measured or not)."""
+    return isinstance(node, ast.Constant) and node.value in (0, 0.0, None)
+
+
+def violations(path: Path) -> list[tuple[str, int, str]]:
+    """(function, line, what) for every timing assertion and every sleep in a test file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Assert):
+                for compare in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+                    operands = [compare.left, *compare.comparators]
+                    if not any(isinstance(op, ast.Lt | ast.LtE | ast.Gt | ast.GtE) for op in compare.ops):
+                        continue  # an equality: a measured time never equals a value, only a synthetic one does
+                    timed = [op for op in operands if timing_operand(op)]
+                    if len(timed) >= 2:
+                        found.append((function.name, node.lineno, "compares two durations"))
+                    elif timed and not all(harmless(op) for op in operands if op is not timed[0]):
+                        found.append((function.name, node.lineno, "asserts a duration against a bound"))
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "sleep"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "time"
+            ):
+                found.append((function.name, node.lineno, "sleeps"))
+    return found
+
+
+def test_no_test_asserts_a_duration_compares_timings_or_sleeps_but_the_listed_exceptions():
+    files = sorted(p for p in TESTS.rglob("*.py") if p.name != "waiting.py")
+    assert len(files) > 30
+    seen, problems = set(), []
+    for path in files:
+        relative = path.relative_to(TESTS).as_posix()
+        for function, line, what in violations(path):
+            if (relative, function) in EXCEPTIONS:
+                seen.add((relative, function))
+            else:
+                problems.append(f"tests/{relative}:{line} {function} {what}")
+    assert problems == [], "wait for events or inject a clock (tests/waiting.py):\n" + "\n".join(problems)
+    assert seen == set(EXCEPTIONS), f"exceptions no longer needed: {sorted(set(EXCEPTIONS) - seen)}"
+
+
+def test_the_lint_finds_what_it_forbids(tmp_path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text(
+        "import time\n"
+        "def test_a(r):\n"
+        "    assert r.check_ms < 50\n"  # a duration bound
+        "    assert r.wait_ms > 0.5 * r.check_ms\n"  # a ratio of two timings
+        "    start = time.perf_counter()\n"
+        "    assert time.perf_counter() - start < 2\n"  # a clock read
+        "    time.sleep(1.0)\n"  # sleep, then assert
+        "    assert r.check_ms > 0 and r.step_ms >= 0 and r.wait_ms is not None\n"  # allowed at any speed
+        "    assert elapsed_steps == 3\n"  # not a duration
+    )
+    assert [(line, what) for _, line, what in violations(sample)] == [
+        (3, "asserts a duration against a bound"),
+        (4, "compares two durations"),
+        (6, "asserts a duration against a bound"),
+        (7, "sleeps"),
+    ]
