@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from topocallbacks import TopoMonitor
 from topocallbacks.cli import main
@@ -80,6 +81,7 @@ def test_help_lists_every_command():
         assert option in result.stdout
 
 
+@pytest.mark.slow
 def test_version_and_help_without_markup():
     from topocallbacks import __version__
 

@@ -26,6 +26,7 @@ def fashion_mnist_installed():
 
 
 @pytest.mark.skipif(not fashion_mnist_installed(), reason="needs Debian's dataset-fashion-mnist")
+@pytest.mark.slow
 def test_twins_share_everything_before_the_fault_and_differ_after(suite, tmp_path):
     scenario = dataclasses.replace(suite["scenarios"].SCENARIOS["resnet_lr_ramp"], steps=6, fault_step=3, check_every=1)
     path = suite["record"].record(scenario.name, 0, tmp_path, scenario=scenario)

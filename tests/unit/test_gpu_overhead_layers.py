@@ -40,6 +40,7 @@ def test_four_layers_resolve_on_every_model_of_both_sizes(bench):
             assert len(names) == 4, (model, size, names)
 
 
+@pytest.mark.slow
 def test_the_4_layer_configuration_runs_in_lightning_and_hf_on_a_cpu(bench, tmp_path):
     import torch
 

@@ -247,6 +247,7 @@ def _spawned_user_hook_survives(rank, model, path):
         handle.write(f"{list(layer._forward_hooks)} {layer.user_calls}")
 
 
+@pytest.mark.slow
 def test_a_users_hook_survives_the_probe_in_a_spawned_process(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     model[0].user_calls = 0

@@ -16,6 +16,7 @@ def python_blocks(path):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.slow
 def test_every_python_example_of_the_readme_and_the_docs_runs(page, capsys):
     blocks = python_blocks(page)
     for block in blocks:

@@ -81,6 +81,7 @@ def test_without_a_new_epsilon_the_tightening_clusters_leave_the_band(stream, mo
     assert max(degrees) > DEGREE_BAND[1]
 
 
+@pytest.mark.slow
 def test_without_reframes_or_rescales_the_window_isolates_nearly_every_point(stream, monkeypatch):
     # What the window did before it followed the features: a frame and an ε fixed on the first batch, while the
     # features grow 100x.
