@@ -28,7 +28,7 @@ RESOLVE = pip compile pyproject.toml --upgrade --quiet --system-certs --find-lin
 	--python-version 3.11 --python-platform x86_64-manylinux_2_28 -c requirements/torch-cpu.txt \
 	--custom-compile-command "make lock"
 
-.PHONY: demo test lint typecheck docs unit lock test-latest figures collapse rescue clean
+.PHONY: demo test test-busy lint typecheck docs unit lock test-latest figures collapse rescue clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,11 @@ unit: $(VENV)/.installed-dev
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
 test: lint typecheck docs unit
+
+# The same tests on a busy machine: two plain Python busy loops hold the cores while the suite runs (ended with it).
+# No test may depend on how fast the machine is (docs/development.md); not part of .ci/run.
+test-busy: $(VENV)/.installed-dev
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/busy.py --load 2 -- $(BIN)/python -m pytest
 
 # Refresh the lock: the newest versions that pyproject.toml's ranges allow today (the demo's set at the dev set's
 # versions). Then `make test` and commit requirements/. A package whose newest release breaks the suite is held back
