@@ -394,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                     jobs.append((name, framework, model, shape, steps))
     results: dict[str, dict[str, list[dict[str, Any]]]] = {name: {c: [] for c in args.configs} for name, *_ in jobs}
     warnings.filterwarnings("ignore")
+    command = "python benchmarks/gpu_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    total, done = args.repeats * len(jobs) * len(args.configs), 0
     for repeat in range(args.repeats):
         for name, framework, model, shape, steps in jobs:
             for config in args.configs:  # interleaved: every configuration once per repeat
@@ -402,22 +404,32 @@ def main(argv: list[str] | None = None) -> int:
                 results[name][config].append(outcome)
                 print(f"repeat {repeat + 1}/{args.repeats} {name} {config}: mean {outcome['mean_step_ms']:.2f} ms, "
                       f"max {outcome['max_step_ms']:.1f} ms", flush=True)  # fmt: skip
+                done += 1
+                # Written after every run: a run cut short (a lent machine's time limit) keeps what it measured.
+                write(args.out, device, command, args.background, results, complete=done == total)
                 with contextlib.suppress(Exception):
                     torch.cuda.empty_cache()
-    report = table(results)
-    print(report)
+    print(table(results))
+    return 0
+
+
+def write(
+    out: Path, device: torch.device, command: str, background: str, results: dict[str, Any], complete: bool
+) -> None:
+    """The results so far, with the table of their medians (``complete``: every planned run is in)."""
     payload = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "command": "python benchmarks/gpu_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "background": args.background,
+        "command": command,
+        "background": background,
         "cpu_count": os.cpu_count(),
+        "complete": complete,
         "results": results,
-        "table": report,
+        "table": table(results),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=1) + "\n")
-    return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".tmp").write_text(json.dumps(payload, indent=1) + "\n")
+    out.with_suffix(".tmp").replace(out)
 
 
 def table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
