@@ -335,9 +335,11 @@ class ScheduleSettings(_Section):
             the checks of a model trained on the CPU to the worker: at most the cores the training's threads leave
             free).
         worker_timeout: seconds the training loop waits for the worker at a check's applied step before it counts
-            the worker as stuck; a stuck or dead worker is replaced once (the new one gets the checks it had not
-            answered), then the checks run in the loop, each time with one warning: training never hangs and never
-            raises because of the worker.
+            the worker as stuck, from the moment the worker says it is ready (a worker still starting gets up to
+            120 s, ``topocallbacks._worker.START_TIMEOUT``: a busy machine can take several seconds to start one); a
+            stuck or dead worker is replaced once (the new one gets the checks it had not answered), then the checks
+            run in the loop, each time with one warning: training never hangs and never raises because of the
+            worker.
         check_budget_ms: streaming mode: the window is capped so that the engine's predicted time for a check of
             it (a rebuild, the worst case) stays within this budget; the record gives the window used.
         overhead_budget: the share of the training step time the monitor may cost the loop (probe pass, waits
