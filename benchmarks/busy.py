@@ -20,11 +20,13 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 
-def spin(parent: int) -> None:  # pragma: no cover - runs in a child process until killed
+def spin(parent: int, started: Any) -> None:  # pragma: no cover - runs in a child process until killed
     """A plain Python busy loop: one core's worth of work, no memory, no I/O; it ends when its parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends it; a ^C is for the command
+    started.put(os.getpid())
     x = 0
     while os.getppid() == parent:  # checked every 100,000 turns (a few ms): an orphan stops by itself
         for _ in range(100_000):
@@ -56,9 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     context = mp.get_context("spawn")
     signal.signal(signal.SIGTERM, interrupt)
-    load = [context.Process(target=spin, args=(os.getpid(),), daemon=True, name=f"busy-{i}") for i in range(args.load)]
+    started = context.SimpleQueue()
+    load = [
+        context.Process(target=spin, args=(os.getpid(), started), daemon=True, name=f"busy-{i}")
+        for i in range(args.load)
+    ]
     for process in load:
         process.start()
+    for _ in load:  # the load is on before the command starts
+        started.get()
     print(f"busy.py: {args.load} busy processes beside: {' '.join(args.command)}", flush=True)
     start = time.perf_counter()
     command = subprocess.Popen(args.command)

@@ -1,7 +1,11 @@
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import HANG_SECONDS
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
@@ -63,3 +67,39 @@ def test_real_scenarios_replay_through_the_pipeline_and_agree_with_every_baselin
     assert probe["moved_median"] == 1.0  # every point moves: the table says whether the edges did
     assert probe["compared_updates"] == 3
     assert "NOT SPARSE" in mmhm_bench.format_table([probe]) or probe["sparse_edit"]
+
+
+def test_busy_runs_the_command_beside_its_busy_processes_and_ends_them_with_it():
+    # The command lists the busy processes beside it (its parent's other children) and exits with 3.
+    command = (
+        "import os, sys\n"
+        "parent = os.getppid()\n"
+        "busy = []\n"
+        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n"
+        "        stat = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()\n"
+        "        line = open(f'/proc/{pid}/cmdline').read()\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if int(stat[1]) == parent and 'spawn_main' in line and 'resource_tracker' not in line:\n"
+        "        busy.append(pid)\n"
+        "print('BUSY', *busy)\n"
+        "sys.exit(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "busy.py"), "--load", "2", "--", sys.executable, "-c", command],
+        capture_output=True, text=True, timeout=HANG_SECONDS,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("BUSY")]
+    pids = line.split()[1:]
+    assert len(pids) == 2
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)  # ended (and reaped) with the command
+    assert "exit code 3" in done.stdout
+    assert "2 busy processes" in done.stdout
+
+
+def test_busy_says_what_it_needs():
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "busy.py")], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "give the command to run after --" in done.stderr
