@@ -34,7 +34,10 @@ Cell = tuple[str, int, list[str]]  # (setting, seed, rows)
 
 
 def choose_default(rows: dict[str, dict[str, Any]]) -> tuple[str | None, str]:
-    """The library's default rule, chosen by the suite, and why (a rule fixed before the results were seen).
+    """The library's default rule, chosen by the suite, and why.
+
+    Written after the suite's first results and unchanged since; the rows it chooses among and their actions were
+    designed on those results (``HISTORY.md``), so its choice on them is a best-of figure (``audit.py``).
 
     Among our rows whose healthy twins meet the healthy targets (mean final-metric change >= -0.5 %, <= 1
     intervention per 1,000 steps), the one that rescues the most faulted runs (transient + structural); ties go to
