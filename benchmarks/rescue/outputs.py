@@ -10,7 +10,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from cache import runs_path, timing_path, trunk_summary_path
+from cache import (
+    cached_code,
+    code_version,
+    preregistration,
+    runs_path,
+    timing_path,
+    trunk_code_path,
+    trunk_summary_path,
+)
 from detectors import DETECTORS
 from faults import ARCHITECTURES, FAULTS, Setup
 
@@ -127,8 +135,10 @@ def build_records(
             for kind, t in trunks.items()
         }  # fmt: skip
         for key in [NONE, *keys]:
+            code = cached_code(trunk_code_path(directory, arch_name, seed))
             if key != NONE:
-                raw[(arch_name, seed, key)] = _load(runs_path(directory, arch_name, seed, key))["runs"]
+                payload = _load(runs_path(directory, arch_name, seed, key))
+                raw[(arch_name, seed, key)], code = payload["runs"], payload.get("code")
             runs = raw[(arch_name, seed, key)]
             detector, action = key.split("+")
             twin = runs["healthy"]
@@ -173,8 +183,18 @@ def build_records(
                     "wall_clock_ratio": wall_clock_ratio(run, timings.get(arch_name), setup),
                     "snapshot_bytes": None if cost is None else cost["snapshot_bytes"],
                     "cost": cost,
+                    "code": None if code is None else {k: code.get(k) for k in ("library", "suite", "commit")},
                 })  # fmt: skip
     return records, raw
+
+
+def mixed_code(records: list[dict[str, Any]]) -> list[str]:
+    """The distinct codes (library and suite hashes) the records were computed with, when more than one; else []."""
+    codes = {
+        "unrecorded" if r.get("code") is None else f"library {r['code']['library']}, suite {r['code']['suite']}"
+        for r in records
+    }
+    return sorted(codes) if len(codes) > 1 else []
 
 
 def _pct(value: float) -> str:
@@ -600,20 +620,32 @@ def _library_version() -> str:
 
 def write_outputs(
     cells: list[Cell], setup: Setup, directory: Path, out: Path, *, plots: bool = True, seconds: float | None = None,
-    rates: Path | None = None,
+    rates: Path | None = None, allow_mixed: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Write ``rescue.json``, ``rescue.md`` and the PNGs into ``out``; returns the JSON payload.
+
+    Raises ValueError when the runs were computed with different code (library or suite), unless ``allow_mixed``:
+    then the payload's ``mixed_code`` lists the codes, and every record says which it ran.
 
     ``rates``: where the rescue-rate figure goes (default ``out/rescue/rates.png``; the full run writes the docs'
     ``docs/images/rescue_rates.png``, which the README and the evidence page show and ``rescue.md`` links).
     """
     rates = rates or out / "rescue" / "rates.png"
     records, raw = build_records(cells, setup, directory)
+    mixed = mixed_code(records)
+    if mixed and not allow_mixed:
+        raise ValueError(
+            f"the cached runs were computed with {len(mixed)} versions of the code ({'; '.join(mixed)}): rerun "
+            "without --reuse-stale to recompute the stale ones, or pass --reuse-stale to write results that say so"
+        )
     rows = summarise(records)
     keys = [key for key in rows if key != NONE]
     out.mkdir(parents=True, exist_ok=True)
     payload = {
         "library": _library_version(),
+        "code": code_version(),
+        "mixed_code": mixed,
+        "preregistration": preregistration(),
         "setup": {**setup.__dict__, "rescue_margin": RESCUE_MARGIN},
         "settings": {a: {"model": ARCHITECTURES[a].model, "data": ARCHITECTURES[a].data,
                          "metric": ARCHITECTURES[a].metric, "transient": ARCHITECTURES[a].transient,

@@ -16,9 +16,12 @@ branching (``engine.py``): the unprotected trunks are trained once per (setting,
 replayed from them until its first action, then trained live.
 
 Work is cached per (setting, seed) trunk and per (setting, seed, row) in ``benchmarks/rescue/cache/`` (git-ignored;
-an interrupted run resumes; ``--force`` recomputes). Outputs: ``benchmarks/results/rescue.json`` (one record per
-run), ``rescue.md`` (the table and the targets), ``rescue/<setting>_<fault>.png`` and the rescue-rate figure
-``docs/images/rescue_rates.png`` (``rescue/rates.png`` under ``--out``).
+an interrupted run resumes; ``--force`` recomputes). Each cached run records the code it ran (content hashes of the
+library and of the suite, ``cache.code_version``); a run of other code is recomputed, and results never mix code
+unless ``--reuse-stale`` says so (then the JSON is marked ``mixed_code``). Outputs:
+``benchmarks/results/rescue.json`` (one record per run), ``rescue.md`` (the table and the targets),
+``rescue/<setting>_<fault>.png`` and the rescue-rate figure ``docs/images/rescue_rates.png`` (``rescue/rates.png``
+under ``--out``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,18 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from cache import CACHE, cache_dir, runs_path, timing_path, trunk_path, trunk_summary_path  # noqa: E402
+from cache import (  # noqa: E402
+    CACHE,
+    cache_dir,
+    cached_code,
+    code_version,
+    runs_path,
+    same_code,
+    timing_path,
+    trunk_code_path,
+    trunk_path,
+    trunk_summary_path,
+)
 from detectors import DETECTORS  # noqa: E402
 from faults import ARCHITECTURES, FULL, QUICK, Setup  # noqa: E402
 
@@ -104,6 +118,7 @@ def trunk_job(arch: str, seed: int, setup: Setup, directory: Path) -> tuple[str,
         for kind, trunk in trunks.items()
     }  # fmt: skip
     _write_json(trunk_summary_path(directory, arch, seed), summary)
+    _write_json(trunk_code_path(directory, arch, seed), {"code": code_version()})
     return f"trunks {arch} seed {seed}", time.perf_counter() - started
 
 
@@ -125,7 +140,7 @@ def detector_job(arch: str, seed: int, key: str, setup: Setup, directory: Path) 
     spec = DETECTORS[key]
     runs = run_detector(ARCHITECTURES[arch], seed, setup, trunks, lambda: spec.make(ARCHITECTURES[arch], setup))
     seconds = time.perf_counter() - started
-    payload = {"seconds": seconds, "runs": {kind: run.summary() for kind, run in runs.items()}}
+    payload = {"seconds": seconds, "code": code_version(), "runs": {kind: run.summary() for kind, run in runs.items()}}
     _write_json(runs_path(directory, arch, seed, key), payload)
     return f"{key} {arch} seed {seed}", seconds
 
@@ -146,18 +161,32 @@ def _call(job: tuple[Any, ...]) -> tuple[str, float]:
     return {"trunk": trunk_job, "detector": detector_job, "timing": timing_job}[name](*args)
 
 
-def compute(cells: list[tuple[str, int, list[str]]], setup: Setup, directory: Path, jobs: int, force: bool) -> int:
-    """Every trunk and every detector run not cached yet, on ``jobs`` processes, with a progress bar; their count."""
+def current(path: Path, code: Path | None = None, *, reuse_stale: bool = False) -> bool:
+    """Whether a cached result at ``path`` can be reused: it exists and was computed with today's library and suite
+    (its ``code``, read from ``code`` or the file itself), or ``reuse_stale`` allows older code."""
+    if not path.exists():
+        return False
+    return reuse_stale or same_code(cached_code(code or path), code_version())
+
+
+def compute(
+    cells: list[tuple[str, int, list[str]]], setup: Setup, directory: Path, jobs: int, force: bool,
+    reuse_stale: bool = False,
+) -> int:  # fmt: skip
+    """Every trunk and every detector run not cached yet (or cached from other code), on ``jobs`` processes, with a
+    progress bar; their count. A new trunk recomputes its detector runs."""
     from tqdm import tqdm
 
     cells = sorted(cells, key=lambda cell: (-COST[cell[0]], cell[1]))
     trunk_jobs = [
-        ("trunk", a, s, setup, directory) for a, s, _ in cells if force or not trunk_path(directory, a, s).exists()
-    ]
+        ("trunk", a, s, setup, directory) for a, s, _ in cells
+        if force or not current(trunk_path(directory, a, s), trunk_code_path(directory, a, s), reuse_stale=reuse_stale)
+    ]  # fmt: skip
     pending_trunks = {(job[1], job[2]) for job in trunk_jobs}
     detector_jobs = {
         (a, s): [("detector", a, s, key, setup, directory) for key in keys
-                 if force or not runs_path(directory, a, s, key).exists()]
+                 if force or (a, s) in pending_trunks
+                 or not current(runs_path(directory, a, s, key), reuse_stale=reuse_stale)]
         for a, s, keys in cells
     }  # fmt: skip
     timing_jobs = [("timing", a, setup, directory) for a in dict.fromkeys(a for a, _, _ in cells)
@@ -204,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=CACHE)
     parser.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
     parser.add_argument("--force", action="store_true", help="recompute cached trunks and runs")
+    parser.add_argument(
+        "--reuse-stale", action="store_true",
+        help="reuse cached runs of other code (a changed library or suite) and write results that mix code, "
+        "marked as such; by default they are recomputed",
+    )  # fmt: skip
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     if args.jobs < 1:
@@ -216,12 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     directory = cache_dir(args.cache, setup)
     out = args.out or (directory / "results" if args.quick else RESULTS)
     started = time.perf_counter()
-    ran = compute(cells, setup, directory, args.jobs, args.force)
+    ran = compute(cells, setup, directory, args.jobs, args.force, args.reuse_stale)
     from outputs import write_outputs
 
     seconds = time.perf_counter() - started if ran else None  # all from the cache: no producing time to report
     rates = FIGURE if out == RESULTS else None  # the full grid's figure is the docs' (README, evidence page)
-    write_outputs(cells, setup, directory, out, plots=not args.no_plots, seconds=seconds, rates=rates)
+    write_outputs(cells, setup, directory, out, plots=not args.no_plots, seconds=seconds, rates=rates,
+                  allow_mixed=args.reuse_stale)  # fmt: skip
     print(f"wrote {out / 'rescue.json'} and {out / 'rescue.md'} ({time.perf_counter() - started:.0f} s)")
     return 0
 

@@ -77,6 +77,45 @@ def test_quick_grid_writes_every_record_with_its_fields(quick, suite):
 
 @slow
 @needs_data
+def test_every_record_names_the_code_it_ran_and_the_results_do_not_mix_code(quick, suite):
+    payload, cache = quick["payload"], suite["cache"]
+    now = cache.code_version()
+    assert payload["code"]["library"] == now["library"]
+    assert payload["code"]["suite"] == now["suite"]
+    assert payload["mixed_code"] == []
+    assert {(r["code"]["library"], r["code"]["suite"]) for r in payload["records"]} == {(now["library"], now["suite"])}
+    assert payload["preregistration"] == cache.preregistration()
+
+
+def test_a_cached_run_of_other_code_is_recomputed_unless_stale_runs_are_reused(suite, tmp_path):
+    run, cache = suite["run"], suite["cache"]
+    path = tmp_path / "runs.json"
+    assert not run.current(path)  # not cached
+    path.write_text(json.dumps({"runs": {}}))
+    assert not run.current(path)  # cached before runs recorded their code
+    path.write_text(json.dumps({"runs": {}, "code": cache.code_version()}))
+    assert run.current(path)
+    path.write_text(json.dumps({"runs": {}, "code": {**cache.code_version(), "library": "another"}}))
+    assert not run.current(path)
+    assert run.current(path, reuse_stale=True)
+    side = tmp_path / "trunk.code.json"  # a trunk's code is in a file beside it
+    side.write_text(json.dumps({"code": cache.code_version()}))
+    assert run.current(path, side)
+
+
+def test_records_of_two_codes_are_named(suite):
+    outputs = suite["outputs"]
+    one, two = {"library": "a", "suite": "s", "commit": None}, {"library": "b", "suite": "s", "commit": None}
+    assert outputs.mixed_code([{"code": one}, {"code": one}]) == []
+    assert outputs.mixed_code([{"code": one}, {"code": two}, {"code": None}]) == [
+        "library a, suite s",
+        "library b, suite s",
+        "unrecorded",
+    ]
+
+
+@slow
+@needs_data
 def test_transient_fault_makes_the_unprotected_run_worse_than_its_healthy_twin(quick):
     (unprotected,) = _records(quick["payload"], detector="none", fault="transient")
     assert unprotected["final_metric"] < unprotected["healthy_twin_final_metric"] * 0.9
