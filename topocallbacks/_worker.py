@@ -3,8 +3,8 @@
 A process, not a thread: the check is CPU work in numpy, scipy, GUDHI and Python that would otherwise compete for
 the training loop's interpreter lock. The training process starts it with ``python -m topocallbacks._worker
 READ_FD WRITE_FD`` (a fresh interpreter that imports no torch and never re-runs the user's script); the worker
-loads the compiled kernels (numba, when installed) before it reads a request, so that its first check does not pay
-for them. The training process sends it requests over two pipes and reads one reply per request but ``"stop"``, in
+loads the compiled kernels (numba, when installed) and scipy's assignment solver (the diagram distance's) before it
+reads a request, so that its first checks do not pay for them. The training process sends it requests over two pipes and reads one reply per request but ``"stop"``, in
 order:
 
 * ``("init", settings_dict, state_or_None)``: create the pipeline (from a saved state when resuming), answered
@@ -66,6 +66,7 @@ def _serve(receive: Connection, send: Connection) -> int:
     from .settings import MonitorSettings
 
     core_kernel()  # numba's import and the cached machine code: now, not in the first check
+    import scipy.optimize  # noqa: F401 - the diagram distance's assignment: now, not in the second check (~1 s busy)
     pipeline: CheckPipeline | LayeredPipeline | None = None
     while True:
         try:
