@@ -28,7 +28,7 @@ RESOLVE = pip compile pyproject.toml --upgrade --quiet --system-certs --find-lin
 	--python-version 3.11 --python-platform x86_64-manylinux_2_28 -c requirements/torch-cpu.txt \
 	--custom-compile-command "make lock"
 
-.PHONY: demo test test-busy lint typecheck docs unit lock test-latest figures collapse rescue clean
+.PHONY: demo test test-busy lint typecheck docs unit lock test-latest figures pages collapse rescue clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,10 @@ test-latest:
 # (docs/images/report_index.png) and the demo's picture (docs/images/rescue.png).
 figures: $(VENV)/.installed-dev
 	OMP_NUM_THREADS=1 $(BIN)/python docs/figures.py
+
+# The pages' benchmark tables and figures, rewritten from benchmarks/results/ (tests/unit/test_pages.py checks them).
+pages: $(VENV)/.installed-dev
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/pages.py
 
 # The collapse-evidence suite (benchmarks/collapse/README.md): record every scenario (about 50 minutes on two
 # cores; needs Debian's dataset-fashion-mnist), then evaluate the candidate indices (table, JSON, PNGs).

@@ -197,6 +197,30 @@ def mixed_code(records: list[dict[str, Any]]) -> list[str]:
     return sorted(codes) if len(codes) > 1 else []
 
 
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    """The suite's main table, one line per row (``summarise``'s rows): rescue.md's and the evidence page's."""
+    lines = [
+        "| detector | action | rescued transient | rescued structural | healthy twins acted on | healthy change "
+        "(mean, 95 % interval; worst) | worse than unprotected (T / S) | steps lost | stopped | wall-clock | "
+        "snapshots |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, row in rows.items():
+        low, high = row["healthy_change_ci"]
+        ratio = f"x{row['wall_clock_ratio']:.2f} ({row['wall_clock_runs']})" if row["wall_clock_runs"] else "-"
+        memory = f"{row['snapshot_mib']:.1f} MiB" if math.isfinite(row["snapshot_mib"]) else "-"
+        lines.append(
+            f"| {_row_name(key, row)} | "
+            f"{_rate(*map(int, row['rescued_transient_count'].split('/')))} | "
+            f"{_rate(*map(int, row['rescued_structural_count'].split('/')))} | "
+            f"{_rate(row['healthy_acted'], row['healthy_runs'])} | "
+            f"{_pct(row['healthy_change'])} ({_pct(low)} to {_pct(high)}; {_pct(row['healthy_worst'])}) | "
+            f"{row['worse_transient_count']} / {row['worse_structural_count']} | "
+            f"{row['steps_lost']:.1f} | {row['stopped']}/{row['runs']} | {ratio} | {memory} |"
+        )
+    return "\n".join(lines)
+
+
 def _pct(value: float) -> str:
     if math.isnan(value):
         return "-"
@@ -387,24 +411,8 @@ def write_markdown(
         "recorded their costs, all three kinds: `outputs.wall_clock_ratio`); *snapshots*: the most memory its "
         "snapshots held.",
         "",
-        "| detector | action | rescued transient | rescued structural | healthy twins acted on | healthy change "
-        "(mean, 95 % interval; worst) | worse than unprotected (T / S) | steps lost | stopped | wall-clock | "
-        "snapshots |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        table(rows),
     ]
-    for key, row in rows.items():
-        low, high = row["healthy_change_ci"]
-        ratio = f"x{row['wall_clock_ratio']:.2f} ({row['wall_clock_runs']})" if row["wall_clock_runs"] else "-"
-        memory = f"{row['snapshot_mib']:.1f} MiB" if math.isfinite(row["snapshot_mib"]) else "-"
-        lines.append(
-            f"| {_row_name(key, row)} | "
-            f"{_rate(*map(int, row['rescued_transient_count'].split('/')))} | "
-            f"{_rate(*map(int, row['rescued_structural_count'].split('/')))} | "
-            f"{_rate(row['healthy_acted'], row['healthy_runs'])} | "
-            f"{_pct(row['healthy_change'])} ({_pct(low)} to {_pct(high)}; {_pct(row['healthy_worst'])}) | "
-            f"{row['worse_transient_count']} / {row['worse_structural_count']} | "
-            f"{row['steps_lost']:.1f} | {row['stopped']}/{row['runs']} | {ratio} | {memory} |"
-        )
     figure = Path(os.path.relpath(rates, path.parent)).as_posix()
     lines += ["", f"![Rescue rate per row and fault class, with 95 % Wilson intervals]({figure})"]
     chosen, why = choose_default(rows)
