@@ -4,8 +4,8 @@ A process, not a thread: the check is CPU work in numpy, scipy, GUDHI and Python
 the training loop's interpreter lock. The training process starts it with ``python -m topocallbacks._worker
 READ_FD WRITE_FD`` (a fresh interpreter that imports no torch and never re-runs the user's script); the worker
 loads the compiled kernels (numba, when installed) and scipy's assignment solver (the diagram distance's) before it
-reads a request, so that its first checks do not pay for them. The training process sends it requests over two pipes and reads one reply per request but ``"stop"``, in
-order:
+reads a request, so that its first checks do not pay for them. The training process sends it requests over two
+pipes and reads one reply per request but ``"stop"``, in order:
 
 * ``("init", settings_dict, state_or_None)``: create the pipeline (from a saved state when resuming), answered
   with ``("ready",)``;

@@ -437,9 +437,10 @@ class PolicySettings(_Section):
     (``benchmarks/rescue/HISTORY.md`` dates each step; ``docs/evidence.md`` gives the held-out figures): roll back
     when the probe's index (diagram drift) and the training loss both jump, 4.5 robust standard deviations above
     their recent checks, with a compounding learning-rate cut of 0.5 from the first rollback, the updates of two check
-    intervals skipped after each, at most 4 rollbacks, then stop at the last healthy state. The loss confirms the index: alone, the index
-    raised false alarms on healthy runs. Absolute sentinels (:mod:`topocallbacks.functional.sentinels`) act on a
-    total collapse at any check, warm-up or not. ``action`` changes only what is done.
+    intervals skipped after each, at most 4 rollbacks, then stop at the last healthy state. The loss confirms the
+    index: alone, the index raised false alarms on healthy runs. Absolute sentinels
+    (:mod:`topocallbacks.functional.sentinels`) act on a total collapse at any check, warm-up or not. ``action``
+    changes only what is done.
 
     Attributes:
         action: ``"rollback"`` (to the newest healthy snapshot), ``"warn"``, ``"lower_lr"``, ``"stop"`` or
