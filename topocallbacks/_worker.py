@@ -67,6 +67,7 @@ def _serve(receive: Connection, send: Connection) -> int:
 
     core_kernel()  # numba's import and the cached machine code: now, not in the first check
     import scipy.optimize  # noqa: F401 - the diagram distance's assignment: now, not in the second check (~1 s busy)
+
     pipeline: CheckPipeline | LayeredPipeline | None = None
     while True:
         try:
