@@ -28,5 +28,13 @@ def run_two_ranks(
     # A rare abort of torch's c10d threads at interpreter exit, after both ranks finished and wrote their results
     # (seen under torchrun even after destroy_process_group): not what these tests are about.
     teardown = written and "terminate called without an active exception" in result.stderr
-    assert result.returncode == 0 or teardown, (result.stdout + result.stderr)[-3000:]
+    assert result.returncode == 0 or teardown, failure(result)
     return [json.loads((directory / f"rank{r}.json").read_text()) for r in (0, 1)], result
+
+
+def failure(result: subprocess.CompletedProcess[str]) -> str:
+    """What a failed job printed: from its first traceback (often the rank that failed first) and its last lines."""
+    text = result.stdout + result.stderr
+    first = text.find("Traceback")
+    head = text[first : first + 4000] if first >= 0 else ""
+    return f"exit code {result.returncode}\n{head}\n[...]\n{text[-3000:]}"
