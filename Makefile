@@ -115,6 +115,8 @@ collapse: $(VENV)/.installed-dev
 # (trunks trained once and branched; resumable from benchmarks/rescue/cache/). Writes results/rescue.{json,md,png}.
 rescue: $(VENV)/.installed-dev
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/rescue/run.py --jobs 2
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/rescue/audit.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/pages.py
 
 clean:
 	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
@@ -15,19 +16,46 @@ from faults import QUICK, Setup
 VERSION = 1
 CACHE = Path(__file__).resolve().parent / "cache"
 ROOT = Path(__file__).resolve().parents[2]
-#: The code a run depends on: the library, and the suite with the trainees it borrows from the collapse suite.
+#: The code a run executes: the library, and the suite's trainees, faults, engine and rows with what they borrow from
+#: the collapse suite (not the files that only read cached runs: outputs.py, audit.py, run.py, this one).
 LIBRARY = ("topocallbacks",)
-SUITE = ("benchmarks/rescue", "benchmarks/collapse/scenarios.py", "benchmarks/data.py")
+SUITE = (
+    "benchmarks/rescue/faults.py",
+    "benchmarks/rescue/finetune.py",
+    "benchmarks/rescue/engine.py",
+    "benchmarks/rescue/detectors.py",
+    "benchmarks/rescue/baselines.py",
+    "benchmarks/collapse/scenarios.py",
+    "benchmarks/data.py",
+)
 PREREGISTRATION = "benchmarks/PREREGISTERED.md"
 
 
+def _code(file: Path) -> bytes:
+    """A Python file's code without its docstrings and formatting (its syntax tree): a reflowed docstring or a
+    formatter's change is not a change of what runs."""
+    tree = ast.parse(file.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            body[0] = ast.Pass()
+    return ast.dump(tree).encode()
+
+
 def _digest(parts: tuple[str, ...]) -> str:
-    """A short hash of the Python files under ``parts`` (paths and contents): the code as it is on disk now."""
+    """A short hash of the code of the Python files under ``parts`` (paths and syntax trees)."""
     digest = hashlib.sha1()
     for part in parts:
         path = ROOT / part
         for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            digest.update(file.relative_to(ROOT).as_posix().encode() + b"\0" + file.read_bytes() + b"\0")
+            digest.update(file.relative_to(ROOT).as_posix().encode() + b"\0" + _code(file) + b"\0")
     return digest.hexdigest()[:12]
 
 

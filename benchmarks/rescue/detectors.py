@@ -43,9 +43,10 @@ def ours(detector: str, action: str, description: str, policy: dict[str, Any]) -
     return DetectorSpec(detector, action, "ours", description, _ours(policy), policy)
 
 
-# Plain replay, the control for luck: the default rule's trigger and rollback, but the data goes back with the
-# state (the same batches again, in the same order), no updates skipped, no rate cut (the engine's actuator ignores
-# the cuts the policy asks for from the second rollback on); after 4 rollbacks the stop.
+# Plain replay, the control for what skipping the bad window adds (training is deterministic: replaying the same
+# batches from the same state meets the same fault): the default rule's trigger and rollback, but the data goes back
+# with the state (the same batches again, in the same order), no updates skipped, no rate cut (the engine's actuator
+# ignores the cuts the policy asks for from the second rollback on); after 4 rollbacks the stop.
 PLAIN_REPLAY = {"rollback_lr_factor": None, "rollback_skip": 0}
 
 
@@ -80,7 +81,7 @@ DETECTORS: dict[str, DetectorSpec] = {
              {"channels": ["loss"], "require": 1, "sentinels": False}),
         DetectorSpec("plain_replay", "rollback", "control",
                      "plain replay: the default rule's trigger and rollback, the same data again in the same order, "
-                     "no skip, no rate cut (then stop after 4); the control for luck",
+                     "no skip, no rate cut (then stop after 4); the control for what the skip adds",
                      _ours(PLAIN_REPLAY, replay_data=True), PLAIN_REPLAY),
         ours("ours_old_default", "rollback",
              "the library's rule before #22 with rollback: drift alone, no first cut, no skip, 2 rollbacks",

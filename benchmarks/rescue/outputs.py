@@ -122,6 +122,7 @@ def build_records(
     raw: dict[tuple[str, int, str], dict[str, Any]] = {}
     settings = dict.fromkeys(a for a, _, _ in cells)
     timings = {a: _load(timing_path(directory, a)) for a in settings if timing_path(directory, a).exists()}
+    timing_code = {a: timings[a].get("code") for a in timings}
     for arch_name, seed, keys in cells:
         arch = ARCHITECTURES[arch_name]
         trunks = _load(trunk_summary_path(directory, arch_name, seed))
@@ -183,18 +184,35 @@ def build_records(
                     "wall_clock_ratio": wall_clock_ratio(run, timings.get(arch_name), setup),
                     "snapshot_bytes": None if cost is None else cost["snapshot_bytes"],
                     "cost": cost,
-                    "code": None if code is None else {k: code.get(k) for k in ("library", "suite", "commit")},
+                    "code": _code_fields(code),
+                    "timing_code": _code_fields(timing_code.get(arch_name)),
                 })  # fmt: skip
     return records, raw
 
 
-def mixed_code(records: list[dict[str, Any]]) -> list[str]:
-    """The distinct codes (library and suite hashes) the records were computed with, when more than one; else []."""
-    codes = {
-        "unrecorded" if r.get("code") is None else f"library {r['code']['library']}, suite {r['code']['suite']}"
+def _code_fields(code: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if code is None else {k: code.get(k) for k in ("library", "suite", "commit", "dirty")}
+
+
+def _codes(records: list[dict[str, Any]]) -> set[str]:
+    """The codes (library and suite hashes) the records' runs and their cost timings were computed with."""
+    return {
+        "unrecorded" if code is None else f"library {code['library']}, suite {code['suite']}"
         for r in records
+        for code in (r.get("code"), r.get("timing_code"))
     }
+
+
+def mixed_code(records: list[dict[str, Any]]) -> list[str]:
+    """The distinct codes the records (runs and cost timings) were computed with, when more than one; else []."""
+    codes = _codes(records)
     return sorted(codes) if len(codes) > 1 else []
+
+
+def stale_code(records: list[dict[str, Any]]) -> bool:
+    """Whether any record (run or cost timing) was computed with other code than today's."""
+    now = code_version()
+    return _codes(records) != {f"library {now['library']}, suite {now['suite']}"}
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
@@ -350,7 +368,7 @@ def targets(
          f"mean {_pct(ours['healthy_change'])} (95 % interval {_pct(ours['healthy_change_ci'][0])} to "
          f"{_pct(ours['healthy_change_ci'][1])}), worst {_pct(ours['healthy_worst'])}"),
     ]  # fmt: skip
-    for other, what in ((REPLAY, "plain replay (the control for luck)"), (LOSS_ONLY, "the loss alone")):
+    for other, what in ((REPLAY, "plain replay (what skipping the bad window adds)"), (LOSS_ONLY, "the loss alone")):
         if other in rows:
             _, only_ours, only_other, p = paired(records, key, other)
             result.append((f"rescues more than {what}, paired p < {TARGETS['p']:g}",
@@ -641,10 +659,10 @@ def write_outputs(
     rates = rates or out / "rescue" / "rates.png"
     records, raw = build_records(cells, setup, directory)
     mixed = mixed_code(records)
-    if mixed and not allow_mixed:
+    if stale_code(records) and not allow_mixed:
         raise ValueError(
-            f"the cached runs were computed with {len(mixed)} versions of the code ({'; '.join(mixed)}): rerun "
-            "without --reuse-stale to recompute the stale ones, or pass --reuse-stale to write results that say so"
+            f"the cached runs were computed with other code than today's ({'; '.join(sorted(_codes(records)))}): "
+            "rerun without --reuse-stale to recompute them, or pass --reuse-stale to write results that say so"
         )
     rows = summarise(records)
     keys = [key for key in rows if key != NONE]
@@ -653,6 +671,7 @@ def write_outputs(
         "library": _library_version(),
         "code": code_version(),
         "mixed_code": mixed,
+        "stale_code": stale_code(records),  # True: --reuse-stale kept runs of other code than `code`
         "preregistration": preregistration(),
         "setup": {**setup.__dict__, "rescue_margin": RESCUE_MARGIN},
         "settings": {a: {"model": ARCHITECTURES[a].model, "data": ARCHITECTURES[a].data,

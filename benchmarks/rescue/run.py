@@ -152,7 +152,7 @@ def timing_job(arch: str, setup: Setup, directory: Path) -> tuple[str, float]:
     _quiet()
     started = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
-    _write_json(timing_path(directory, arch), measure_costs(ARCHITECTURES[arch], setup))
+    _write_json(timing_path(directory, arch), {**measure_costs(ARCHITECTURES[arch], setup), "code": code_version()})
     return f"timing {arch}", time.perf_counter() - started
 
 
@@ -190,7 +190,7 @@ def compute(
         for a, s, keys in cells
     }  # fmt: skip
     timing_jobs = [("timing", a, setup, directory) for a in dict.fromkeys(a for a, _, _ in cells)
-                   if force or not timing_path(directory, a).exists()]  # fmt: skip
+                   if force or not current(timing_path(directory, a), reuse_stale=reuse_stale)]  # fmt: skip
     total = len(trunk_jobs) + len(timing_jobs) + sum(len(v) for v in detector_jobs.values())
     ready = [job for pair, js in detector_jobs.items() if pair not in pending_trunks for job in js] + timing_jobs
     directory.mkdir(parents=True, exist_ok=True)

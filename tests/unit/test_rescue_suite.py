@@ -63,7 +63,7 @@ def test_quick_grid_writes_every_record_with_its_fields(quick, suite):
         assert (record["rescued"] is None) == (record["fault"] == "none")
     assert any(t["target"].startswith("rescues >= 80 % of transient faults") for t in payload["targets"])
     named = {t["target"] for t in payload["targets"]}
-    assert "rescues more than plain replay (the control for luck), paired p < 0.05" in named
+    assert "rescues more than plain replay (what skipping the bad window adds), paired p < 0.05" in named
     assert "rescues more than the loss alone, paired p < 0.05" in named
     markdown = (quick["root"] / "out" / "rescue.md").read_text()
     assert "| **ours_default** | rollback |" in markdown  # the row the targets are about
@@ -103,15 +103,18 @@ def test_a_cached_run_of_other_code_is_recomputed_unless_stale_runs_are_reused(s
     assert run.current(path, side)
 
 
-def test_records_of_two_codes_are_named(suite):
-    outputs = suite["outputs"]
-    one, two = {"library": "a", "suite": "s", "commit": None}, {"library": "b", "suite": "s", "commit": None}
-    assert outputs.mixed_code([{"code": one}, {"code": one}]) == []
-    assert outputs.mixed_code([{"code": one}, {"code": two}, {"code": None}]) == [
+def test_records_of_two_codes_are_named_and_old_code_is_stale(suite):
+    outputs, cache = suite["outputs"], suite["cache"]
+    one, two = {"library": "a", "suite": "s"}, {"library": "b", "suite": "s"}
+    assert outputs.mixed_code([{"code": one, "timing_code": one}, {"code": one, "timing_code": one}]) == []
+    assert outputs.mixed_code([{"code": one, "timing_code": one}, {"code": two, "timing_code": None}]) == [
         "library a, suite s",
         "library b, suite s",
         "unrecorded",
     ]
+    assert outputs.stale_code([{"code": one, "timing_code": one}])  # one code, but not today's
+    now = cache.code_version()
+    assert not outputs.stale_code([{"code": now, "timing_code": now}])
 
 
 @slow
