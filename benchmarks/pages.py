@@ -1,4 +1,4 @@
-"""Every benchmark table and figure on the pages, generated from the stored results (issue 35, item 3).
+"""The benchmark tables of the pages (and a few sentences of figures), generated from the stored results (issue 35).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pages.py           # rewrites every block in place (`make pages`)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pages.py --check   # exits 1 listing the blocks that differ

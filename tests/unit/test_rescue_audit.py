@@ -128,4 +128,16 @@ def test_the_readme_status_says_what_the_stored_results_give(audit, result):
     assert audit.with_block(readme, audit.readme(result)) == readme
     block = readme.split(audit.START)[1].split(audit.END)[0]
     held = result["rescues"][audit.OURS]["held_out"]["faulted"]
-    assert f"held out from them it rescues {held['rescued']}/{held['runs']}" in block
+    assert f"outside them it rescues {held['rescued']}/{held['runs']}" in block
+    flat = " ".join(line.removeprefix("> ") for line in block.strip().splitlines())
+    met, missed = flat.split("Targets met, as the suite judges them: ")[1].split("**Not met**: ")
+    for target in result["targets"]:  # each target on the side the stored verdict puts it
+        text = target["target"].replace(" (the control for luck)", " as redefined")
+        assert text in (met if target["met"] else missed), text
+
+
+def test_comparisons_are_computed_not_written(audit):
+    cell = {"rescued": 9, "runs": 46}
+    assert audit._against(cell, {"rescued": 9}) == "as many as"
+    assert audit._against(cell, {"rescued": 11}) == "fewer than"
+    assert audit._against(cell, {"rescued": 4}) == "more than"
