@@ -4,7 +4,7 @@
 cores of a developer's machine while the suite runs, as a laptop with a build and a browser open would. A test
 that passes idle and fails here depends on how fast the machine is that day (issue 34); none may.
 
-    python benchmarks/busy.py [--load N] [--nice K] -- COMMAND [ARGS...]
+    python benchmarks/busy.py [--load N] -- COMMAND [ARGS...]
 
 It prints the command's wall-clock time and exits with the command's exit code. The busy loops are separate
 processes (not threads: the GIL would serialise them with nothing), started before the command and killed when it

@@ -147,8 +147,8 @@ class MMHM:
         link_certificates: also try the GUDHI link certificate when a vertex is not dominated (more operations
             certified, each a little dearer).
         clock: seconds, monotonic, that times each update for the cost model and the deadlines of the incremental
-            paths (``time.perf_counter``, the wall clock; a test passes its own, e.g. ``time.thread_time``, which
-            a busy machine does not slow down).
+            paths (``time.perf_counter``, monotonic wall time; a test passes its own, e.g. ``time.thread_time``,
+            which a busy machine's pre-emptions do not inflate).
 
     Raises:
         InputError: an argument is out of range.
