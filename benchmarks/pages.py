@@ -13,7 +13,8 @@ A *block* is the text of README.md or of a page under docs/ between two markers 
 (it trains and measures nothing), with the suite's own rendering function where one can be imported
 (``collapse/evaluate.table``, ``mmhm_bench.format_table``, ``rescue/outputs.summarise`` and its cell formats), and
 the stored file(s) it reads. ``tests/unit/test_pages.py`` fails when a page's block differs from what its function
-renders. The blocks that ``benchmarks/rescue/audit.py`` writes (its own markers) are not this script's.
+renders. The rescue status (README) and the account of the default's choice (evidence page) are rendered by
+``benchmarks/rescue/audit.py``'s functions from its stored audit.
 """
 
 from __future__ import annotations
@@ -317,6 +318,21 @@ def check_costs() -> str:
 def mmhm_table() -> str:
     """The MMHM page's table, rendered by ``mmhm_bench.format_table`` from the stored runs."""
     return str(suite("", "mmhm_bench").format_table(stored("mmhm.json")["runs"]))
+
+
+# --- the rescue audit (README.md, docs/evidence.md) ------------------------------------------------------------
+
+
+@block("rescue-status", "rescue_audit.json")
+def rescue_status() -> str:
+    """The README's rescue status, from the stored audit (``audit.readme``)."""
+    return str(suite("rescue", "audit").readme(stored("rescue_audit.json")))
+
+
+@block("rescue-choice", "rescue_audit.json")
+def rescue_choice() -> str:
+    """The evidence page's account of how the default was chosen and what it does outside the design runs."""
+    return str(suite("rescue", "audit").evidence(stored("rescue_audit.json")))
 
 
 # --- the first GPU figures (docs/costs.md) ---------------------------------------------------------------------

@@ -1,24 +1,18 @@
 """The rescue audit (benchmarks/rescue/audit.py): the stored audit is what the stored results give, and adds up."""
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.benchmarks import benchmark_module
+
 SUITE = Path(__file__).parents[2] / "benchmarks" / "rescue"
 RESULTS = SUITE.parent / "results"
 
 
-@pytest.fixture(scope="module")
-def audit():
-    sys.path.insert(0, str(SUITE))
-    try:
-        yield importlib.import_module("audit")
-    finally:
-        sys.path.remove(str(SUITE))
+audit = benchmark_module("audit", "rescue")
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +95,9 @@ def test_the_cluster_bootstrap_resamples_settings_then_seeds(audit):
     assert audit.cluster_bootstrap(one, resamples=2000) == (low, high)
 
 
-def test_the_evidence_page_says_what_the_stored_results_give(audit, result):
-    page = (SUITE.parents[1] / "docs" / "evidence.md").read_text()
-    assert page.count(audit.START) == page.count(audit.END) == 1
-    assert audit.with_block(page, audit.evidence(result)) == page  # `python benchmarks/rescue/audit.py` rewrites it
-    block = page.split(audit.START)[1].split(audit.END)[0]
+def test_the_evidence_pages_account_says_what_the_stored_results_give(audit, result):
+    # The page holds this text (benchmarks/pages.py's rescue-choice block, tests/unit/test_pages.py).
+    block = audit.evidence(result)
     ours = result["rescues"][audit.OURS]
     for cell in (ours["held_out"]["faulted"], ours["design"]["faulted"], ours["added_settings"]["faulted"]):
         assert f"{cell['rescued']}/{cell['runs']}" in block
@@ -124,9 +116,8 @@ def test_plain_replay_first_version_is_the_superseded_row(result, data):
 
 
 def test_the_readme_status_says_what_the_stored_results_give(audit, result):
-    readme = (SUITE.parents[1] / "README.md").read_text()
-    assert audit.with_block(readme, audit.readme(result)) == readme
-    block = readme.split(audit.START)[1].split(audit.END)[0]
+    # The README holds this text (benchmarks/pages.py's rescue-status block, tests/unit/test_pages.py).
+    block = audit.readme(result)
     held = result["rescues"][audit.OURS]["held_out"]["faulted"]
     assert f"outside them it rescues {held['rescued']}/{held['runs']}" in block
     flat = " ".join(line.removeprefix("> ") for line in block.strip().splitlines())

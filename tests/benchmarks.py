@@ -1,0 +1,28 @@
+"""The benchmark scripts' modules in tests: imported from their folder (which is on ``sys.path`` while a test module
+uses them, as the scripts put it there themselves when run)."""
+
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_module(name: str, folder: str = "") -> Callable[..., Any]:
+    """A module-scoped fixture giving ``benchmarks/<folder>/<name>.py`` as a module."""
+
+    @pytest.fixture(scope="module")
+    def module() -> Iterator[ModuleType]:
+        path = str(BENCHMARKS / folder)
+        sys.path.insert(0, path)
+        try:
+            yield importlib.import_module(name)
+        finally:
+            sys.path.remove(path)
+
+    return module
