@@ -59,7 +59,8 @@ def _digest(parts: tuple[str, ...]) -> str:
     return digest.hexdigest()[:12]
 
 
-def _git(*args: str) -> str | None:
+def git(*args: str) -> str | None:
+    """What ``git ARGS`` prints in the repository (stripped), or None where git fails or is missing."""
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -70,11 +71,11 @@ def _git(*args: str) -> str | None:
 def code_version() -> dict[str, Any]:
     """What a run was computed with: content hashes of the library and of the suite (what decides whether a cached
     run is reused), and, to read, the commit and whether either had uncommitted changes."""
-    dirty = _git("status", "--porcelain", "--", *LIBRARY, *SUITE)
+    dirty = git("status", "--porcelain", "--", *LIBRARY, *SUITE)
     return {
         "library": _digest(LIBRARY),
         "suite": _digest(SUITE),
-        "commit": _git("rev-parse", "--short", "HEAD"),
+        "commit": git("rev-parse", "--short", "HEAD"),
         "dirty": None if dirty is None else bool(dirty),
     }
 
@@ -89,8 +90,8 @@ def preregistration() -> dict[str, Any] | None:
     disk differs from it."""
     if not (ROOT / PREREGISTRATION).exists():
         return None
-    commit = _git("log", "-1", "--format=%h", "--", PREREGISTRATION)
-    changed = _git("status", "--porcelain", "--", PREREGISTRATION)
+    commit = git("log", "-1", "--format=%h", "--", PREREGISTRATION)
+    changed = git("status", "--porcelain", "--", PREREGISTRATION)
     return {"file": PREREGISTRATION, "commit": commit or None, "uncommitted": bool(changed) or not commit}
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from cache import (
     cached_code,
     code_version,
+    git,
     preregistration,
     runs_path,
     timing_path,
@@ -135,8 +136,9 @@ def build_records(
                    "cost": unprotected_cost}
             for kind, t in trunks.items()
         }  # fmt: skip
+        trunk_code = cached_code(trunk_code_path(directory, arch_name, seed))
         for key in [NONE, *keys]:
-            code = cached_code(trunk_code_path(directory, arch_name, seed))
+            code = trunk_code
             if key != NONE:
                 payload = _load(runs_path(directory, arch_name, seed, key))
                 raw[(arch_name, seed, key)], code = payload["runs"], payload.get("code")
@@ -631,15 +633,8 @@ def _compute_seconds(cells: list[Cell], directory: Path) -> float:
 
 def _library_version() -> str:
     """The repository's commit when the outputs were written (``+dirty``: topocallbacks/ had local changes)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "topocallbacks"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
+    head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "topocallbacks")
+    if head is None or dirty is None:
         return "unknown"
     return head + ("+dirty" if dirty else "")
 
@@ -658,8 +653,8 @@ def write_outputs(
     """
     rates = rates or out / "rescue" / "rates.png"
     records, raw = build_records(cells, setup, directory)
-    mixed = mixed_code(records)
-    if stale_code(records) and not allow_mixed:
+    mixed, stale = mixed_code(records), stale_code(records)
+    if stale and not allow_mixed:
         raise ValueError(
             f"the cached runs were computed with other code than today's ({'; '.join(sorted(_codes(records)))}): "
             "rerun without --reuse-stale to recompute them, or pass --reuse-stale to write results that say so"
@@ -671,7 +666,7 @@ def write_outputs(
         "library": _library_version(),
         "code": code_version(),
         "mixed_code": mixed,
-        "stale_code": stale_code(records),  # True: --reuse-stale kept runs of other code than `code`
+        "stale_code": stale,  # True: --reuse-stale kept runs of other code than `code`
         "preregistration": preregistration(),
         "setup": {**setup.__dict__, "rescue_margin": RESCUE_MARGIN},
         "settings": {a: {"model": ARCHITECTURES[a].model, "data": ARCHITECTURES[a].data,
