@@ -129,6 +129,8 @@ def hf_worker(out: str, version: str) -> None:
     rank = trainer.args.process_index
     data = {"rank": rank, "history": [r.as_dict() for r in watcher.history], **report.seen}
     Path(out, f"rank{rank}.json").write_text(json.dumps(data))
+    if torch.distributed.is_initialized():  # c10d's threads joined before exit (else a rare abort at teardown)
+        torch.distributed.destroy_process_group()
 
 
 def main() -> None:

@@ -1,7 +1,6 @@
 """Several layers in a real 2-process CPU DDP fit (Lightning ``ddp_spawn``, gloo): one gathered probe pass per
 check for all layers, the same records on both ranks, one action per check on both."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.ranks import finished
 from tests.waiting import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,8 +62,7 @@ def test_two_ranks_agree_on_every_layer_and_cut_once(tmp_path, mode):
         timeout=HANG_SECONDS,
         env=env,
     )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = finished(result, tmp_path)
     assert ranks[0]["history"] == ranks[1]["history"]  # every layer's values and the decisions, on both ranks
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
     checks = [r for r in ranks[0]["history"] if r["kind"] == "check"]

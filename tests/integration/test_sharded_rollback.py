@@ -6,7 +6,6 @@ hash of its own shards and of the gathered state at every step, which is how "bi
 """
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.ranks import run_two_ranks
+from tests.integration.ranks import finished, run_two_ranks
 from tests.waiting import HANG_SECONDS
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
@@ -138,6 +137,5 @@ def test_the_gpu_scripts_hf_worker_passes_its_checks_with_ddp_on_cpu(tmp_path):
         [*launcher, str(BENCHMARKS / "gpu_sharded_rollback.py"), "--hf-worker", str(tmp_path), "0"],
         capture_output=True, text=True, env=env, timeout=HANG_SECONDS,
     )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    found = gpu_script().checks([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)])
+    found = gpu_script().checks(finished(done, tmp_path))
     assert all(found.values()), found
