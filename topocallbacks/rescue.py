@@ -6,6 +6,7 @@ Rollback with a skip and compounding cuts, the last healthy state restored befor
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -50,11 +51,13 @@ class Rescuer(Stateful):
     """
 
     _state = StateFields(
-        version=1,
+        version=2,
         fields={
             "lr_factor": "lr_factor_",
             "last_rollback_step": "last_rollback_step_",
             "rollback_cut": "rollback_cut_",
+            "pending_skip": "pending_skip_",
+            "recent_losses": "recent_losses_",
         },
     )
 
@@ -69,6 +72,8 @@ class Rescuer(Stateful):
         self.lr_factor_ = 1.0  # the cumulative learning-rate factor of the interventions so far
         self.last_rollback_step_: int | None = None  # the latest rollback's step (the next one undoes updates since)
         self.rollback_cut_ = 1.0  # the product of the rollbacks' learning-rate cuts (they compound)
+        self.pending_skip_ = False  # a rollback's skip waits for the loss to flag at the next check (skip "later")
+        self.recent_losses_: list[float] = []  # the training loss of the last two checks (``stop_restores``)
 
     @property
     def keeps_snapshots(self) -> bool:
@@ -90,9 +95,17 @@ class Rescuer(Stateful):
         if record.applied_step is None:
             return None
         step = record.applied_step
+        if record.loss is not None:
+            # A non-finite loss counts as the worst: a stop after it always restores.
+            loss = float(record.loss) if math.isfinite(record.loss) else math.inf
+            self.recent_losses_ = [*self.recent_losses_, loss][-2:]
+        confirmed = self.pending_skip_ and "loss" in decision.flagged
+        self.pending_skip_ = False
         if not decision.fired:
             if record.ok and decision.healthy and self.keeps_snapshots and self.snapshots_off is None:
-                self._keep_snapshot(actuator, step, checks.reference_diagrams())
+                self._keep_snapshot(actuator, step, checks.reference_diagrams(), record.loss)
+            if confirmed:
+                return self._confirmed_skip(actuator, step, checks)
             return None
         target: Snapshot | None = None
         if decision.action in (Action.ROLLBACK, Action.STOP):
@@ -116,7 +129,9 @@ class Rescuer(Stateful):
             self.settings.interventions,
             write,
             step=step,
-            rollback=None if target is None else lambda: self._roll_back(actuator, target, step, decision, checks),
+            rollback=None
+            if target is None
+            else lambda: self._roll_back(actuator, target, step, decision, checks, confirmed),
             keep=self._keeper(actuator, target),
         )
         return done[0]
@@ -152,9 +167,29 @@ class Rescuer(Stateful):
                 decision = self._compound(decision, target)
             return decision, target
         if decision.action is Action.STOP and target is not None:
+            kept = self._stop_keeps(target)
+            if kept is not None:
+                return dataclasses.replace(decision, reason=f"{decision.reason}; {kept}"), None
             reason = f"{decision.reason}; the last healthy state (step {target.step}) is restored first"
             return dataclasses.replace(decision, reason=reason), target
         return decision, None
+
+    def _stop_keeps(self, target: Snapshot) -> str | None:
+        """Why a stop keeps its weights instead of restoring ``target``, or None when it restores.
+
+        With ``stop_restores="if_better"`` a stop keeps them when the training loss of the last two checks is not
+        above the loss at the snapshot's check (a snapshot without a loss is restored).
+        """
+        if self.settings.rule.stop_restores != "if_better" or target.loss is None or not self.recent_losses_:
+            return None
+        recent = sum(self.recent_losses_) / len(self.recent_losses_)
+        if recent > target.loss:
+            return None
+        return (
+            f"the weights are kept, not the last healthy state (step {target.step}): the training loss of the last "
+            f"checks ({recent:.4g}) is not above its value at that snapshot ({target.loss:.4g}; stop_restores "
+            "'if_better')"
+        )
 
     def _compound(self, decision: Decision, target: Snapshot) -> Decision:
         """A rollback's cut times the earlier rollbacks', relative to the cuts already in ``target``'s rates."""
@@ -186,11 +221,15 @@ class Rescuer(Stateful):
 
     # --- restoring ------------------------------------------------------------------------------------------
 
-    def _roll_back(self, actuator: Actuator, target: Snapshot, step: int, decision: Decision, checks: Checks) -> str:
+    def _roll_back(
+        self, actuator: Actuator, target: Snapshot, step: int, decision: Decision, checks: Checks, confirmed: bool
+    ) -> str:
         """Restore ``target`` in place (every rank) and rewind the checks to it; what was done, in words.
 
         Before a stop the earlier rollbacks' compounded learning-rate cut is applied to the restored rates, so a run
-        resumed from the stop's checkpoint goes on at the cut rate; no update is skipped.
+        resumed from the stop's checkpoint goes on at the cut rate; no update is skipped. A rollback skips
+        ``rollback_skip`` updates as its decision says (``Decision.skip``): now, not at all, or at the next check if
+        the loss flags there (at once if it flagged at this check after an earlier rollback's skip was waiting).
         """
         undone = self._undone(target, step)
         detail = actuator.restore(target.load())
@@ -209,7 +248,12 @@ class Rescuer(Stateful):
                 f"before stopping; {detail}{cut}"
             )
         skip = self.settings.rollback_skip
-        skipped = "" if not skip else f"; {_skip_updates(actuator, skip)}"
+        when = "now" if confirmed else decision.skip
+        if when == "later" and skip:
+            self.pending_skip_ = True
+        skipped = "" if not skip or when != "now" else f"; {_skip_updates(actuator, skip)}"
+        if when == "later" and skip:
+            skipped = f"; {skip} updates will be skipped if the training loss flags again at the next check"
         return (
             f"rolled back to the snapshot of step {target.step}: {undone} updates undone and their batches not seen "
             f"again (training goes on with the next batch); {detail}{skipped}; {self.snapshots.describe()}"
@@ -217,7 +261,18 @@ class Rescuer(Stateful):
 
     # --- keeping snapshots ----------------------------------------------------------------------------------
 
-    def _keep_snapshot(self, actuator: Actuator, step: int, diagrams: Any) -> None:
+    def _confirmed_skip(self, actuator: Actuator, step: int, checks: Checks) -> InterventionRecord:
+        """The skip a rollback left waiting, made now that the loss flagged again: the burst goes on."""
+        skip = self.settings.rollback_skip
+        entry = InterventionRecord(
+            step, "skip", f"the training loss flagged again at the check after the rollback: the burst goes on, so "
+            f"the rollback's skip of {skip} updates is made now (rollback_order 'skip_if_confirmed')",
+            _skip_updates(actuator, skip), self.lr_factor_,
+        )  # fmt: skip
+        checks.emit(entry)
+        return entry
+
+    def _keep_snapshot(self, actuator: Actuator, step: int, diagrams: Any, loss: float | None = None) -> None:
         """Keep this healthy state as a snapshot, unless it cannot be kept here (then say so once, and keep none)."""
         try:
             self._check_room(actuator)  # errors other than a refusal propagate: every rank must reach its collective
@@ -239,6 +294,7 @@ class Rescuer(Stateful):
             return
         kept.lr_factor = self.lr_factor_
         kept.rollback_cut = self.rollback_cut_
+        kept.loss = None if loss is None or not math.isfinite(loss) else float(loss)
 
     def _turn_off(self, error: SnapshotUnsupported) -> None:
         """No snapshots from now on, said once (rank 0): a rollback decision warns instead."""

@@ -34,6 +34,7 @@ class Snapshot:
             only by what the rule asks beyond that).
         ready: a CUDA event recorded after the copies of a snapshot taken from a GPU (pinned host memory,
             non-blocking), or None; :meth:`load` waits for it.
+        loss: the training loss at its check (the mean since the check before), or None (``stop_restores``).
     """
 
     step: int
@@ -44,6 +45,7 @@ class Snapshot:
     lr_factor: float = 1.0
     rollback_cut: float = 1.0
     ready: Any = None
+    loss: float | None = None
 
     def load(self) -> Any:
         """The training state (read from :attr:`path` when it lives on disk).

@@ -65,6 +65,8 @@ PROJECTIONS = (None, "pca", "random")
 INDEX_NAMES = ("diagram_drift", "paper", "rankme")
 #: How the policy turns the watched index into the score it compares with its threshold.
 SCORES = ("value", "baseline", "zscore")
+#: When a rollback skips updates and when it cuts the rate (``PolicySettings.rollback_order``).
+ROLLBACK_ORDERS = ("skip_and_cut", "skip_if_confirmed", "from_second", "cut_if_refired")
 #: What a rule can watch: the probe's index, and the training loss and gradient norm the adapters pass along.
 CHANNELS = ("index", "loss", "grad_norm")
 #: Names of the Collapse Index components, in the order they are reported.
@@ -476,9 +478,22 @@ class PolicySettings(_Section):
             bad data longer than the steps a rollback undoes (PaLM skipped 200-500 batches after its rollbacks).
             None: the updates of two check intervals (``2 * check_every``; the rescue suite's 20 at checks every
             10).
+        rollback_order: when a rollback skips and when it cuts the rate: ``"skip_and_cut"`` (every rollback skips
+            ``rollback_skip`` updates and cuts by ``rollback_lr_factor``, compounding), ``"skip_if_confirmed"``
+            (as ``"skip_and_cut"``, but the skip waits for the next check and is made only if the training loss
+            flags again there: the burst goes on; needs ``"loss"`` in ``channels``), ``"from_second"`` (the first
+            rollback neither skips nor cuts, every later one does both) or ``"cut_if_refired"`` (every rollback
+            skips; one cuts, compounding, only when it fires within two checks of the previous rollback).
         max_rollbacks: rollbacks before ``rollback`` escalates to ``after_max_rollbacks``.
         after_max_rollbacks: ``"stop"``, ``"warn"`` or ``"none"``. A stop first restores the last healthy
-            snapshot, so it never leaves the weights of the fault.
+            snapshot (see ``stop_restores``), so it never leaves the weights of the fault.
+        stop_restores: ``"always"`` (a stop restores the last healthy snapshot first) or ``"if_better"`` (only when
+            the mean training loss of the last two checks is above the loss at that snapshot's check; otherwise
+            training stops where it is, its weights kept: a stop late in a run then does not throw away more
+            progress than the fault cost).
+        snapshot_health: which channels must be settled for a check to count as healthy, so that its state is kept
+            as a rollback snapshot: ``"all"`` (every training channel, watched or not: an unwatched gradient norm
+            that spikes keeps checks unsettled) or ``"watched"`` (only the channels the rule watches).
         channels: what the rule watches: ``"index"`` (the probe's index), ``"loss"`` and ``"grad_norm"`` (the
             training loss and gradient norm the adapters pass, averaged over the steps since the last check; each
             scored like the index, as a rise). Non-finite loss or gradient norm makes the check a diverged one.
@@ -506,8 +521,11 @@ class PolicySettings(_Section):
     sentinels: bool = _option(True, _boolean)
     rollback_lr_factor: float | None = _option(0.5, _optional(_number(0.0, 1.0)))
     rollback_skip: int | None = _option(None, _optional(_integer(0)))
+    rollback_order: str = _option("skip_and_cut", _choice(ROLLBACK_ORDERS))
     max_rollbacks: int = _option(4, _integer(0))
     after_max_rollbacks: str = _option("stop", _choice(("warn", "stop", "none")))
+    stop_restores: str = _option("always", _choice(("always", "if_better")))
+    snapshot_health: str = _option("all", _choice(("all", "watched")))
     channels: tuple[str, ...] = _option(("index", "loss"), _channels)
     require: int = _option(2, _integer(1))
     layer_rule: str | int = _option("primary", _layer_rule)
@@ -521,6 +539,11 @@ class PolicySettings(_Section):
                 f"trend_slope={slope!r}"
             )
         channels, require = values.get("channels", ("index", "loss")), values.get("require", 2)
+        if values.get("rollback_order") == "skip_if_confirmed" and "loss" not in channels:
+            raise InputError(
+                f"`{prefix}rollback_order` 'skip_if_confirmed' waits for the training loss to confirm a burst, so "
+                f"`{prefix}channels` must include 'loss', got {list(channels)}"
+            )
         if require > len(channels):
             raise InputError(
                 f"`{prefix}require` must be at most the number of `{prefix}channels` ({len(channels)}: "

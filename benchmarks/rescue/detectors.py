@@ -100,3 +100,34 @@ DETECTORS: dict[str, DetectorSpec] = {
                      lambda arch, setup: MetricDetector(arch.higher_is_better)),
     ]
 }  # fmt: skip
+
+
+# --- issue 35, item 5: the pre-registered candidates for the rule's two known holes (benchmarks/PREREGISTERED.md) ---
+# (a) snapshot health from the watched channels only; (b) the rollback order b1-b4; (c) a stop that restores only
+# when that keeps more than stopping where it is. 16 candidates, run on the design runs only; (a0, b1, c0) is today's.
+ORDERS = {"b1": "skip_and_cut", "b2": "skip_if_confirmed", "b3": "from_second", "b4": "cut_if_refired"}
+
+
+def candidate_policy(a: bool, b: str, c: bool) -> dict[str, Any]:
+    """The policy overrides of candidate (a, b, c): only what differs from the library's defaults."""
+    policy: dict[str, Any] = {}
+    if a:
+        policy["snapshot_health"] = "watched"
+    if ORDERS[b] != "skip_and_cut":
+        policy["rollback_order"] = ORDERS[b]
+    if c:
+        policy["stop_restores"] = "if_better"
+    return policy
+
+
+CANDIDATES: dict[str, DetectorSpec] = {
+    spec.key: spec
+    for spec in [
+        DetectorSpec(f"cand_a{int(a)}_{b}_c{int(c)}", "rollback", "candidate",
+                     f"candidate (a) {'on' if a else 'off'}, ({b}) {ORDERS[b]}, (c) {'on' if c else 'off'}",
+                     _ours(candidate_policy(a, b, c)), candidate_policy(a, b, c))
+        for a in (False, True) for b in ORDERS for c in (False, True)
+    ]
+}  # fmt: skip
+#: Every row a cached run can belong to: the grid's and the candidates'.
+ROWS: dict[str, DetectorSpec] = {**DETECTORS, **CANDIDATES}

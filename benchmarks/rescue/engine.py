@@ -379,8 +379,8 @@ class Run:
             self.advance(self.setup.steps)
         if self.stopped_at is not None and self.final is None:
             assert self.trainee is not None
-            if self.saved is not None:  # the monitor's stop wrote the newest healthy snapshot: the run ends there
-                self.trainee.restore(self.saved)
+            # The outcome is what the library leaves in the model: the last healthy state when the stop restored it,
+            # else the weights it stopped with (a snapshot the stop only wrote to a file is not the model's).
             self.final = self._evaluate().metric
             self.final_updates = self.trainee.updates
             self.curve.append((self.stopped_at, self.final))

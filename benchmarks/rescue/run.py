@@ -53,7 +53,7 @@ from cache import (  # noqa: E402
     trunk_path,
     trunk_summary_path,
 )
-from detectors import DETECTORS  # noqa: E402
+from detectors import DETECTORS, ROWS  # noqa: E402
 from faults import ARCHITECTURES, FULL, QUICK, Setup  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -137,7 +137,7 @@ def detector_job(arch: str, seed: int, key: str, setup: Setup, directory: Path) 
     _quiet()
     started = time.perf_counter()
     trunks = load_trunks(directory, arch, seed)
-    spec = DETECTORS[key]
+    spec = ROWS[key]
     runs = run_detector(ARCHITECTURES[arch], seed, setup, trunks, lambda: spec.make(ARCHITECTURES[arch], setup))
     seconds = time.perf_counter() - started
     payload = {"seconds": seconds, "code": code_version(), "runs": {kind: run.summary() for kind, run in runs.items()}}

@@ -39,6 +39,8 @@ class Decision:
             score). Nothing acts on them, but the check is not healthy: a rollback snapshot is never taken while
             the training loss or gradient norm is spiking, whatever the rule watches.
         thresholds: each watched channel's threshold (what its score is compared with), or None.
+        skip: for a rollback, when its updates are skipped (``PolicySettings.rollback_order``): ``"now"`` (after
+            the restore), ``"later"`` (only if the training loss flags again at the next check) or ``"none"``.
     """
 
     action: Action
@@ -55,6 +57,7 @@ class Decision:
     scores: dict[str, float | None] | None = None
     unsettled: tuple[str, ...] = ()
     thresholds: dict[str, float] | None = None
+    skip: str = "now"
 
     @property
     def fired(self) -> bool:

@@ -106,24 +106,46 @@ class Escalation:
                 Action.NONE, f"{reason} (action: none)", alarm.step, alarm.value, alarm.score, alarm.rule,
                 flagged=alarm.flagged, onset=alarm.onset, scores=alarm.scores,
             )  # fmt: skip
+        refired = self.last_action_ == Action.ROLLBACK.value and check - (self.last_action_check_ or 0) <= 2
         self.last_action_check_ = check
         self.last_action_ = action.value
         self.last_action_score_ = alarm.score
-        factor = None
+        factor, skip = None, "now"
         if action is Action.LOWER_LR:
             self.lr_cuts_ += 1
             factor = s.lr_factor
             reason = f"{reason}: learning rate x {factor} (cut {self.lr_cuts_} of {s.max_lr_cuts})"
         elif action is Action.ROLLBACK:
             self.rollbacks_ += 1
-            factor = s.rollback_lr_factor if self.rollbacks_ == 1 else (s.rollback_lr_factor or s.lr_factor)
+            factor, skip, how = rollback_plan(s, self.rollbacks_, refired)
             cut = "" if factor is None else f", learning rate x {factor}"
             reason = (
-                f"{reason}: roll back to the newest healthy snapshot before step {alarm.onset}{cut} "
+                f"{reason}: roll back to the newest healthy snapshot before step {alarm.onset}{cut}{how} "
                 f"(rollback {self.rollbacks_} of {s.max_rollbacks})"
             )
         checkpoint = s.checkpoint and action in (Action.LOWER_LR, Action.ROLLBACK, Action.STOP)
         return Decision(
             action, reason, alarm.step, alarm.value, alarm.score, alarm.rule, factor, checkpoint, None, alarm.flagged,
-            alarm.onset, alarm.scores,
+            alarm.onset, alarm.scores, skip=skip,
         )  # fmt: skip
+
+
+def rollback_plan(settings: PolicySettings, number: int, refired: bool) -> tuple[float | None, str, str]:
+    """The ``number``-th rollback's rate cut (None: none), its skip and what ``rollback_order`` made of them.
+
+    The skip is ``"now"`` (the rescuer skips ``rollback_skip`` updates after the restore), ``"later"`` (only if the
+    training loss flags again at the next check) or ``"none"``. ``refired``: the previous action was a rollback
+    within two checks of this one.
+    """
+    s = settings
+    asked = s.rollback_lr_factor if number == 1 else (s.rollback_lr_factor or s.lr_factor)
+    cut = s.rollback_lr_factor or s.lr_factor
+    if s.rollback_order == "skip_if_confirmed":
+        return asked, "later", ", the skip only if the loss flags again at the next check"
+    if s.rollback_order == "from_second":
+        if number == 1:
+            return None, "none", ", no skip and no cut at the first rollback"
+        return cut, "now", ""
+    if s.rollback_order == "cut_if_refired":
+        return (cut, "now", ", cut: it fired again within two checks") if refired else (None, "now", ", no cut")
+    return asked, "now", ""

@@ -157,6 +157,8 @@ class Policy(Stateful):
             self._channels.warm_up(observed)
             return Decision(Action.NONE, f"warm-up check {self.checks_} of {s.warmup}", step, value)
         unsettled = self._channels.unsettled(observed, step)
+        if s.snapshot_health == "watched":  # only the watched channels decide whether a check is healthy
+            unsettled = ()
         verdict = self._rule.judge(step, value, observed, self.checks_)
         decision = verdict if isinstance(verdict, Decision) else self._respond(Action(s.action), verdict)
         return dataclasses.replace(decision, unsettled=unsettled) if unsettled else decision
