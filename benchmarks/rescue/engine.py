@@ -1,10 +1,10 @@
 """Trunks, replay and branching: a detector's closed-loop run at the cost of the steps after its first action.
 
 Per (architecture, seed) the unprotected runs are trained once (:func:`train_trunks`): the healthy twin from
-position 0, and each faulted run from the healthy twin's state at the fault (the check at the fault position is
-shared: the first faulty update is the fault position's). A trunk keeps each step's loss and gradient norm, and at
-every check the standard metric, the probe metric, the probe features and the training state (the library's
-``capture_state``).
+position 0, and each faulted run from the healthy twin's state at the check at or before its fault's start
+(``Setup.branch``; that check is shared: the first faulty update comes after it). A trunk keeps each step's loss
+and gradient norm, and at every check the standard metric, the probe metric, the probe features and the training
+state (the library's ``capture_state``).
 
 A detector's :class:`Run` starts in *replay*: it is fed the trunk's recorded observations exactly as a live loop
 would feed them (our detectors: ``record_dynamics`` per step, ``process`` + ``act`` at each check), and its
@@ -12,7 +12,8 @@ actuator answers ``snapshot()`` with the trunk's recorded state. The first call 
 (a restore, a learning-rate cut, a stop, a skipped or clipped step) *materialises* the live trainee at that exact
 point (the trunk state at the latest check, plus the plain steps since) and the run goes on live from there with
 the detector still active. A detector that never acts costs nothing: its outcome is the trunk's. Runs are split at
-the fault position (:meth:`Run.split`): the healthy prefix is replayed (or trained) once for the three kinds.
+the earliest branch of the faulted kinds (``Setup.split``, :meth:`Run.split`): the healthy prefix is replayed (or
+trained) once for the three kinds.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _record_check(trainee: RescueTrainee, trunk: Trunk, position: int) -> None:
 def _train(trainee: RescueTrainee, trunk: Trunk, start: int, setup: Setup, progress: Callable | None) -> None:
     assert trunk.lr is not None
     for position in range(start, setup.steps):
-        trunk.lr[position] = trainee.learning_rate() * (setup.spike if setup.corrupted(trunk.kind, position) else 1)
+        trunk.lr[position] = trainee.learning_rate() * setup.spike_at(trunk.kind, position)
         trunk.loss[position], trunk.grad_norm[position], _ = trainee.step(position)
         if (position + 1) % setup.check_every == 0:
             _record_check(trainee, trunk, position + 1)
@@ -95,8 +96,8 @@ def train_trunks(arch: Architecture, seed: int, setup: Setup, progress: Callable
     _train(trainee, healthy, 0, setup, progress)
     healthy.seconds = time.perf_counter() - started
     trunks["healthy"] = healthy
-    fault = setup.fault
     for kind in KINDS[1:]:
+        fault = setup.branch(kind)  # the check at or before the kind's first difference from the healthy twin
         started = time.perf_counter()
         trunk = Trunk(kind, healthy.loss.copy(), healthy.grad_norm.copy(), lr=healthy.lr.copy())  # type: ignore[union-attr]
         trunk.loss[fault:] = trunk.grad_norm[fault:] = trunk.lr[fault:] = np.nan  # type: ignore[index]
@@ -388,8 +389,8 @@ class Run:
         return self.final
 
     def split(self, kinds: tuple[str, ...] = KINDS) -> dict[str, Run]:
-        """One copy per kind at the fault position (everything before it is the same for every kind)."""
-        assert self.position == self.setup.fault or self.stopped_at is not None
+        """One copy per kind at ``setup.split`` (everything before it is the same for every kind)."""
+        assert self.position == self.setup.split or self.stopped_at is not None
         twins = {}
         for kind in kinds:
             twin = copy.copy(self)
@@ -439,7 +440,7 @@ def run_detector(
     """A detector's three runs (healthy, transient, structural), branched from the trunks."""
     run = Run(arch, seed, setup, "healthy", trunks, make())
     run.start()
-    run.advance(setup.fault)
+    run.advance(setup.split)
     runs = run.split()
     for twin in runs.values():
         twin.finish()

