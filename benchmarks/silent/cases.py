@@ -1,0 +1,271 @@
+"""The silent-collapse scenarios (issue 36; ``benchmarks/silent/PREREGISTERED.md``): faults the training loss does
+not show, each with a healthy twin identical until the fault and a harm metric a user would suffer.
+
+Every scenario is a trainee of the collapse suite's harness (``benchmarks/collapse/scenarios.py``: ``train_step(step,
+kind)`` with ``kind`` ``"collapse"`` or ``"healthy"``, ``evaluate()`` giving the harm metric and the probe's
+features), so ``benchmarks/collapse/record.py`` records it: one run per seed branched at the fault step.
+
+| class | scenario | fault | harm metric |
+|---|---|---|---|
+| S1 | ``simsiam_no_stopgrad`` | the stop-gradient is dropped | linear-probe accuracy of the embedding |
+| S3 | ``watermark_shortcut`` | a class-coded watermark the test images lack enters the training images | clean test accuracy |
+| S4 | ``generator_modes_grid`` / ``generator_modes_circle`` | the real sampler loses 4 of 8 modes, gradually | modes covered |
+| S5 | ``vae_kl_bug`` | the KL weight ramps from 1 to 8 | active latent units |
+
+The held-out classes (S2, S6) and the trap T1 are defined in ``heldout.py`` and recorded only after stage 2 of the
+pre-registration; the design trap T2 is ``minilm_finetune_drift``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "collapse"))
+sys.path.insert(0, str(HERE.parent))
+
+from data import small_cnn_body  # noqa: E402
+from scenarios import PROBE_SIZE, Scenario, SelfSupervised, Trainee, images  # noqa: E402
+
+#: Images the linear probes fit on (a fixed draw of training images) and score on (held-out images).
+PROBE_FIT = 2048
+
+
+def linear_probe_accuracy(train: np.ndarray, train_y: np.ndarray, test: np.ndarray, test_y: np.ndarray) -> float:
+    """Accuracy of a logistic-regression probe on frozen features (standardised with the training features)."""
+    from sklearn.linear_model import LogisticRegression
+
+    mean, std = train.mean(0), train.std(0) + 1e-6
+    probe = LogisticRegression(max_iter=200)
+    probe.fit((train - mean) / std, train_y)
+    return float(probe.score((test - mean) / std, test_y))
+
+
+# --- S1: SimSiam without its stop-gradient, judged by a linear probe ----------------------------------------------
+
+
+class SimSiamLinear(SelfSupervised):
+    """The collapse suite's SimSiam; the harm metric is the linear-probe accuracy of the projector's embedding."""
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        pick = torch.from_numpy(np.random.default_rng(777).permutation(self.train_x.shape[0])[:PROBE_FIT])
+        fit = self.embed(self.train_x[pick]).numpy()
+        features = self.embed(self.eval_x).numpy()
+        accuracy = linear_probe_accuracy(fit, self.train_y[pick].numpy(), features, self.eval_y.numpy())
+        return accuracy, features
+
+
+# --- S3: a shortcut leaks into the training images ------------------------------------------------------------
+
+
+class CNN(nn.Module):
+    """The benchmarks' small CNN (two 3x3 convolutions, pooling, 64-d features) with a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = small_cnn_body()
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.body(x)
+        return self.head(features), features
+
+
+def watermark(x: torch.Tensor, y: torch.Tensor, value: float = 3.0) -> torch.Tensor:
+    """Each image with a 3x3 bright patch in the top rows at a column that encodes its label (0 -> 1, 9 -> 24)."""
+    out = x.clone()
+    for label in range(10):
+        column = 1 + round(label * 23 / 9)
+        out[y == label, :, 1:4, column : column + 3] = value
+    return out
+
+
+class Shortcut(Trainee):
+    """A small CNN classifier on Fashion-MNIST; from the fault step the training images carry a class-coded
+    watermark that the held-out images lack. Harm metric: accuracy on 1,024 clean held-out images; the probe's
+    features: the penultimate features of the first 512 of them."""
+
+    batch_size = 64
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        model = CNN()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        super().__init__(seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05, "mark": kind == "collapse"
+                                                                            and step >= fault})  # fmt: skip
+        self.train_x, self.train_y = images("train")
+        test_x, test_y = images("test")
+        pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:1024])
+        self.eval_x, self.eval_y = test_x[pick], test_y[pick]
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        index = torch.from_numpy(self.rng(step).integers(0, self.train_x.shape[0], self.batch_size))
+        x, y = self.train_x[index], self.train_y[index]
+        if settings["mark"]:
+            x = watermark(x, y)
+        logits, _ = self.model(x)
+        return F.cross_entropy(logits, y)
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        logits, features = self.model(self.eval_x)
+        return float((logits.argmax(1) == self.eval_y).float().mean()), features[:PROBE_SIZE].numpy()
+
+
+# --- S4: a generator whose real sampler loses modes -----------------------------------------------------------
+
+
+def mode_centres(layout: str) -> np.ndarray:
+    """The 8 modes: a 2 x 4 grid (spacing 2) or a circle of radius 2."""
+    if layout == "grid":
+        return np.array([[2.0 * c - 3.0, 2.0 * r - 1.0] for r in range(2) for c in range(4)])
+    angles = 2 * math.pi * np.arange(8) / 8
+    return 2.0 * np.stack([np.cos(angles), np.sin(angles)], 1)
+
+
+MODE_STD = 0.1
+
+
+def kept_modes(layout: str) -> list[int]:
+    """The modes the faulty sampler keeps: the grid's bottom row (its spread collapses to a line), or every other
+    mode of the circle (the samples' covariance, hence their effective rank, does not move)."""
+    return [0, 1, 2, 3] if layout == "grid" else [0, 2, 4, 6]
+
+
+def mmd(x: torch.Tensor, y: torch.Tensor, bandwidths: tuple[float, ...] = (0.05, 0.2, 1.0)) -> torch.Tensor:
+    """The squared maximum mean discrepancy with a sum of Gaussian kernels (biased estimate)."""
+    both = torch.cat([x, y])
+    d2 = torch.cdist(both, both).pow(2)
+    kernel = sum(torch.exp(-d2 / (2 * b * b)) for b in bandwidths)
+    n = x.shape[0]
+    return kernel[:n, :n].mean() + kernel[n:, n:].mean() - 2 * kernel[:n, n:].mean()
+
+
+class Generator(Trainee):
+    """A small generator (8-d noise -> 2-d) trained by minimising the MMD to real samples of an 8-mode mixture.
+
+    From the fault step the real sampler's weight on 4 of the modes falls linearly to 0 over ``fade`` steps (a data
+    pipeline that filters more and more). Harm metric: modes covered by 2,048 samples (a mode counts when >= 1 % of
+    the samples fall within 3 standard deviations of its centre); the probe's features: the generator's output for
+    512 fixed noise vectors.
+    """
+
+    batch_size = 256
+    fade = 200
+
+    def __init__(self, seed: int, layout: str) -> None:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, weight_decay=0.0)
+        super().__init__(seed, model, optimizer, self._schedule_of)
+        self.layout = layout
+        self.centres = mode_centres(layout)
+        self.noise = torch.from_numpy(np.random.default_rng(4242).normal(size=(2048, 8)).astype(np.float32))
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        dropped = 0.0 if kind != "collapse" else min(max((step - fault) / self.fade, 0.0), 1.0)
+        return {"lr": 3e-3, "dropped": dropped}
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        rng = self.rng(step)
+        weights = np.ones(8)
+        lost = [m for m in range(8) if m not in kept_modes(self.layout)]
+        weights[lost] = 1.0 - settings["dropped"]
+        modes = rng.choice(8, self.batch_size, p=weights / weights.sum())
+        real = self.centres[modes] + MODE_STD * rng.normal(size=(self.batch_size, 2))
+        fake = self.model(torch.from_numpy(rng.normal(size=(self.batch_size, 8)).astype(np.float32)))
+        return mmd(fake, torch.from_numpy(real.astype(np.float32)))
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        samples = self.model(self.noise).numpy()
+        distance = np.linalg.norm(samples[:, None, :] - self.centres[None], axis=2)
+        covered = int(((distance < 3 * MODE_STD).mean(0) >= 0.01).sum())
+        return float(covered), samples[:PROBE_SIZE]
+
+
+# --- S5: VAE posterior collapse -------------------------------------------------------------------------------
+
+
+class VAE(nn.Module):
+    def __init__(self, latent: int = 32) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 2 * latent))
+        self.decoder = nn.Sequential(nn.Linear(latent, 256), nn.ReLU(), nn.Linear(256, 784))
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, log_var = self.encoder(x).chunk(2, dim=1)
+        return mean, log_var
+
+
+class PosteriorCollapse(Trainee):
+    """A VAE (32 latent units) on Fashion-MNIST in [0, 1]; from the fault step the KL weight ramps linearly from 1 to
+    8 over ``ramp`` steps (a KL-annealing schedule with the wrong end value). Harm metric: active units (latent
+    units whose posterior mean varies over the 1,024 held-out images with variance > 0.01); the probe's features:
+    the posterior means of the first 512 of them."""
+
+    batch_size = 64
+    ramp = 200
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        model = VAE()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        super().__init__(seed, model, optimizer, self._schedule_of)
+        x, _ = images("train")
+        self.train_x = x * 0.3530 + 0.2860  # back to [0, 1]
+        test_x, _ = images("test")
+        pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:1024])
+        self.eval_x = test_x[pick] * 0.3530 + 0.2860
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        beta = 1.0 if kind != "collapse" else 1.0 + 7.0 * min(max((step - fault) / self.ramp, 0.0), 1.0)
+        return {"lr": 1e-3, "beta": beta}
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        index = torch.from_numpy(self.rng(step).integers(0, self.train_x.shape[0], self.batch_size))
+        x = self.train_x[index].flatten(1)
+        mean, log_var = self.model.encode(x)
+        noise = torch.from_numpy(self.rng(step).normal(size=tuple(mean.shape)).astype(np.float32))
+        z = mean + torch.exp(0.5 * log_var) * noise
+        reconstruction = F.binary_cross_entropy_with_logits(self.model.decoder(z), x, reduction="sum") / x.shape[0]
+        kl = -0.5 * torch.sum(1 + log_var - mean.pow(2) - log_var.exp()) / x.shape[0]
+        return reconstruction + settings["beta"] * kl
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        mean, _ = self.model.encode(self.eval_x.flatten(1))
+        active = int((mean.var(0) > 0.01).sum())
+        return float(active), mean[:PROBE_SIZE].numpy()
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario("simsiam_no_stopgrad", "SimSiam (small ResNet)", "Fashion-MNIST", "stop-gradient dropped", "abrupt",
+                 "linear_probe_accuracy", True, steps=600, fault_step=300, check_every=10, build=SimSiamLinear),
+        Scenario("watermark_shortcut", "small CNN", "Fashion-MNIST", "class-coded watermark in training images",
+                 "abrupt", "clean_accuracy", True, steps=500, fault_step=100, check_every=5, build=Shortcut),
+        Scenario("generator_modes_grid", "MMD generator", "8-mode grid", "the sampler loses 4 modes (a row)",
+                 "gradual", "modes_covered", True, steps=800, fault_step=400, check_every=10,
+                 build=lambda seed: Generator(seed, "grid")),
+        Scenario("generator_modes_circle", "MMD generator", "8-mode circle", "the sampler loses every other mode",
+                 "gradual", "modes_covered", True, steps=800, fault_step=400, check_every=10,
+                 build=lambda seed: Generator(seed, "circle")),
+        Scenario("vae_kl_bug", "VAE (32 latent units)", "Fashion-MNIST", "KL weight ramps 1 -> 8", "gradual",
+                 "active_units", True, steps=600, fault_step=300, check_every=10, build=PosteriorCollapse),
+    ]
+}  # fmt: skip
