@@ -5,12 +5,12 @@ Every scenario is a trainee of the collapse suite's harness (``benchmarks/collap
 kind)`` with ``kind`` ``"collapse"`` or ``"healthy"``, ``evaluate()`` giving the harm metric and the probe's
 features), so ``benchmarks/collapse/record.py`` records it: one run per seed branched at the fault step.
 
-| class | scenario | fault | harm metric |
-|---|---|---|---|
-| S1 | ``simsiam_no_stopgrad`` | the stop-gradient is dropped | linear-probe accuracy of the embedding |
-| S3 | ``watermark_shortcut`` | a class-coded watermark the test images lack enters the training images | clean test accuracy |
-| S4 | ``generator_modes_grid`` / ``generator_modes_circle`` | the real sampler loses 4 of 8 modes, gradually | modes covered |
-| S5 | ``vae_kl_bug`` | the KL weight ramps from 1 to 8 | active latent units |
+* S1 ``simsiam_no_stopgrad``: the stop-gradient is dropped; harm: the embedding's linear-probe accuracy;
+* S3 ``watermark_shortcut``: a class-coded watermark the test images lack enters the training images; harm: clean
+  test accuracy;
+* S4 ``generator_modes_grid`` / ``generator_modes_circle``: the real sampler loses 4 of 8 modes, gradually; harm:
+  modes covered;
+* S5 ``vae_kl_bug``: the KL weight ramps from 1 to 8; harm: active latent units.
 
 The held-out classes (S2, S6) and the trap T1 are defined in ``heldout.py`` and recorded only after stage 2 of the
 pre-registration; the design trap T2 is ``minilm_finetune_drift``.
@@ -258,7 +258,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("simsiam_no_stopgrad", "SimSiam (small ResNet)", "Fashion-MNIST", "stop-gradient dropped", "abrupt",
                  "linear_probe_accuracy", True, steps=600, fault_step=300, check_every=10, build=SimSiamLinear),
         Scenario("watermark_shortcut", "small CNN", "Fashion-MNIST", "class-coded watermark in training images",
-                 "abrupt", "clean_accuracy", True, steps=500, fault_step=100, check_every=5, build=Shortcut),
+                 "abrupt", "clean_accuracy", True, steps=900, fault_step=300, check_every=5, build=Shortcut),
         Scenario("generator_modes_grid", "MMD generator", "8-mode grid", "the sampler loses 4 modes (a row)",
                  "gradual", "modes_covered", True, steps=800, fault_step=400, check_every=10,
                  build=lambda seed: Generator(seed, "grid")),
@@ -266,6 +266,6 @@ SCENARIOS: dict[str, Scenario] = {
                  "gradual", "modes_covered", True, steps=800, fault_step=400, check_every=10,
                  build=lambda seed: Generator(seed, "circle")),
         Scenario("vae_kl_bug", "VAE (32 latent units)", "Fashion-MNIST", "KL weight ramps 1 -> 8", "gradual",
-                 "active_units", True, steps=600, fault_step=300, check_every=10, build=PosteriorCollapse),
+                 "active_units", True, steps=1500, fault_step=300, check_every=10, build=PosteriorCollapse),
     ]
 }  # fmt: skip

@@ -1,0 +1,158 @@
+"""The silent suite's candidate signals (``benchmarks/silent/PREREGISTERED.md``), from what a callback sees at a check.
+
+Three families and the sentinels, each computed on a run's probe features check by check, with what later checks
+need from earlier ones (the warm-up's scale, the reference embedding and diagrams) carried in a state, so that a
+run's shared prefix is computed once and each branch continues from it:
+
+* absolute-scale geometry: ``spread`` (RMS radius of the centred features over the warm-up's mean), ``norm_std``
+  (Lightly's std of L2-normalised embeddings), ``anisotropy`` (top covariance eigenvalue share), ``mean_cosine``
+  (mean pairwise cosine of the raw features: a cone), ``modes`` (Betti-0 of the centred features over the warm-up's
+  radius at the ε of mean degree 32 calibrated at the last warm-up check, counting clusters of >= 1 % of the probe
+  only);
+* scale-free spectrum: ``rankme`` (effective rank);
+* drift against the last warm-up check: ``diagram_drift_ref`` (Wasserstein-1 of the H0 + H1 diagrams of the
+  monitor's normalised cloud) and ``cka_drift`` (1 - linear CKA), each divided by the checks elapsed since it;
+* sentinels: ``rank_squeeze`` (effective rank <= 1.5), ``cone`` (mean cosine >= 0.95), ``shrink`` (spread <= 0.1),
+  as 1.0 (holds) or 0.0.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+from scipy.sparse.csgraph import connected_components
+
+from topocallbacks.check import measure
+from topocallbacks.functional import calibrate_epsilon, effective_rank
+from topocallbacks.functional._distances import pairwise_distances
+from topocallbacks.settings import IndexSettings
+from topocallbacks.transform import FeatureTransform
+
+#: The policy's warm-up (checks): the scale and the references are fixed at its last check.
+WARMUP = 10
+#: Clusters smaller than this share of the probe are not modes.
+MIN_MODE_SHARE = 0.01
+INDEX = IndexSettings()
+#: The mode counter's scale: a mean degree of 32 (6 % of a 512-point probe), so that a mode's points connect.
+MODES_INDEX = IndexSettings(epsilon_degree=32.0)
+
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "geometry": ("spread", "norm_std", "anisotropy", "mean_cosine", "modes"),
+    "spectrum": ("rankme",),
+    "drift": ("diagram_drift_ref", "cka_drift"),
+    "sentinels": ("rank_squeeze", "cone", "shrink"),
+}
+#: +1: collapse raises the signal; -1: lowers it. Sentinels are 1.0 when they hold.
+DIRECTIONS: dict[str, int] = {
+    "spread": -1, "norm_std": -1, "anisotropy": 1, "mean_cosine": 1, "modes": -1, "rankme": -1,
+    "diagram_drift_ref": 1, "cka_drift": 1, "rank_squeeze": 1, "cone": 1, "shrink": 1,
+}  # fmt: skip
+TOPOLOGICAL = ("modes", "diagram_drift_ref")
+
+
+def rms_radius(frame: np.ndarray) -> float:
+    centred = frame - frame.mean(0)
+    return float(np.sqrt((centred**2).sum(1).mean()))
+
+
+def norm_std(frame: np.ndarray) -> float:
+    """Lightly's collapse level: the mean per-dimension std of the L2-normalised rows, times sqrt(dim) (1: spread
+    over the sphere; 0: one direction)."""
+    norms = np.linalg.norm(frame, axis=1, keepdims=True)
+    unit = frame / np.maximum(norms, 1e-12)
+    return float(unit.std(0).mean() * math.sqrt(frame.shape[1]))
+
+
+def anisotropy(frame: np.ndarray) -> float:
+    """The covariance's top eigenvalue over its trace."""
+    values = np.linalg.eigvalsh(np.cov(frame, rowvar=False).reshape(frame.shape[1], frame.shape[1]))
+    total = float(values.sum())
+    return float(values[-1] / total) if total > 0 else 1.0
+
+
+def mean_cosine(frame: np.ndarray) -> float:
+    """The mean cosine over distinct pairs of the raw rows (near 1: a cone)."""
+    unit = frame / np.maximum(np.linalg.norm(frame, axis=1, keepdims=True), 1e-12)
+    n = unit.shape[0]
+    total = float(np.square(unit.sum(0)).sum())
+    return (total - float(np.square(unit).sum())) / (n * (n - 1))
+
+
+def linear_cka(a: np.ndarray, b: np.ndarray) -> float:
+    """Linear centred kernel alignment of two embeddings of the same inputs (1: the same up to rotation and scale)."""
+    a, b = a - a.mean(0), b - b.mean(0)
+    cross = float(np.square(a.T @ b).sum())
+    norm = math.sqrt(float(np.square(a.T @ a).sum()) * float(np.square(b.T @ b).sum()))
+    return cross / norm if norm > 0 else 0.0
+
+
+def modes(cloud: np.ndarray, epsilon: float, min_share: float = MIN_MODE_SHARE) -> int:
+    """Connected components of the ε-neighbourhood graph holding at least ``min_share`` of the points (Betti-0 at
+    ε, clusters too small to be a mode left out)."""
+    adjacency = pairwise_distances(cloud) <= epsilon
+    _, labels = connected_components(adjacency, directed=False)
+    sizes = np.bincount(labels)
+    return int((sizes >= max(1, math.ceil(min_share * cloud.shape[0]))).sum())
+
+
+def feature_signals(frames: np.ndarray, state: dict[str, Any] | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """Every candidate at every check of a run segment (``frames``: ``(checks, n, dim)``), and the state after it.
+
+    The state carries the check count, the warm-up's radii, and from the last warm-up check on the fixed scale,
+    ε, reference features and diagrams. Before the warm-up ends the reference-based signals are NaN. A check whose
+    features hold NaN or Inf gets NaN everywhere.
+    """
+    names = [name for family in FAMILIES.values() for name in family]
+    out: dict[str, list[float]] = {name: [] for name in names}
+    state = dict(state or {"checks": 0, "radii": [], "scale": None, "epsilon": None, "reference": None,
+                           "diagrams": None, "reference_check": None})  # fmt: skip
+    transform = FeatureTransform()
+    for frame in frames.astype(np.float64):
+        state["checks"] += 1
+        check = state["checks"]
+        if not np.isfinite(frame).all():
+            for values in out.values():
+                values.append(math.nan)
+            continue
+        radius = rms_radius(frame)
+        if check <= WARMUP:
+            state["radii"] = [*state["radii"], radius]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            cloud = transform(frame)
+            if check == WARMUP:  # the reference: the last warm-up check
+                state["scale"] = float(np.mean(state["radii"])) or 1.0
+                centred = (frame - frame.mean(0)) / state["scale"]
+                state["epsilon"] = calibrate_epsilon(centred, MODES_INDEX)
+                state["reference"] = frame.copy()
+                state["diagrams"] = measure(cloud, calibrate_epsilon(cloud, INDEX), INDEX).diagrams
+                state["reference_check"] = check
+            rank = effective_rank(frame)
+            cosine = mean_cosine(frame)
+            spread = radius / state["scale"] if state["scale"] else radius / float(np.mean(state["radii"]) or 1.0)
+            out["spread"].append(spread)
+            out["norm_std"].append(norm_std(frame))
+            out["anisotropy"].append(anisotropy(frame))
+            out["mean_cosine"].append(cosine)
+            out["rankme"].append(rank)
+            out["rank_squeeze"].append(float(rank <= 1.5))
+            out["cone"].append(float(cosine >= 0.95))
+            out["shrink"].append(float(spread <= 0.1))
+            if state["reference"] is None or check == state["reference_check"]:
+                for name in ("modes", "diagram_drift_ref", "cka_drift"):
+                    out[name].append(math.nan if state["reference"] is None else 0.0)
+                if state["reference"] is not None:
+                    centred = (frame - frame.mean(0)) / state["scale"]
+                    out["modes"][-1] = float(modes(centred, state["epsilon"]))
+                continue
+            elapsed = check - state["reference_check"]
+            centred = (frame - frame.mean(0)) / state["scale"]
+            out["modes"].append(float(modes(centred, state["epsilon"])))
+            found = measure(cloud, calibrate_epsilon(cloud, INDEX), INDEX, previous=state["diagrams"])
+            drift = found.values.get("diagram_drift")
+            out["diagram_drift_ref"].append(math.nan if drift is None else float(drift) / elapsed)
+            out["cka_drift"].append((1.0 - linear_cka(frame, state["reference"])) / elapsed)
+    return {name: np.asarray(values, dtype=np.float64) for name, values in out.items()}, state

@@ -1,0 +1,122 @@
+"""The silence check of ``benchmarks/silent/PREREGISTERED.md``: is a scenario's fault silent to the loss, and harmful?
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/silence.py --scenario vae_kl_bug --seeds 100 101 102
+
+Per (scenario, seed) it records the pair of runs (``benchmarks/collapse/record.py``; into
+``benchmarks/silent/recordings/``, not committed) and reads only the training loss and the harm metric: the
+*loss-only rule* (the library's ``Policy`` on the training loss channel alone, no sentinels, at the default
+threshold, warm-up and window) replayed on the mean loss since each check, and the *5 % point* (the first of two
+consecutive checks after the fault at which the faulted run's harm metric is more than 5 % worse than its twin's).
+A seed passes when the rule is quiet from the fault until the 5 % point and the point comes within the run (for the
+generator scenarios, the twin also covers all 8 modes at every check after the fault). A scenario passes on >= 5 of
+6 seeds. No candidate signal is computed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "collapse"))
+sys.path.insert(0, str(HERE.parents[1]))
+
+from cases import SCENARIOS  # noqa: E402
+
+RECORDINGS = HERE / "recordings"
+HARM = 0.05  # the 5 % point's relative margin
+#: The held-out classes' scenarios: their check prints pass or fail only (PREREGISTERED.md).
+HELD_OUT: frozenset[str] = frozenset()
+
+
+def loss_rule_alarms(check_steps: np.ndarray, loss: np.ndarray) -> list[int]:
+    """The checks at which the loss-only rule warns, replayed on the mean loss since the previous check."""
+    from topocallbacks.policy import Policy
+
+    policy = Policy(channels=("loss",), require=1, sentinels=False, action="warn")
+    alarms = []
+    for i, step in enumerate(check_steps):
+        mean = None if i == 0 else float(np.mean(loss[int(check_steps[i - 1]) : int(step)]))
+        if policy.decide(int(step), None, loss=mean).fired:
+            alarms.append(int(step))
+    return alarms
+
+
+def harm_point(
+    steps: np.ndarray, faulted: np.ndarray, twin: np.ndarray, fault: int, higher_is_better: bool
+) -> int | None:
+    """The 5 % point: the first of two consecutive checks after ``fault`` at which the faulted run is more than 5 %
+    (relative) worse than its twin; None if it never comes."""
+    sign = 1.0 if higher_is_better else -1.0
+    worse = [
+        int(s) > fault and sign * (f - t) < -HARM * abs(t) if math.isfinite(f) else int(s) > fault
+        for s, f, t in zip(steps, faulted, twin, strict=True)
+    ]
+    for i in range(len(worse) - 1):
+        if worse[i] and worse[i + 1]:
+            return int(steps[i])
+    return None
+
+
+def check(path: Path) -> dict[str, Any]:
+    """The silence check of one recording."""
+    data = np.load(path)
+    name, fault = str(data["scenario"]), int(data["fault_step"])
+    steps = data["collapse/check_steps"]
+    point = harm_point(steps, data["collapse/metric"], data["healthy/metric"], fault, bool(data["higher_is_better"]))
+    alarms = [s for s in loss_rule_alarms(steps, data["collapse/loss"]) if s > fault]
+    before = [s for s in alarms if point is None or s < point]
+    twin_modes = True
+    if name.startswith("generator_modes"):
+        after = data["healthy/check_steps"] > fault
+        twin_modes = bool((data["healthy/metric"][after] == 8).all())
+    return {
+        "scenario": name,
+        "seed": int(data["seed"]),
+        "five_percent_point": point,
+        "loss_alarms_after_fault": alarms,
+        "quiet": not before,
+        "reached": point is not None,
+        "twin_covers_modes": twin_modes,
+        "passed": not before and point is not None and twin_modes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from record import record, recording_path
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", nargs="*", choices=sorted(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--seeds", nargs="*", type=int, default=[100, 101, 102])
+    parser.add_argument("--out", type=Path, default=RECORDINGS)
+    parser.add_argument("--force", action="store_true", help="re-record pairs that have a recording")
+    args = parser.parse_args(argv)
+    for name in args.scenario:
+        results = []
+        for seed in args.seeds:
+            path = recording_path(name, seed, args.out)
+            if args.force or not path.exists():
+                record(name, seed, args.out, scenario=SCENARIOS[name])
+            results.append(check(path))
+        for r in results:
+            if name in HELD_OUT:
+                print(f"{name} seed {r['seed']}: {'pass' if r['passed'] else 'FAIL'}")
+            else:
+                print(f"{name} seed {r['seed']}: {'pass' if r['passed'] else 'FAIL'}; 5 % point "
+                      f"{r['five_percent_point']}, loss alarms after the fault {r['loss_alarms_after_fault']}, "
+                      f"twin covers its modes {r['twin_covers_modes']}")  # fmt: skip
+        passed = sum(r["passed"] for r in results)
+        print(f"{name}: {passed}/{len(results)} seeds pass")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
