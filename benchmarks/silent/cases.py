@@ -12,8 +12,9 @@ features), so ``benchmarks/collapse/record.py`` records it: one run per seed bra
   modes covered;
 * S5 ``vae_kl_bug``: the KL weight ramps from 1 to 8; harm: active latent units.
 
-The held-out classes (S2, S6) and the trap T1 are defined in ``heldout.py`` and recorded only after stage 2 of the
-pre-registration; the design trap T2 is ``minilm_finetune_drift``.
+Held out (PREREGISTERED.md's draw; their probe features are recorded only after stage 2): S2 (a)
+``contrastive_no_negatives`` (the text variant and S6 on MiniLM are still to come) and the trap T1
+``trap_neural_collapse``. The design trap T2 is ``trap_transfer``.
 """
 
 from __future__ import annotations
@@ -41,11 +42,16 @@ PROBE_FIT = 2048
 
 def linear_probe_accuracy(train: np.ndarray, train_y: np.ndarray, test: np.ndarray, test_y: np.ndarray) -> float:
     """Accuracy of a logistic-regression probe on frozen features (standardised with the training features)."""
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
 
     mean, std = train.mean(0), train.std(0) + 1e-6
     probe = LogisticRegression(max_iter=200)
-    probe.fit((train - mean) / std, train_y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # 200 iterations: the same budget at every check
+        probe.fit((train - mean) / std, train_y)
     return float(probe.score((test - mean) / std, test_y))
 
 
@@ -252,6 +258,121 @@ class PosteriorCollapse(Trainee):
         return float(active), mean[:PROBE_SIZE].numpy()
 
 
+# --- S2 (held out): contrastive pairs gone wrong -------------------------------------------------------------
+
+
+class Contrastive(Trainee):
+    """A SimCLR-style small CNN (64-d body, a 128-d projector) on Fashion-MNIST with the NT-Xent loss (temperature
+    0.5, two augmented views of 128 images); from the fault step the negatives vanish: the loss keeps only the
+    positive pairs' alignment. Harm metric: linear-probe accuracy of the projector's embedding (as S1); the probe's
+    features: that embedding of 512 held-out images."""
+
+    batch_size = 128
+    temperature = 0.5
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        model = nn.Sequential(small_cnn_body(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        super().__init__(seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05, "negatives": kind !=
+                                                                            "collapse" or step < fault})  # fmt: skip
+        self.train_x, self.train_y = images("train")
+        test_x, test_y = images("test")
+        pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:1024])
+        self.eval_x, self.eval_y = test_x[pick], test_y[pick]
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        from scenarios import augment
+
+        index = torch.from_numpy(self.rng(step).integers(0, self.train_x.shape[0], self.batch_size))
+        generator = torch.Generator().manual_seed(int(self.rng(step).integers(2**62)))
+        batch = self.train_x[index]
+        z = F.normalize(self.model(torch.cat([augment(batch, generator), augment(batch, generator)])), dim=1)
+        z1, z2 = z.chunk(2)
+        if not settings["negatives"]:  # alignment only: the positives' cosine, no uniformity term
+            return -(z1 * z2).sum(1).mean() / self.temperature
+        logits = z @ z.T / self.temperature
+        logits.fill_diagonal_(-math.inf)
+        n = z1.shape[0]
+        targets = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)])
+        return F.cross_entropy(logits, targets)
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        pick = torch.from_numpy(np.random.default_rng(777).permutation(self.train_x.shape[0])[:PROBE_FIT])
+        fit = self.model(self.train_x[pick]).numpy()
+        features = self.model(self.eval_x).numpy()
+        accuracy = linear_probe_accuracy(fit, self.train_y[pick].numpy(), features, self.eval_y.numpy())
+        return accuracy, features[:PROBE_SIZE]
+
+
+# --- traps: healthy runs whose representations change on purpose ----------------------------------------------
+
+
+class NeuralCollapse(Shortcut):
+    """T1 (held out): the small CNN trained on 2,048 fixed Fashion-MNIST images past zero training error; the
+    penultimate features collapse towards their class means (the terminal phase of training; healthy)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        subset = torch.from_numpy(np.random.default_rng((seed, 2048)).permutation(self.train_x.shape[0])[:2048])
+        self.train_x, self.train_y = self.train_x[subset], self.train_y[subset]
+
+
+class Transfer(Trainee):
+    """T2: the small CNN trained on classes 0-4 for ``switch`` steps, then a new head and every layer trained on
+    classes 5-9 (an ordinary transfer fine-tune: the features drift; healthy). Harm metric: accuracy on the current
+    task's held-out images; the probe: 512 held-out images of all ten classes."""
+
+    batch_size = 64
+    switch = 300
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        model = CNN()
+        self.second_head = nn.Linear(64, 10)
+        optimizer = torch.optim.SGD([*model.parameters(), *self.second_head.parameters()], lr=0.05, momentum=0.9,
+                                    weight_decay=5e-4)  # fmt: skip
+        super().__init__(seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05})
+        self.train_x, self.train_y = images("train")
+        test_x, test_y = images("test")
+        pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:1024])
+        self.eval_x, self.eval_y = test_x[pick], test_y[pick]
+        self.step_ = 0
+
+    def _task(self, step: int) -> tuple[torch.Tensor, nn.Module]:
+        return (torch.arange(5) if step < self.switch else torch.arange(5, 10)), (
+            self.model.head if step < self.switch else self.second_head
+        )
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        self.step_ = step + 1
+        classes, head = self._task(step)
+        allowed = torch.isin(self.train_y, classes).nonzero().squeeze(1)
+        index = allowed[torch.from_numpy(self.rng(step).integers(0, allowed.numel(), self.batch_size))]
+        logits = head(self.model.body(self.train_x[index]))
+        return F.cross_entropy(logits, self.train_y[index])
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        classes, head = self._task(self.step_)
+        features = self.model.body(self.eval_x)
+        mask = torch.isin(self.eval_y, classes)
+        accuracy = float((head(features[mask]).argmax(1) == self.eval_y[mask]).float().mean())
+        return accuracy, features[:PROBE_SIZE].numpy()
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "second_head": {k: v.clone() for k, v in self.second_head.state_dict().items()},
+                "step": self.step_}  # fmt: skip
+
+    def restore(self, state: dict[str, Any]) -> None:
+        super().restore(state)
+        self.second_head.load_state_dict(state["second_head"])
+        self.step_ = state["step"]
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
@@ -267,5 +388,13 @@ SCENARIOS: dict[str, Scenario] = {
                  build=lambda seed: Generator(seed, "circle")),
         Scenario("vae_kl_bug", "VAE (32 latent units)", "Fashion-MNIST", "KL weight ramps 1 -> 8", "gradual",
                  "active_units", True, steps=1500, fault_step=300, check_every=10, build=PosteriorCollapse),
+        Scenario("contrastive_no_negatives", "SimCLR-style small CNN", "Fashion-MNIST", "the negatives vanish",
+                 "abrupt", "linear_probe_accuracy", True, steps=600, fault_step=300, check_every=10,
+                 build=Contrastive),
+        # Traps: no fault (the branch at the last step records the whole run once).
+        Scenario("trap_neural_collapse", "small CNN", "2,048 Fashion-MNIST images", "none (terminal phase)",
+                 "none", "accuracy", True, steps=1500, fault_step=1500, check_every=10, build=NeuralCollapse),
+        Scenario("trap_transfer", "small CNN", "Fashion-MNIST 0-4 then 5-9", "none (a transfer fine-tune)", "none",
+                 "accuracy", True, steps=600, fault_step=600, check_every=10, build=Transfer),
     ]
 }  # fmt: skip
