@@ -87,6 +87,15 @@ def markdown(rows: dict[str, dict[str, Any]], choice: dict[str, Any], payload: d
         f"{(payload['preregistration'] or {}).get('commit')}). Code: library {payload['code']['library']}, suite "
         f"{payload['code']['suite']} (commit {payload['code']['commit']}). Design runs: resnet, vit, gpt x seeds 0-2.",
         "",
+        table({"summary": rows, "choice": choice}),
+    ]
+    return "\n".join(lines)
+
+
+def table(payload: dict[str, Any]) -> str:
+    """The candidates' table and the decision, from a stored ``rescue_candidates.json`` (the pages' block too)."""
+    rows, choice = payload["summary"], payload["choice"]
+    lines = [
         "| candidate | (a) | (b) | (c) | transient | structural | rescued | healthy change | interventions /"
         " 1,000 healthy steps | healthy twins acted on | eligible |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -100,8 +109,8 @@ def markdown(rows: dict[str, dict[str, Any]], choice: dict[str, Any], payload: d
             f"| {row['rescued']}/{row['runs']} | {_pct(row['healthy_change'])} | {row['healthy_rate']:.2f} | "
             f"{row['healthy_acted_count']} | {'yes' if eligible(row) else 'no'} |"
         )
-    lines += ["", f"**Decision:** `{choice['chosen']}`. {choice['why']}.", ""]
-    return "\n".join(lines)
+    lines += ["", f"**Decision:** `{choice['chosen']}`. {choice['why']}."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,9 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=CACHE)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--force", action="store_true", help="recompute cached trunks and runs")
+    parser.add_argument("--render", action="store_true", help="only rewrite rescue_candidates.md from the JSON")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.render:
+        stored = json.loads((args.out / "rescue_candidates.json").read_text())
+        (args.out / "rescue_candidates.md").write_text(markdown(stored["summary"], stored["choice"], stored))
+        return 0
     from run import compute
 
     cells = [(arch, seed, list(CANDIDATES)) for arch, seed in DESIGN]
