@@ -1,4 +1,4 @@
-"""The silent suite's candidate signals on clouds whose geometry is known (benchmarks/silent/signals.py)."""
+"""The silent suite's candidate signals on clouds whose geometry is known (benchmarks/silent/silent_signals.py)."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 
 from tests.benchmarks import benchmark_module
 
-signals = benchmark_module("signals", "silent")
+silent_signals = benchmark_module("silent_signals", "silent")
 
 
 def blobs(centres, n=512, std=0.05, seed=0):
@@ -21,35 +21,35 @@ def blobs(centres, n=512, std=0.05, seed=0):
 EIGHT = [[2.0 * c - 3.0, 2.0 * r - 1.0] for r in range(2) for c in range(4)]
 
 
-def test_the_mode_counter_counts_separated_clusters_and_ignores_stragglers(signals):
+def test_the_mode_counter_counts_separated_clusters_and_ignores_stragglers(silent_signals):
     cloud = blobs(EIGHT)
-    assert signals.modes(cloud, epsilon=0.5) == 8
-    assert signals.modes(blobs(EIGHT[:4]), epsilon=0.5) == 4
+    assert silent_signals.modes(cloud, epsilon=0.5) == 8
+    assert silent_signals.modes(blobs(EIGHT[:4]), epsilon=0.5) == 4
     with_stragglers = np.vstack([cloud, [[10.0, 10.0], [-10.0, 10.0]]])  # two lone points: not modes
-    assert signals.modes(with_stragglers, epsilon=0.5) == 8
+    assert silent_signals.modes(with_stragglers, epsilon=0.5) == 8
 
 
-def test_geometry_values_on_known_clouds(signals):
+def test_geometry_values_on_known_clouds(silent_signals):
     rng = np.random.default_rng(1)
     iso = rng.normal(size=(2000, 16))
-    assert signals.norm_std(iso) == pytest.approx(1.0, abs=0.05)
-    assert signals.anisotropy(iso) == pytest.approx(1 / 16, abs=0.02)
-    assert abs(signals.mean_cosine(iso)) < 0.01
+    assert silent_signals.norm_std(iso) == pytest.approx(1.0, abs=0.05)
+    assert silent_signals.anisotropy(iso) == pytest.approx(1 / 16, abs=0.02)
+    assert abs(silent_signals.mean_cosine(iso)) < 0.01
     cone = 5.0 + 0.1 * rng.normal(size=(500, 16))  # every row near the same direction
-    assert signals.mean_cosine(cone) > 0.99
-    assert signals.norm_std(cone) < 0.1
+    assert silent_signals.mean_cosine(cone) > 0.99
+    assert silent_signals.norm_std(cone) < 0.1
     line = np.outer(rng.normal(size=500), rng.normal(size=16))
-    assert signals.anisotropy(line) == pytest.approx(1.0)
-    assert signals.linear_cka(iso, 3.0 * iso @ np.linalg.qr(rng.normal(size=(16, 16)))[0]) == pytest.approx(1.0)
-    assert signals.linear_cka(iso, rng.normal(size=(2000, 16))) < 0.05
+    assert silent_signals.anisotropy(line) == pytest.approx(1.0)
+    assert silent_signals.linear_cka(iso, 3.0 * iso @ np.linalg.qr(rng.normal(size=(16, 16)))[0]) == pytest.approx(1.0)
+    assert silent_signals.linear_cka(iso, rng.normal(size=(2000, 16))) < 0.05
 
 
-def test_a_run_that_shrinks_loses_modes_and_drifts_is_seen_by_every_family_and_the_shrink_sentinel(signals):
+def test_a_run_that_shrinks_loses_modes_and_drifts_is_seen_by_every_family_and_the_shrink_sentinel(silent_signals):
     healthy = [blobs(EIGHT, seed=s) for s in range(12)]
     collapsed = [0.05 * blobs(EIGHT[:4], seed=100 + s) for s in range(3)]
     frames = np.stack(healthy + collapsed)
-    first, state = signals.feature_signals(frames[:12])
-    rest, _ = signals.feature_signals(frames[12:], state)
+    first, state = silent_signals.feature_signals(frames[:12])
+    rest, _ = silent_signals.feature_signals(frames[12:], state)
     values = {name: np.concatenate([first[name], rest[name]]) for name in first}
     assert all(math.isnan(v) for v in values["modes"][:9])  # no reference before the warm-up's last check
     assert values["modes"][9] == 8
@@ -64,8 +64,8 @@ def test_a_run_that_shrinks_loses_modes_and_drifts_is_seen_by_every_family_and_t
     assert values["rankme"][12] < values["rankme"][11]  # half the modes: the spread collapses to a line
 
 
-def test_a_diverged_check_is_nan_everywhere(signals):
+def test_a_diverged_check_is_nan_everywhere(silent_signals):
     frames = np.stack([blobs(EIGHT, seed=s) for s in range(11)])
     frames[10, 0, 0] = np.nan
-    values, _ = signals.feature_signals(frames)
+    values, _ = silent_signals.feature_signals(frames)
     assert all(math.isnan(v[10]) for v in values.values())

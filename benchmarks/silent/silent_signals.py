@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,21 @@ DIRECTIONS: dict[str, int] = {
     "diagram_drift_ref": 1, "cka_drift": 1, "rank_squeeze": 1, "cone": 1, "shrink": 1,
 }  # fmt: skip
 TOPOLOGICAL = ("modes", "diagram_drift_ref")
+
+
+def training_signals(check_steps: np.ndarray, loss: np.ndarray, grad_norm: np.ndarray) -> dict[str, np.ndarray]:
+    """The collapse suite's training channels (``benchmarks/collapse/signals.py``: the mean loss and gradient norm
+    since the previous check), loaded from its file (its module name is this one's)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "collapse" / "signals.py"
+    spec = importlib.util.spec_from_file_location("collapse_signals", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result: dict[str, np.ndarray] = module.training_signals(check_steps, loss, grad_norm)
+    return result
 
 
 def rms_radius(frame: np.ndarray) -> float:

@@ -1,0 +1,202 @@
+"""The silent suite's evaluation (``benchmarks/silent/PREREGISTERED.md``): which signals catch a silent collapse
+before its harm, and at what cost to healthy runs.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/silent_evaluate.py --split design
+
+For every recording (``benchmarks/silent/recordings/``, seeds 0-5), the candidates (``silent_signals.py``) and the
+training channels are computed per check; each candidate (a combination of signals, a score, a threshold ``k`` and a
+patience ``p``) is replayed on every run; a faulted run is *caught* when the candidate's first alarm after the fault
+comes strictly before the run's 5 % point (``silence.harm_point``), and a healthy run (a twin, a trap) is
+*alarmed* when it alarms anywhere after the warm-up (alarms on a faulted run's shared prefix count as its twin's).
+On ``--split design`` it applies the pre-registered choice (no alarm on the design split's healthy runs; the most
+design classes caught; then the ties) and writes ``benchmarks/results/silent_design.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "collapse"))
+sys.path.insert(0, str(HERE.parents[1]))
+
+from silence import RECORDINGS, harm_point  # noqa: E402
+from silent_signals import DIRECTIONS, FAMILIES, WARMUP, feature_signals, training_signals  # noqa: E402
+
+from topocallbacks.policy import rule_holds, rule_scores  # noqa: E402
+from topocallbacks.settings import PolicySettings  # noqa: E402
+
+RESULTS = HERE.parents[1] / "benchmarks" / "results"
+EVALUATION_SEEDS = tuple(range(6))
+#: The classes and their scenarios (a class with two variants needs both); the traps.
+CLASSES = {
+    "S1": ("simsiam_no_stopgrad",),
+    "S2": ("contrastive_no_negatives",),
+    "S3": ("watermark_shortcut",),
+    "S4": ("generator_modes_grid", "generator_modes_circle"),
+    "S5": ("vae_kl_bug",),
+}
+TRAPS = {"T1": "trap_neural_collapse", "T2": "trap_transfer"}
+SPLITS = {"design": (("S1", "S3", "S4", "S5"), ("T2",)), "held_out": (("S2", "S6"), ("T1",))}
+THRESHOLDS = (3.0, 4.5, 6.0, 8.0, 12.0)
+PATIENCES = (2, 3, 4)
+SCORES = ("trailing", "frozen")
+SENTINELS = FAMILIES["sentinels"]
+
+
+@dataclasses.dataclass
+class Run:
+    """One run's per-check signals: a faulted run (its fault step and 5 % point) or a healthy one."""
+
+    scenario: str
+    seed: int
+    kind: str  # "collapse", "healthy" or "trap"
+    steps: np.ndarray
+    values: dict[str, np.ndarray]
+    fault: int | None = None
+    point: int | None = None
+
+
+def frozen_scores(values: np.ndarray, direction: int, warmup: int = WARMUP) -> np.ndarray:
+    """Score (ii): the robust z-score against the warm-up checks, frozen (NaN during the warm-up)."""
+    oriented = direction * np.asarray(values, dtype=np.float64)
+    warm = oriented[:warmup][np.isfinite(oriented[:warmup])]
+    scores = np.full(oriented.size, math.nan)
+    if warm.size == 0:
+        return scores
+    centre = float(np.median(warm))
+    spread = 1.4826 * float(np.median(np.abs(warm - centre)))
+    floor = 0.01 * float(np.max(np.abs(warm)))
+    scale = max(spread, floor, 1e-12)
+    scores[warmup:] = (oriented[warmup:] - centre) / scale
+    return scores
+
+
+def alarms(values: np.ndarray, signal: str, score: str, k: float, p: int) -> np.ndarray:
+    """Where one signal alarms (a boolean per check)."""
+    if signal in SENTINELS:
+        return np.nan_to_num(values, nan=0.0) >= 1.0
+    direction = DIRECTIONS.get(signal, 1)
+    if score == "trailing":
+        scores = rule_scores(values, PolicySettings(threshold=k, warmup=WARMUP), direction=direction)
+    else:
+        scores = frozen_scores(values, direction)
+    return rule_holds(np.nan_to_num(scores, nan=-math.inf), k, p, WARMUP)
+
+
+def combinations() -> dict[str, tuple[str, ...]]:
+    """The pre-registered combinations: each family alone, each pair, all three, each with and without the
+    sentinels."""
+    families = ("geometry", "spectrum", "drift")
+    out: dict[str, tuple[str, ...]] = {}
+    for size in (1, 2, 3):
+        for chosen in itertools.combinations(families, size):
+            signals = tuple(s for f in chosen for s in FAMILIES[f])
+            out["+".join(chosen)] = signals
+            out["+".join(chosen) + "+sentinels"] = signals + SENTINELS
+    return out
+
+
+def first_alarm(run: Run, signals: tuple[str, ...], score: str, k: float, p: int) -> tuple[int | None, bool]:
+    """The first alarm after the fault (faulted runs) and whether the run alarms where a healthy run would (anywhere
+    after the warm-up for a healthy run; on the shared prefix for a faulted one)."""
+    hit = np.zeros(run.steps.size, dtype=bool)
+    for signal in signals:
+        hit |= alarms(run.values[signal], signal, score, k, p)
+    hit[:WARMUP] = False
+    steps = run.steps[hit]
+    if run.kind != "collapse":
+        return None, bool(steps.size)
+    after = steps[steps > run.fault]
+    return (int(after[0]) if after.size else None), False
+
+
+def load_runs(directory: Path, scenarios: list[str], seeds: tuple[int, ...]) -> list[Run]:
+    """Every run of the recordings, with its signals (computed once and cached beside the recording)."""
+    runs = []
+    for name in scenarios:
+        for seed in seeds:
+            path = directory / f"{name}-seed{seed}.npz"
+            data = np.load(path)
+            fault = int(data["fault_step"])
+            trap = name.startswith("trap_")
+            point = None
+            if not trap:
+                point = harm_point(data["collapse/check_steps"], data["collapse/metric"], data["healthy/metric"],
+                                   fault, bool(data["higher_is_better"]))  # fmt: skip
+            for kind in ("healthy",) if trap else ("collapse", "healthy"):
+                steps = data[f"{kind}/check_steps"]
+                values, _ = feature_signals(data[f"{kind}/features"])
+                values.update(training_signals(steps, data[f"{kind}/loss"], data[f"{kind}/grad_norm"]))
+                runs.append(Run(name, seed, "trap" if trap else kind, steps, values, fault, point))
+    return runs
+
+
+def evaluate(runs: list[Run], classes: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Every candidate on ``runs``: classes caught, faulted runs caught, median lead, healthy runs alarmed."""
+    results = []
+    for (name, signals), score, k, p in itertools.product(combinations().items(), SCORES, THRESHOLDS, PATIENCES):
+        caught: dict[str, list[bool]] = {}
+        leads, alarmed = [], 0
+        for run in runs:
+            alarm, healthy_alarm = first_alarm(run, signals, score, k, p)
+            if run.kind != "collapse":
+                alarmed += healthy_alarm
+                continue
+            # Alarms on the shared prefix are the twin's (its run holds the same checks up to the fault).
+            hit = alarm is not None and run.point is not None and alarm < run.point
+            caught.setdefault(run.scenario, []).append(hit)
+            if hit:
+                leads.append(run.point - alarm)
+        by_class = {c: all(sum(caught.get(s, [])) >= 5 for s in CLASSES[c]) for c in classes if c in CLASSES}
+        results.append({
+            "combination": name, "score": score, "k": k, "p": p, "signals": len(signals),
+            "classes_caught": sum(by_class.values()), "by_class": by_class,
+            "runs_caught": sum(sum(v) for v in caught.values()), "median_lead": float(np.median(leads)) if leads
+            else None, "healthy_alarmed": alarmed,
+        })  # fmt: skip
+    return results
+
+
+def choose(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The pre-registered choice on the design split: no healthy alarm; most classes; then the ties."""
+    eligible = [r for r in results if r["healthy_alarmed"] == 0 and r["classes_caught"] > 0]
+    if not eligible:
+        return None
+    return min(eligible, key=lambda r: (-r["classes_caught"], -r["runs_caught"], -(r["median_lead"] or 0),
+                                        r["signals"], -r["k"], -r["p"], r["score"] != "frozen"))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--split", choices=sorted(SPLITS), default="design")
+    parser.add_argument("--recordings", type=Path, default=RECORDINGS / "evaluation")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    classes, traps = SPLITS[args.split]
+    scenarios = [s for c in classes for s in CLASSES.get(c, ())] + [TRAPS[t] for t in traps]
+    runs = load_runs(args.recordings, scenarios, EVALUATION_SEEDS)
+    results = evaluate(runs, classes)
+    chosen = choose(results) if args.split == "design" else None
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "chosen": chosen,
+               "results": results}  # fmt: skip
+    (args.out / f"silent_{args.split}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"silent {args.split}: {len(results)} candidates; chosen {chosen}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
