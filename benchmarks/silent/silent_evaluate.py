@@ -42,7 +42,7 @@ EVALUATION_SEEDS = tuple(range(6))
 #: The classes and their scenarios (a class with two variants needs both); the traps.
 CLASSES = {
     "S1": ("simsiam_no_stopgrad",),
-    "S2": ("contrastive_no_negatives",),
+    "S2": ("contrastive_no_negatives", "minilm_pairs_no_negatives"),
     "S3": ("watermark_shortcut",),
     "S4": ("generator_modes_grid", "generator_modes_circle"),
     "S5": ("vae_kl_bug",),
