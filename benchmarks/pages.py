@@ -259,6 +259,23 @@ def overhead_table() -> str:
     return "\n".join(lines)
 
 
+@block("budget-plan", "budget.json")
+def budget_plan() -> str:
+    """The costs page's account of the budget's planning: the footprint model's error and the bench's step time."""
+    data = stored("budget.json")
+    errors = sorted(abs(1.0 - row["ratio"]) * 100 for row in data["footprint"])
+    points = " and ".join(str(row["n"]) for row in data["footprint"])
+    plain = next(row for row in data["rows"] if row["config"] == "no callback")
+    return _fill(
+        "It plans with a footprint model (probe pass linear in the samples, evaluation as (n / 512)^1.5: predicted "
+        f"within {errors[0]:.0f}-{errors[-1]:.0f} % of the measured time at {points} points), on the cheaper of two "
+        "measured intervals, and warns once when two plans in a row miss the budget. `OMP_NUM_THREADS=1 "
+        ".venv/bin/python benchmarks/budget_bench.py` (the digits MLP, 512-d layer, 512-point probe, "
+        f"`check_every=10`, steps of {1000 * plain['seconds'] / plain['steps']:.1f} ms on 2 cores; "
+        "`benchmarks/results/budget.md`):"
+    )
+
+
 @block("snapshot-costs", "snapshot.json")
 def snapshot_costs() -> str:
     """The costs page's figures for a rollback snapshot on a CPU: the copy's time per model size, and a restore's."""
