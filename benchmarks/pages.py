@@ -352,6 +352,12 @@ def rescue_choice() -> str:
     return str(suite("rescue", "audit").evidence(stored("rescue_audit.json")))
 
 
+@block("rescue-candidates", "rescue_candidates.json")
+def rescue_candidates() -> str:
+    """The evidence page's table of the pre-registered candidates on the design runs, and the decision."""
+    return str(suite("rescue", "candidates").table(stored("rescue_candidates.json"))).rstrip("\n")
+
+
 # --- the first GPU figures (docs/costs.md) ---------------------------------------------------------------------
 
 

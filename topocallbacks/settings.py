@@ -436,11 +436,13 @@ class PolicySettings(_Section):
 
     The defaults are the rule the rescue suite chose (``benchmarks/rescue/``, results in
     ``benchmarks/results/rescue.md``), among candidates and actions designed on the suite's first results
-    (``benchmarks/rescue/HISTORY.md`` dates each step; ``docs/evidence.md`` gives the held-out figures): roll back
-    when the probe's index (diagram drift) and the training loss both jump, 4.5 robust standard deviations above
-    their recent checks, with a compounding learning-rate cut of 0.5 from the first rollback, the updates of two check
-    intervals skipped after each, at most 4 rollbacks, then stop at the last healthy state. The loss confirms the
-    index: alone, the index raised false alarms on healthy runs. Absolute sentinels
+    (``benchmarks/rescue/HISTORY.md`` dates each step; ``docs/evidence.md`` gives the figures outside them), with
+    the rollback order chosen among the candidates pre-registered in ``benchmarks/PREREGISTERED.md`` on the design
+    runs alone (``benchmarks/results/rescue_candidates.md``): roll back when the probe's index (diagram drift) and
+    the training loss both jump, 4.5 robust standard deviations above their recent checks, skip the updates of two
+    check intervals after each rollback, cut the learning rate by 0.5 (compounding) only when a rollback fires again
+    within two checks of the previous one, at most 4 rollbacks, then stop at the last healthy state. The loss
+    confirms the index: alone, the index raised false alarms on healthy runs. Absolute sentinels
     (:mod:`topocallbacks.functional.sentinels`) act on a total collapse at any check, warm-up or not. ``action``
     changes only what is done.
 
@@ -478,12 +480,14 @@ class PolicySettings(_Section):
             bad data longer than the steps a rollback undoes (PaLM skipped 200-500 batches after its rollbacks).
             None: the updates of two check intervals (``2 * check_every``; the rescue suite's 20 at checks every
             10).
-        rollback_order: when a rollback skips and when it cuts the rate: ``"skip_and_cut"`` (every rollback skips
-            ``rollback_skip`` updates and cuts by ``rollback_lr_factor``, compounding), ``"skip_if_confirmed"``
-            (as ``"skip_and_cut"``, but the skip waits for the next check and is made only if the training loss
-            flags again there: the burst goes on; needs ``"loss"`` in ``channels``), ``"from_second"`` (the first
-            rollback neither skips nor cuts, every later one does both) or ``"cut_if_refired"`` (every rollback
-            skips; one cuts, compounding, only when it fires within two checks of the previous rollback).
+        rollback_order: when a rollback skips and when it cuts the rate: ``"cut_if_refired"`` (the default: every
+            rollback skips ``rollback_skip`` updates; one cuts by ``rollback_lr_factor``, or ``lr_factor`` when
+            that is None, compounding, only when it fires within two checks of the previous rollback: a fault that
+            outlives the skip), ``"skip_and_cut"`` (every rollback skips and cuts by ``rollback_lr_factor``,
+            compounding; the default before the pre-registered choice), ``"skip_if_confirmed"`` (as
+            ``"skip_and_cut"``, but the skip waits for the next check and is made only if the training loss flags
+            again there; needs ``"loss"`` in ``channels``) or ``"from_second"`` (the first rollback neither skips
+            nor cuts, every later one does both).
         max_rollbacks: rollbacks before ``rollback`` escalates to ``after_max_rollbacks``.
         after_max_rollbacks: ``"stop"``, ``"warn"`` or ``"none"``. A stop first restores the last healthy
             snapshot (see ``stop_restores``), so it never leaves the weights of the fault.
@@ -521,7 +525,7 @@ class PolicySettings(_Section):
     sentinels: bool = _option(True, _boolean)
     rollback_lr_factor: float | None = _option(0.5, _optional(_number(0.0, 1.0)))
     rollback_skip: int | None = _option(None, _optional(_integer(0)))
-    rollback_order: str = _option("skip_and_cut", _choice(ROLLBACK_ORDERS))
+    rollback_order: str = _option("cut_if_refired", _choice(ROLLBACK_ORDERS))
     max_rollbacks: int = _option(4, _integer(0))
     after_max_rollbacks: str = _option("stop", _choice(("warn", "stop", "none")))
     stop_restores: str = _option("always", _choice(("always", "if_better")))

@@ -15,6 +15,7 @@ pre-registration's commit) and ``rescue_candidates.md``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -87,7 +88,7 @@ def markdown(rows: dict[str, dict[str, Any]], choice: dict[str, Any], payload: d
         f"{(payload['preregistration'] or {}).get('commit')}). Code: library {payload['code']['library']}, suite "
         f"{payload['code']['suite']} (commit {payload['code']['commit']}). Design runs: resnet, vit, gpt x seeds 0-2.",
         "",
-        table({"summary": rows, "choice": choice}),
+        table({"summary": rows, "choice": choice, "refired": payload.get("refired")}),
     ]
     return "\n".join(lines)
 
@@ -110,7 +111,22 @@ def table(payload: dict[str, Any]) -> str:
             f"{row['healthy_acted_count']} | {'yes' if eligible(row) else 'no'} |"
         )
     lines += ["", f"**Decision:** `{choice['chosen']}`. {choice['why']}."]
+    refired = payload.get("refired")
+    if refired:
+        lines += ["", f"How often (b4) cut on these runs: of the {refired['repeats']} rollbacks that followed another "
+                  f"in the same faulted run, {refired['within_two_checks']} came within two checks of it (the only "
+                  "ones (b4) cuts at); the others came after the skip of two check intervals was over."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def refired(records: list[dict[str, Any]], key: str, check_every: int) -> dict[str, int]:
+    """Of the rollbacks that follow another in the same faulted run of ``key``, how many came within two checks."""
+    gaps = []
+    for record in records:
+        if record["arm"] == key and record["fault"] != "none":
+            steps = [e["position"] for e in record["intervention_steps"] if e["action"] == "rollback"]
+            gaps += [later - earlier for earlier, later in itertools.pairwise(steps)]
+    return {"repeats": len(gaps), "within_two_checks": sum(gap <= 2 * check_every for gap in gaps)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.render:
         stored = json.loads((args.out / "rescue_candidates.json").read_text())
+        stored["refired"] = refired(stored["records"], "cand_a0_b4_c0+rollback", FULL.check_every)
+        (args.out / "rescue_candidates.json").write_text(json.dumps(stored, indent=1) + "\n")
         (args.out / "rescue_candidates.md").write_text(markdown(stored["summary"], stored["choice"], stored))
         return 0
     from run import compute
@@ -145,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "candidates": {key: {"description": spec.description, "policy": spec.policy} for key, spec in
                        CANDIDATES.items()},
         "choice": choice,
+        "refired": refired(records, "cand_a0_b4_c0+rollback", FULL.check_every),
         "summary": rows,
         "records": records,
     }  # fmt: skip

@@ -224,6 +224,22 @@ def markdown(result: dict[str, Any], payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rule_sha256() -> dict[str, str]:
+    """The SHA-256 of the settings the runs used, as PREREGISTERED.md's stage 2 records them: the monitor's settings
+    (``MonitorSettings().as_dict()``, which leave the policy to the index's default rule) and the rule in effect."""
+    import dataclasses
+    import hashlib
+
+    from topocallbacks.settings import MonitorSettings
+
+    settings = MonitorSettings()
+
+    def digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+    return {"monitor_settings": digest(settings.as_dict()), "rule": digest(dataclasses.asdict(settings.rule))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one thread each)")
@@ -248,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "library": _library_version(),
         "code": code_version(),
         "preregistration": preregistration(),
+        "rule_sha256": rule_sha256(),
         "partial": args.arch is not None,
         **result,
         "records": records,

@@ -176,5 +176,7 @@ def test_a_stop_after_the_last_rollback_restores_the_last_healthy_state_bit_for_
     moments = fit_trainer.optimizers[0].state_dict()["state"]
     for key, saved in optimizer["state"].items():
         assert torch.equal(moments[key]["momentum_buffer"], saved["momentum_buffer"])
-    # The rollback's cut stays in force: the jumped rate (x40) at half, as after the rollback.
-    assert fit_trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 40 * 0.5)
+    # The rate is the jumped one (x40) times the rollbacks' cut: none, since the default cuts only at a rollback that
+    # fires again within two checks of the previous one, and this was the first.
+    assert interventions[0].lr_factor == 1.0
+    assert fit_trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 40 * interventions[0].lr_factor)

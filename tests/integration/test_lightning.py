@@ -1,3 +1,4 @@
+import itertools
 import json
 import os
 import pickle
@@ -526,15 +527,20 @@ def test_the_default_rule_rolls_an_induced_lr_blow_up_back_four_times_then_stops
     assert records[10].decision.scores["loss"] < 4.5
     assert not records[10].decision.fired
     # The ramp is structural (the schedule multiplies the rate by 1.1 at every step, cut or not): the rule rolls back
-    # max_rollbacks = 4 times, each time with the learning rate cut by 0.5 more (compounding from the first) and the
-    # next 2 x check_every = 4 updates skipped, then stops.
+    # max_rollbacks = 4 times, each time skipping the next 2 x check_every = 4 updates, then stops. The first rollback
+    # does not cut the rate; a later one cuts it by 0.5 more (compounding) when it fires within two checks (4 steps)
+    # of the previous one: the fault outlived the skip.
     done = interventions(callback)
     assert [r.action for r in done] == ["rollback"] * 4 + ["stop"]
-    assert [r.lr_factor for r in done] == [0.5, 0.25, 0.125, 0.0625, 0.0625]
     assert all(r.step > 20 for r in done)
-    for number, rollback in enumerate(done[:4], start=1):
+    cut = [False] + [later.step - earlier.step <= 2 * 2 for earlier, later in itertools.pairwise(done[:4])]
+    factors = [0.5 ** sum(cut[: i + 1]) for i in range(4)]
+    assert [r.lr_factor for r in done] == pytest.approx([*factors, factors[-1]])
+    for number, (rollback, cuts) in enumerate(zip(done[:4], cut, strict=True), start=1):
         assert rollback.snapshot_step < rollback.step
-        assert rollback.reason.endswith(f"learning rate x 0.5 (rollback {number} of 4)")
+        why = "x 0.5 as it fired again within two checks of the last rollback" if cuts else "no cut (no rollback in"
+        assert why in rollback.reason
+        assert rollback.reason.endswith(f"(rollback {number} of 4)")
         assert rollback.detail.startswith(f"rolled back to the snapshot of step {rollback.snapshot_step}: ")
         assert "the next 4 optimizer update(s) skipped" in rollback.detail
     # The dead ReLUs of the blow-up are constant features: the absolute sentinels name them.
@@ -548,11 +554,13 @@ def test_the_default_rule_rolls_an_induced_lr_blow_up_back_four_times_then_stops
     healthy = [r.step for r in records if r.decision.healthy and r.step < stop.step]
     assert stop.snapshot_step == healthy[-1]
     assert stop.detail.startswith(f"restored the last healthy state, the snapshot of step {stop.snapshot_step} ")
-    cuts_in_snapshot = sum(r.step <= stop.snapshot_step for r in done[:4])  # the snapshot's rate holds them
-    if cuts_in_snapshot < 4:  # the cuts made after the snapshot are kept (which checks were healthy varies)
-        assert f"the rollbacks' cut kept: learning rate x {0.5 ** (4 - cuts_in_snapshot)}" in stop.detail
+    # The cuts made after the snapshot are kept (which checks were healthy varies); the snapshot's rate holds the
+    # others.
+    kept = sum(c for r, c in zip(done[:4], cut, strict=True) if r.step > stop.snapshot_step)
+    if kept:
+        assert f"the rollbacks' cut kept: learning rate x {0.5**kept}" in stop.detail
     else:
         assert "cut kept" not in stop.detail
-    expected = rates.rates[stop.snapshot_step][0] * 0.5 ** (4 - cuts_in_snapshot)
+    expected = rates.rates[stop.snapshot_step][0] * 0.5**kept
     assert fit.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
     assert (tmp_path / f"topo-stop-step{stop.step}.ckpt").is_file()

@@ -23,6 +23,7 @@ OLD_RULE: dict[str, Any] = {
     "rollback_lr_factor": None,
     "rollback_skip": 0,
     "max_rollbacks": 2,
+    "rollback_order": "skip_and_cut",  # the order before issue 35's pre-registered choice (every rollback cuts)
 }
 
 

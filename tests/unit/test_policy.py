@@ -264,14 +264,19 @@ def test_the_default_rule_is_the_rescue_suites_rule():
         Policy(channels=["index"])  # require 2 is the default: one channel must say require=1
 
 
-def test_the_first_rollback_already_cuts_and_the_escalation_names_the_structural_cause():
-    policy = Policy(warmup=0, cooldown=0)  # the default rule: rollback, cut 0.5 from the first one, at most 4
+def test_a_rollback_that_fires_again_cuts_and_the_escalation_names_the_structural_cause():
+    # The default rule: rollback; the first one does not cut, one within two checks of the last cuts 0.5; at most 4.
+    policy = Policy(warmup=0, cooldown=0)
     decisions = [policy.decide(step, 0.3, loss=2.0, collapsed="the features are constant") for step in range(6)]
     assert actions(decisions) == ["rollback"] * 4 + ["stop"] * 2
-    assert [d.lr_factor for d in decisions] == [0.5] * 4 + [None] * 2
+    assert [d.lr_factor for d in decisions] == [None] + [0.5] * 3 + [None] * 2
     assert decisions[0].reason == (
-        "the features are constant: roll back to the newest healthy snapshot before step 0, learning rate x 0.5 "
-        "(rollback 1 of 4)"
+        "the features are constant: roll back to the newest healthy snapshot before step 0, no cut (no rollback in "
+        "the two checks before) (rollback 1 of 4)"
+    )
+    assert decisions[1].reason == (
+        "the features are constant: roll back to the newest healthy snapshot before step 1, learning rate x 0.5 as it "
+        "fired again within two checks of the last rollback (rollback 2 of 4)"
     )
     assert decisions[4].reason == (
         "the features are constant; 4 rollbacks made already and the alarm came back after them: its cause outlives "
@@ -419,9 +424,10 @@ def test_a_sentinel_acts_at_once_in_the_warm_up_and_its_values_enter_no_referenc
     decision = policy.decide(3, 9.0, loss=50.0, grad_norm=40.0, collapsed=collapse)
     assert decision.action is Action.ROLLBACK  # the 4th check of a warm-up of 10: a sentinel needs no baseline
     assert (decision.rule, decision.flagged, decision.onset, decision.step) == ("sentinel", ("collapse",), 3, 3)
-    assert (decision.value, decision.score, decision.lr_factor) == (9.0, None, 0.5)
+    assert (decision.value, decision.score, decision.lr_factor) == (9.0, None, None)  # a first rollback: no cut
     assert decision.reason == (
-        f"{collapse}: roll back to the newest healthy snapshot before step 3, learning rate x 0.5 (rollback 1 of 4)"
+        f"{collapse}: roll back to the newest healthy snapshot before step 3, no cut (no rollback in the two checks "
+        "before) (rollback 1 of 4)"
     )
     assert not decision.healthy
     assert channel_states(policy) == before  # no index, loss or gradient norm value entered a reference or warm-up

@@ -638,30 +638,31 @@ def test_the_default_rule_stops_after_its_rollbacks_at_the_last_healthy_state_bi
     loop.losses = {}
     done = loop.run(range(0, 100), lambda s: constant_features(s) if s >= 30 else healthy_features(s))
     assert loop.monitor.settings.rule.warmup == 10  # the checks of steps 0-45
-    # The sentinels act in the warm-up: four rollbacks to step 25's snapshot, the cut compounding from the first.
+    # The sentinels act in the warm-up: four rollbacks to step 25's snapshot; the first does not cut, each later one
+    # fires at the next check (within two of the last rollback) and cuts, compounding.
     assert [(d.step, d.action, d.snapshot_step, d.steps_lost, d.lr_factor) for d in done] == [
-        (30, "rollback", 25, 5, 0.5),
-        (35, "rollback", 25, 5, 0.25),
-        (40, "rollback", 25, 5, 0.125),
-        (45, "rollback", 25, 5, 0.0625),
-        (50, "stop", 25, 5, 0.0625),
+        (30, "rollback", 25, 5, 1.0),
+        (35, "rollback", 25, 5, 0.5),
+        (40, "rollback", 25, 5, 0.25),
+        (45, "rollback", 25, 5, 0.125),
+        (50, "stop", 25, 5, 0.125),
     ]
     assert all(d.reason.startswith("the features are constant (spread ") for d in done)
     assert all("the next 10 optimizer update(s) skipped" in d.detail for d in done[:4])  # 2 x check_every
     assert done[4].reason.endswith(f"; 4 {STRUCTURAL}; the last healthy state (step 25) is restored first")
     assert done[4].detail.startswith(
         "restored the last healthy state, the snapshot of step 25 (5 updates undone), before stopping; model, "
-        "optimizer and scheduler state restored; the rollbacks' cut kept: learning rate x 0.0625; stop requested; "
+        "optimizer and scheduler state restored; the rollbacks' cut kept: learning rate x 0.125; stop requested; "
         f"last healthy state (step 25) saved to {tmp_path / 'topo-last-healthy-step25.pt'}"
     )
     assert loop.actuator.stop_requested
     # The state the run stops with is the snapshot's, bit for bit, at the compounded cut rate.
     snapshot = loop.monitor.snapshots.snapshots[-1]
     assert snapshot.step == 25
-    assert_restored_with_cut(loop, snapshot.load(), 0.0625)
-    assert_restored_with_cut(loop, loop.states[25], 0.0625)
-    assert loop.monitor.lr_factor_ == loop.monitor.rollback_cut_ == 0.0625
-    assert loop.scheduler.base_lrs == [0.1 * 0.0625]
+    assert_restored_with_cut(loop, snapshot.load(), 0.125)
+    assert_restored_with_cut(loop, loop.states[25], 0.125)
+    assert loop.monitor.lr_factor_ == loop.monitor.rollback_cut_ == 0.125
+    assert loop.scheduler.base_lrs == [0.1 * 0.125]
     # None of the collapsed checks' values entered a reference: the index's and the loss's are the healthy ones.
     history = [r for r in loop.monitor.history if isinstance(r, CheckRecord)]
     assert loop.monitor.policy.channels_["index"].reference.values == [r.index_value for r in history[1:6]]

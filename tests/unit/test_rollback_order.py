@@ -33,9 +33,10 @@ def test_each_rollback_order_plans_the_cut_and_the_skip(order, first, second, re
     assert rollback_plan(settings, 2, refired=True)[:2] == refired
 
 
-def test_the_default_order_keeps_the_rules_first_rollback_factor():
+def test_skip_and_cut_keeps_the_previous_rules_first_rollback_factor():
     # rollback_lr_factor None: the first rollback keeps the rate, every later one cuts by lr_factor (as before).
-    settings = PolicySettings(rollback_lr_factor=None, lr_factor=0.25)
+    assert PolicySettings().rollback_order == "cut_if_refired"  # the default since the pre-registered choice
+    settings = PolicySettings(rollback_lr_factor=None, lr_factor=0.25, rollback_order="skip_and_cut")
     assert rollback_plan(settings, 1, refired=False)[0] is None
     assert rollback_plan(settings, 2, refired=False)[0] == 0.25
     assert rollback_plan(PolicySettings(rollback_lr_factor=None, rollback_order="from_second"), 2, False)[0] == 0.5
@@ -75,8 +76,8 @@ def test_cut_if_refired_skips_every_time_and_cuts_only_a_rollback_within_two_che
     assert [(d.step, d.action) for d in done] == [(50, "rollback"), (55, "rollback"), (80, "rollback")]
     assert all("the next 3 optimizer update(s) skipped" in d.detail for d in done)
     assert [d.lr_factor for d in done] == [1.0, 0.5, 0.5]  # 55 refired (one check later): cut; 80 did not
-    assert "cut: it fired again within two checks" in done[1].reason
-    assert ", no cut" in done[2].reason
+    assert "x 0.5 as it fired again within two checks of the last rollback" in done[1].reason
+    assert ", no cut (no rollback in the two checks before)" in done[2].reason
 
 
 def loss_monitor(order: str, **policy) -> tuple[TopoMonitor, LoopActuator, torch.nn.Module]:

@@ -147,5 +147,7 @@ def rollback_plan(settings: PolicySettings, number: int, refired: bool) -> tuple
             return None, "none", ", no skip and no cut at the first rollback"
         return cut, "now", ""
     if s.rollback_order == "cut_if_refired":
-        return (cut, "now", ", cut: it fired again within two checks") if refired else (None, "now", ", no cut")
+        if refired:
+            return cut, "now", " as it fired again within two checks of the last rollback"
+        return None, "now", ", no cut (no rollback in the two checks before)"
     return asked, "now", ""
