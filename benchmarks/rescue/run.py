@@ -72,7 +72,7 @@ QUICK_DETECTORS = (
     "metric+rollback_cut",
 )
 #: Rough cost of a trunk, to start the longest first.
-COST = {"minilm": 4.0, "gpt": 3.0, "llama": 3.0, "resnet": 2.0, "vit": 1.0}
+COST = {"minilm": 4.0, "gpt": 3.0, "llama": 3.0, "resnet": 2.0, "gru": 2.0, "vit": 1.0}
 
 
 def grid(archs: list[str], seeds: list[int] | None, keys: list[str]) -> list[tuple[str, int, list[str]]]:
