@@ -179,14 +179,49 @@ def choose(results: list[dict[str, Any]]) -> dict[str, Any] | None:
                                         r["signals"], -r["k"], -r["p"], r["score"] != "frozen"))  # fmt: skip
 
 
+PREREGISTRATION = HERE / "PREREGISTERED.md"
+STAGE_2 = "## Stage 2: the chosen silent path"
+
+
+def _record(job: tuple[str, int, str]) -> str:
+    from cases import SCENARIOS
+    from record import record
+
+    name, seed, directory = job
+    record(name, seed, Path(directory), scenario=SCENARIOS[name])
+    return f"{name} seed {seed}"
+
+
+def record_missing(scenarios: list[str], directory: Path, jobs: int) -> None:
+    """Record the evaluation seeds of ``scenarios`` that have no recording in ``directory`` yet."""
+    import concurrent.futures
+
+    todo = [(name, seed, str(directory)) for name in scenarios for seed in EVALUATION_SEEDS
+            if not (directory / f"{name}-seed{seed}.npz").exists()]  # fmt: skip
+    print(f"recording {len(todo)} (scenario, seed) pairs into {directory}", flush=True)
+    if jobs == 1:
+        for job in todo:
+            print(_record(job), flush=True)
+        return
+    with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+        for done in pool.map(_record, todo):
+            print(done, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--split", choices=sorted(SPLITS), default="design")
     parser.add_argument("--recordings", type=Path, default=RECORDINGS / "evaluation")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--record", action="store_true", help="record the missing evaluation seeds first")
+    parser.add_argument("--jobs", type=int, default=1)
     args = parser.parse_args(argv)
     classes, traps = SPLITS[args.split]
     scenarios = [s for c in classes for s in CLASSES.get(c, ())] + [TRAPS[t] for t in traps]
+    if args.split == "held_out" and STAGE_2 not in PREREGISTRATION.read_text():
+        parser.error("the held-out split is recorded and evaluated only after stage 2 of PREREGISTERED.md")
+    if args.record:
+        record_missing(scenarios, args.recordings, args.jobs)
     runs = load_runs(args.recordings, scenarios, EVALUATION_SEEDS)
     results = evaluate(runs, classes)
     chosen = choose(results) if args.split == "design" else None
