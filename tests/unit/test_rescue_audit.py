@@ -119,8 +119,8 @@ def test_the_readme_status_says_what_the_stored_results_give(audit, result):
     # The README holds this text (benchmarks/pages.py's rescue-status block, tests/unit/test_pages.py).
     block = audit.readme(result)
     held = result["rescues"][audit.OURS]["held_out"]["faulted"]
-    assert f"outside them it rescues {held['rescued']}/{held['runs']}" in block
     flat = " ".join(line.removeprefix("> ") for line in block.strip().splitlines())
+    assert f"outside them it rescues {held['rescued']}/{held['runs']}" in flat
     met, missed = flat.split("Targets met, as the suite judges them: ")[1].split("**Not met**: ")
     for target in result["targets"]:  # each target on the side the stored verdict puts it
         text = target["target"].replace(" (the control for luck)", " as redefined")
