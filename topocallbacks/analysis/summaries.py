@@ -98,22 +98,27 @@ def _flattening(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return results
 
 
-#: A layer "moved" at a checkpoint where its diagram drift reached this many times its median drift.
+#: A layer "moved" at a checkpoint where its diagram drift reached this many times the median drift of the
+#: checkpoints before it (at least :data:`BEFORE` of them): a change that lasts is found where it starts.
 MOVED = 3.0
+BEFORE = 2
+#: The quantities that follow a loss named one by one (the others counted).
+NAMED = 3
 
 
 def findings(rows: Sequence[Mapping[str, Any]], correlations: Sequence[Mapping[str, Any]]) -> list[str]:
     r"""What the analysis found, in a few sentences with their numbers.
 
-    Which layer moved first (its diagram drift at least :data:`MOVED` times its median) and when, how far its
-    effective rank went from the first checkpoint to the last, and which quantity follows a loss most closely
-    (Spearman, p < 0.05), or that none does.
+    Which layer moved first (its diagram drift at least :data:`MOVED` times the median of the checkpoints before
+    it, so that a change that lasts is found where it starts) and when, how far its effective rank went from the
+    first checkpoint to the last, and every quantity that follows a loss (Spearman, p < 0.05; the strongest
+    :data:`NAMED` named, by p), or that none does.
 
     Example:
         >>> rows = [{"source": "features", "layer": "h.0", "step": s, "diagram_drift": d, "effective_rank": r}
         ...         for s, d, r in [(0, None, 30.0), (10, 0.1, 29.0), (20, 0.1, 28.0), (30, 0.9, 5.0)]]
         >>> print("\n".join(findings(rows, [])))
-        h.0 moved at step 30: its diagram drift reached 0.9, 9.0x its median (0.1).
+        h.0 moved at step 30: its diagram drift reached 0.9, 9.0x the median of the checkpoints before it (0.1).
         The effective rank of h.0 went from 30 at step 0 to 5 at step 30 (-83 %).
         No loss was found in the checkpoints, so nothing is compared with one.
     """
@@ -125,20 +130,25 @@ def findings(rows: Sequence[Mapping[str, Any]], correlations: Sequence[Mapping[s
         drift = series.get(("features", layer, "diagram_drift"), [])
         if len(drift) < 2:
             continue
-        median = float(np.median([v for _, v in drift]))
-        moved = [(s, v) for s, v in drift if median > 0 and v >= MOVED * median]
-        if moved:
-            moves.append((moved[0][0], layer, moved[0][1], median))
+        for i in range(BEFORE, len(drift)):
+            median = float(np.median([v for _, v in drift[:i]]))
+            step, value = drift[i]
+            if median > 0 and value >= MOVED * median:
+                moves.append((step, layer, value, median))
+                break
     moves.sort()
     if moves:
         step, layer, value, median = moves[0]
         text = f"{layer} moved{' first' if len(moves) > 1 else ''} at step {step}: its diagram drift reached "
-        text += f"{value:.3g}, {value / median:.1f}x its median ({median:.3g})."
+        text += f"{value:.3g}, {value / median:.1f}x the median of the checkpoints before it ({median:.3g})."
         if len(moves) > 1:
             text += " Then " + ", ".join(f"{m[1]} at step {m[0]}" for m in moves[1:4]) + "."
         said.append(text)
     elif layers:
-        said.append(f"No layer's diagram drift reached {MOVED:g}x its median: no checkpoint stands out.")
+        said.append(
+            f"No layer's diagram drift reached {MOVED:g}x the median of the checkpoints before it: no checkpoint "
+            "stands out."
+        )
     for layer in layers[:3]:
         rank = series.get(("features", layer, "effective_rank"), [])
         if len(rank) >= 2 and rank[0][1] > 0:
@@ -148,14 +158,18 @@ def findings(rows: Sequence[Mapping[str, Any]], correlations: Sequence[Mapping[s
                 f"({100 * (r1 - r0) / r0:+.0f} %)."
             )
     found = [c for c in correlations if c.get("rho") is not None and c.get("p_value") is not None]
+    following = sorted((c for c in found if c["p_value"] < 0.05), key=lambda c: (c["p_value"], -abs(c["rho"])))
     if not correlations:
         said.append("No loss was found in the checkpoints, so nothing is compared with one.")
-    elif found and found[0]["p_value"] < 0.05:
-        best = found[0]
-        said.append(
-            f"{best['quantity'].replace('_', ' ')} at {best['layer']} follows {best['loss']} most closely "
-            f"(Spearman rho = {best['rho']:+.2f}, p = {best['p_value']:.2g}, {best['n']} checkpoints)."
+    elif following:
+        named = "; ".join(
+            f"{c['quantity'].replace('_', ' ')} at {c['layer']} ({c['loss']}, Spearman rho = {c['rho']:+.2f}, "
+            f"p = {c['p_value']:.2g}, {c['n']} checkpoints)"
+            for c in following[:NAMED]
         )
+        more = f"; and {len(following) - NAMED} more (analysis.json)" if len(following) > NAMED else ""
+        count = "1 quantity follows" if len(following) == 1 else f"{len(following)} quantities follow"
+        said.append(f"{count} a loss at p < 0.05: {named}{more}.")
     else:
         n = max((c.get("n", 0) for c in correlations), default=0)
         said.append(f"No quantity follows a loss at p < 0.05 over {n} checkpoints.")
