@@ -196,6 +196,8 @@ class CheckRecord:
             "overhead": self.overhead,
             "step_ms": self.step_ms,
             "plan": self.plan,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
             "decision": self.decision.as_dict(),
             "report": None if self.report is None else self.report.as_dict(),
             "engine": None if self.engine is None else self.engine.as_dict(),
@@ -210,6 +212,8 @@ class CheckRecord:
         fields.setdefault("overhead", None)
         fields.setdefault("step_ms", None)
         fields.setdefault("plan", None)
+        fields.setdefault("loss", None)  # files written before the history kept the training channels
+        fields.setdefault("grad_norm", None)
         saved = fields.get("sentinels")
         fields["sentinels"] = None if saved is None else SentinelValues.from_dict(saved)
         fields["decision"] = Decision.from_dict(data["decision"])
