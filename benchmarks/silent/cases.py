@@ -514,7 +514,7 @@ SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
         Scenario("simsiam_no_stopgrad", "SimSiam (small ResNet)", "Fashion-MNIST", "stop-gradient dropped", "abrupt",
-                 "linear_probe_accuracy", True, steps=1200, fault_step=300, check_every=10, build=SimSiamLinear),
+                 "linear_probe_accuracy", True, steps=600, fault_step=300, check_every=10, build=SimSiamLinear),
         Scenario("watermark_shortcut", "small CNN", "Fashion-MNIST", "class-coded watermark in training images",
                  "abrupt", "clean_accuracy", True, steps=900, fault_step=300, check_every=5, build=Shortcut),
         Scenario("generator_modes_grid", "MMD generator", "8-mode grid", "the sampler loses 4 modes (a row)",
