@@ -4,7 +4,7 @@ The core (this package outside ``integrations``) depends on numpy, scipy, GUDHI 
 ``import topocallbacks`` never imports lightning, transformers or tensorboard (nor torch: the monitor and the
 probe, which need it, are imported on first use).
 
-Example:
+Examples:
     >>> import numpy as np
     >>> import topocallbacks.functional as TF
     >>> TF.betti_numbers(np.array([[0.0, 0.0], [0.0, 5.0]]), epsilon=1.0)

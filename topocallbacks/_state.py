@@ -15,10 +15,10 @@ class StateFields:
     """The saved state of a class: ``{key: attribute}`` plus a version, with optional converters.
 
     ``save`` copies each attribute (through ``encode[key]`` when given, e.g. arrays to lists; an attribute that is
-    itself :class:`Stateful` gives its own ``state_dict()``) into a JSON-ready dict; ``load`` checks the keys and
+    itself `Stateful` gives its own ``state_dict()``) into a JSON-ready dict; ``load`` checks the keys and
     the version and sets each attribute back (through ``decode[key]``, or the attribute's own ``load_state_dict``).
 
-    Example:
+    Examples:
         >>> class Counter:
         ...     _state = StateFields(version=1, fields={"count": "count_"})
         ...     count_ = 3
@@ -77,7 +77,7 @@ class StateFields:
 
 
 class Stateful:
-    """``state_dict``/``load_state_dict`` from the class's :class:`StateFields` (its ``_state`` attribute)."""
+    """``state_dict``/``load_state_dict`` from the class's `StateFields` (its ``_state`` attribute)."""
 
     _state: StateFields
 
@@ -86,7 +86,7 @@ class Stateful:
         return self._state.save(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`.
+        """Restore `state_dict`.
 
         Raises:
             InputError: missing keys or another version.

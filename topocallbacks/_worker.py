@@ -1,4 +1,4 @@
-"""The background check worker: a separate process that runs a :class:`~topocallbacks.pipeline.CheckPipeline`.
+"""The background check worker: a separate process that runs a `CheckPipeline`.
 
 A process, not a thread: the check is CPU work in numpy, scipy, GUDHI and Python that would otherwise compete for
 the training loop's interpreter lock. The training process starts it with ``python -m topocallbacks._worker
@@ -205,7 +205,7 @@ class WorkerProcess:
                 return
 
     def request(self, message: tuple[Any, ...]) -> None:
-        """Queue one request (sent beside the loop; answered later, in order, by :meth:`reply`).
+        """Queue one request (sent beside the loop; answered later, in order, by `reply`).
 
         Raises:
             WorkerFailed: the worker is gone.
@@ -230,7 +230,7 @@ class WorkerProcess:
     def _next(self, timeout: float | None) -> tuple[Any, ...]:
         """The next answer that is not ``("ready",)``, waiting at most ``timeout`` seconds once the worker is ready.
 
-        A worker still starting gets up to :data:`START_TIMEOUT` seconds (or ``timeout`` if longer) to say it is
+        A worker still starting gets up to `START_TIMEOUT` seconds (or ``timeout`` if longer) to say it is
         ready, and ``timeout`` from then on: a slow start on a busy machine is not a stuck check.
         """
 

@@ -1,6 +1,6 @@
 """Offline analysis: what the monitor would have measured at every saved checkpoint, and more, in a CSV and a report.
 
-:func:`analyze` reads a folder of
+`analyze` reads a folder of
 
 - **Lightning checkpoints** (``*.ckpt``, searched recursively): a dict with the model's ``state_dict`` (Lightning's
   layout; a bare state dict also works), the step from its ``global_step`` (else ``step=N`` or ``stepN`` in the
@@ -23,23 +23,23 @@
 
 For model checkpoints the probe (a tensor of inputs; for text models a tensor of ``input_ids`` or a mapping with
 ``input_ids`` and ``attention_mask``) runs through each checkpoint with
-:class:`~topocallbacks.probe.FeatureExtractor`, one pass per layer. For each checkpoint and layer it then computes
-what the monitor computes: the features go through a :class:`~topocallbacks.transform.FeatureTransform` fitted on
+`FeatureExtractor`, one pass per layer. For each checkpoint and layer it then computes
+what the monitor computes: the features go through a `FeatureTransform` fitted on
 the first checkpoint, ε is calibrated on the first checkpoint's transformed cloud
-(:func:`~topocallbacks.functional.calibrate_epsilon`) and kept, and :func:`topocallbacks.check.measure` gives the
-Collapse Index, its components and the diagram drift to the previous checkpoint; the default policy's decision is
-recorded as the monitor would have (its warm-up is 10 checks, so a short series rarely warns). Beside that: H0 and
-H1 statistics of the same diagrams (finite bars of the seeded ``max_points`` subsample, filtered up to its longest
+([`calibrate_epsilon`][topocallbacks.functional.calibrate_epsilon]) and kept, and `topocallbacks.check.measure` gives
+the Collapse Index, its components and the diagram drift to the previous checkpoint; the default policy's decision is
+recorded as the monitor would have (its warm-up is 10 checks, so a short series rarely warns). Beside that: H0 and H1
+statistics of the same diagrams (finite bars of the seeded ``max_points`` subsample, filtered up to its longest
 minimum-spanning-tree edge: count, total and maximum persistence, normalised persistence entropy), the Wasserstein-1
-distance between consecutive diagrams per dimension, and the effective rank, participation ratio and eigenspectrum
-decay exponent of the transformed cloud. With ``weights=True`` every ``Linear``, ``Conv`` and Hugging Face
-``Conv1D`` weight matrix adds a row (``source`` ``weights``) with its neural persistence (raw and normalised) and
-the H0 total persistence of its neurons (:mod:`topocallbacks.functional.weights`).
+distance between consecutive diagrams per dimension, and the effective rank, participation ratio and eigenspectrum decay
+exponent of the transformed cloud. With ``weights=True`` every ``Linear``, ``Conv`` and Hugging Face ``Conv1D`` weight
+matrix adds a row (``source`` ``weights``) with its neural persistence (raw and normalised) and the H0 total persistence
+of its neurons (`topocallbacks.functional.weights`).
 
 Written into ``out_dir`` (and nowhere else): ``analysis.csv`` (one row per checkpoint and layer), ``analysis.json``
 (the same rows, non-finite values as null, plus the settings, ε per layer, the Spearman correlation of every
 quantity with every loss found, and the step where each quantity's change flattens) and the HTML report of
-:func:`topocallbacks.report.write_report` with the analysis's own sections.
+`topocallbacks.report.write_report` with the analysis's own sections.
 
 Checkpoints are read safely: ``torch.load(..., weights_only=True)`` always, safetensors as they are. A file that
 needs arbitrary unpickling is refused with the reason, unless ``trust_checkpoints=True``, which loads it with
@@ -48,7 +48,7 @@ needs arbitrary unpickling is refused with the reason, unless ``trust_checkpoint
 Command line: ``topocallbacks analyze PATH --probe FILE --out DIR [--layer NAME ...] [--factory module:function]
 [--weights] [--trust-checkpoints]``.
 
-The work is done in three parts, each a module of :mod:`topocallbacks.analysis`: ``loading`` (the arguments, the
+The work is done in three parts, each a module of `topocallbacks.analysis`: ``loading`` (the arguments, the
 checkpoints, the model, the probe, and each checkpoint's features), ``evaluating`` (the measurements, row by row) and
 ``writing`` (the CSV, the JSON and the report).
 """
@@ -83,7 +83,7 @@ __all__ = ["Analysis", "analyze"]
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
-    """What :func:`analyze` found and wrote.
+    """What `analyze` found and wrote.
 
     Attributes:
         rows: one dict per checkpoint and layer (and per weight matrix with ``weights=True``), as in the CSV.
@@ -92,7 +92,7 @@ class Analysis:
         csv_path: ``analysis.csv``.
         json_path: ``analysis.json``.
         report_path: the report's ``index.html``.
-        findings: what it found, in a few sentences (:func:`~topocallbacks.analysis.summaries.findings`), also at
+        findings: what it found, in a few sentences (`findings`), also at
             the top of the report and printed by ``topocallbacks analyze``.
         layers: the modules analysed, as the layer names and patterns given resolved in the model.
     """
@@ -125,7 +125,7 @@ def analyze(
     See the module's documentation for what is read and computed. The rows of ``analysis.csv`` are ``step``,
     ``layer``, ``source`` (``features``, or ``weights`` for a weight matrix's row), ``status`` (``ok``, or
     ``diverged`` for NaN or Inf), ``checkpoint`` (its path relative to ``path``), one column per loss found, then
-    the quantities of :data:`QUANTITIES` (empty where they do not apply).
+    the quantities of `QUANTITIES` (empty where they do not apply).
 
     Args:
         path: a folder of Lightning ``.ckpt`` files, of Hugging Face ``checkpoint-N`` folders (or one such folder),
@@ -149,14 +149,14 @@ def analyze(
             ``projection``, ``max_points``, ``index``...).
 
     Returns:
-        An :class:`Analysis` with the rows, the correlations and the paths written.
+        An `Analysis` with the rows, the correlations and the paths written.
 
     Raises:
         InputError: ``path`` missing, empty or mixed; a checkpoint that cannot be read, that needs unpickling
             (unless trusted), or whose state does not match the rebuilt model; no probe, layer or factory where
             one is needed; a bad option. Every message names the file it is about.
 
-    Example:
+    Examples:
         >>> import tempfile, numpy as np
         >>> rng = np.random.default_rng(0)
         >>> with tempfile.TemporaryDirectory() as folder:

@@ -62,7 +62,7 @@ class Plan:
     """Where and how often to check, and on how many probe samples.
 
     Attributes:
-        intervals: configured intervals (``check_every`` steps) between checks, 1 to :data:`FLOOR_INTERVALS`.
+        intervals: configured intervals (``check_every`` steps) between checks, 1 to `FLOOR_INTERVALS`.
         background: evaluate in the background worker.
         lag: steps between a background check and the step its decision is applied at (None: the settings'
             ``lag``); never more than the steps to the next check.
@@ -100,7 +100,7 @@ class Footprint:
         costs: a measured interval.
         check_every: the configured interval, in steps.
         lag: the steps a worker has before the loop waits for its check (``ScheduleSettings.apply_lag``), unless
-            :meth:`share` is given another.
+            `share` is given another.
     """
 
     def __init__(self, costs: Costs, check_every: int, lag: int = 1) -> None:
@@ -146,16 +146,16 @@ def plan(
     1. *where*: into the background worker, when ``can_move`` (the setting is automatic and a core is free): it
        changes nothing in what a check measures;
     2. *lag*: in the background, when ``can_lag`` (``lag`` is automatic), a decision is applied as many steps
-       after its check as hide the evaluation (:data:`LAG_MARGIN` times its prediction), at most until the next
+       after its check as hide the evaluation (`LAG_MARGIN` times its prediction), at most until the next
        check: what a check measures is unchanged, its decision acts up to one interval later;
-    3. *cadence*: more configured intervals between checks, up to :data:`FLOOR_INTERVALS` (the safety floor);
-    4. *probe size*: halved, down to :data:`MIN_PROBE`, when ``can_shrink`` (the size is automatic and the warm-up
+    3. *cadence*: more configured intervals between checks, up to `FLOOR_INTERVALS` (the safety floor);
+    4. *probe size*: halved, down to `MIN_PROBE`, when ``can_shrink`` (the size is automatic and the warm-up
        is not over): a smaller probe restarts the calibration, so it comes last.
 
     When even the floor and the smallest probe miss the budget, that plan is returned with ``met`` False (the
     caller warns once). The cadence comes back down when the cost allows it.
 
-    Example:
+    Examples:
         >>> costs = Costs(step_ms=10.0, probe_ms=1.0, eval_ms=80.0, other_ms=0.2, n=512)
         >>> p = plan(Footprint(costs, 10, lag=5), 0.05, can_move=True, can_shrink=True, current=Plan())
         >>> p.background, p.intervals, p.probe_size, p.met  # 80 ms outlast the 5 steps' 50 ms; 28 ms at 256 do not
@@ -197,7 +197,7 @@ def share_of(own_ms: float, train_ms: float) -> float | None:
 class Meter:
     """Times the monitor's own share of the training loop: the wall time between two checks, less the monitor's.
 
-    The monitor's entry points run inside :meth:`own` (nested calls count once); :meth:`interval`, at a check,
+    The monitor's entry points run inside `own` (nested calls count once); `interval`, at a check,
     gives what the interval since the check before cost and starts the next one.
 
     Args:
@@ -276,7 +276,7 @@ def replan(
 
 
 def measured_costs(record: CheckRecord, step_ms: float, own_ms: float) -> Costs:
-    """The :class:`Costs` of the interval that ended with the check ``record``, the monitor's own time ``own_ms``."""
+    """The `Costs` of the interval that ended with the check ``record``, the monitor's own time ``own_ms``."""
     return Costs(
         step_ms=step_ms,
         probe_ms=record.probe_ms,

@@ -1,8 +1,8 @@
 """One check: a transformed cloud becomes the Collapse Index, the watched index, and a typed record.
 
-:func:`measure` is the one function that computes what a check measures; :class:`~topocallbacks.TopoMonitor` and
+`measure` is the one function that computes what a check measures; [`TopoMonitor`][topocallbacks.TopoMonitor] and
 the collapse-evidence suite (``benchmarks/collapse/signals.py``) both call it, so the suite measures what ships.
-Records are typed (:class:`CheckRecord`, :class:`InterventionRecord`); ``as_dict`` turns them into the JSON the
+Records are typed (`CheckRecord`, `InterventionRecord`); ``as_dict`` turns them into the JSON the
 history file, the loggers and the distributed broadcast carry.
 """
 
@@ -41,7 +41,7 @@ ORIENTATION: Mapping[str, int] = {"diagram_drift": 1, "paper": 1, "rankme": -1}
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """What :func:`measure` found in one cloud.
+    """What `measure` found in one cloud.
 
     Attributes:
         report: the Collapse Index and its components.
@@ -97,13 +97,13 @@ def measure(
         cloud: ``(n, d)`` float64 points, finite (the monitor validates and transforms them first).
         epsilon: the calibrated scale.
         settings: the index settings (weights, diagram subsample size, which index).
-        previous: the previous check's :attr:`Measurement.diagrams` (for diagram drift), or None.
+        previous: the previous check's `Measurement.diagrams` (for diagram drift), or None.
         alternative: other diagrams to measure the drift from (the monitor's last check that was not flagged): the
             drift is the smaller of the two.
         betti: ``(b0, b1)`` at ``epsilon`` if already known (the MMHM engine's), else computed from scratch.
         seed: seed of the diagram subsample.
         also: other indices to compute beside the watched one (by name, see
-            :data:`~topocallbacks.settings.INDEX_NAMES`).
+            `INDEX_NAMES`).
     """
     weights = resolve_weights(settings.weights)
     report, diagrams = _collapse_index(cloud, epsilon, weights, max_points=settings.max_points, seed=seed, betti=betti)
@@ -141,7 +141,7 @@ class CheckRecord:
         overhead: the share of the training step time the monitor cost the loop since the check before (None at
             the first check, before any step was timed).
         step_ms: a training step's own time over that interval (the monitor's time left out).
-        plan: the overhead budget's plan from this check on (:class:`~topocallbacks.budget.Plan` as a dict), when
+        plan: the overhead budget's plan from this check on (`Plan` as a dict), when
             it changed at this check.
         loss: the mean training loss since the check before, as the rule saw it (None: none was passed).
         grad_norm: the mean gradient norm (before clipping) since the check before (None: none was passed).
@@ -205,7 +205,7 @@ class CheckRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CheckRecord:
-        """The inverse of :meth:`as_dict`."""
+        """The inverse of `as_dict`."""
         fields = {k: v for k, v in data.items() if k != "kind"}
         fields.setdefault("layer", None)
         fields.setdefault("density", None)
@@ -254,7 +254,7 @@ class InterventionRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> InterventionRecord:
-        """The inverse of :meth:`as_dict`."""
+        """The inverse of `as_dict`."""
         return cls(**{k: v for k, v in data.items() if k != "kind"})
 
 

@@ -36,7 +36,7 @@ def _dimensional_collapse(features: NDArray[np.float64], strength: float) -> NDA
 
 
 def run_demo(out: str = DEMO_DIR, seed: int = 0) -> int:
-    """``topocallbacks demo``: a transient fault, unprotected and rolled back (:mod:`topocallbacks.demo`).
+    """``topocallbacks demo``: a transient fault, unprotected and rolled back (`topocallbacks.demo`).
 
     Returns:
         0 if the protected run ended within 2 points of the healthy run's test accuracy and the unprotected one

@@ -19,12 +19,12 @@ _STATE_VERSION = 2
 class CollapseIndex:
     """Collapse Index with a scale ε fixed at calibration, for a series of clouds of the same probe.
 
-    The first call (or :meth:`calibrate`) sets ``epsilon_`` (the settings' ``epsilon``, else the quantile heuristic,
-    :func:`~topocallbacks.functional.calibrate_epsilon`); every later call reuses it, so a change of the index
-    reflects the features, not a moving scale. Fitted attributes end in ``_``.
+    The first call (or `calibrate`) sets ``epsilon_`` (the settings' ``epsilon``, else the quantile heuristic,
+    [`calibrate_epsilon`][topocallbacks.functional.calibrate_epsilon]); every later call reuses it, so a change of the
+    index reflects the features, not a moving scale. Fitted attributes end in ``_``.
 
     Args:
-        settings: an :class:`~topocallbacks.settings.IndexSettings` (``epsilon``, ``epsilon_quantile``,
+        settings: an `IndexSettings` (``epsilon``, ``epsilon_quantile``,
             ``epsilon_factor``, ``weights``, ``max_points``); default: the defaults.
         seed: seed of the subsamples (>= 0).
         **overrides: any field of the settings, e.g. ``CollapseIndex(epsilon=0.5)``.
@@ -32,7 +32,7 @@ class CollapseIndex:
     Raises:
         InputError: a value is out of range.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> index = CollapseIndex()
         >>> rng = np.random.default_rng(0)
@@ -79,7 +79,7 @@ class CollapseIndex:
         return {"version": _STATE_VERSION, "epsilon_": self.epsilon_, "weights_": dict(self.weights_)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the weights and ε in the state win over the constructor's.
+        """Restore a `state_dict`; the weights and ε in the state win over the constructor's.
 
         Raises:
             InputError: the state is missing keys, has an unknown version, or holds an invalid ε.

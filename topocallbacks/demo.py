@@ -5,19 +5,19 @@ loop, from the same seed: the same initial weights and the same stream of batche
 
 * *healthy*: no fault, the reference;
 * *unprotected*: a transient fault hits a stretch of steps (a corrupted shard whose labels are shuffled, and a
-  learning-rate spike); :class:`~topocallbacks.TopoMonitor` with ``policy={"action": "warn"}`` warns, nobody acts,
-  and the network collapses for good (all but one of the 64 ReLUs of its feature layer die: chance accuracy);
+  learning-rate spike); [`TopoMonitor`][topocallbacks.TopoMonitor] with ``policy={"action": "warn"}`` warns, nobody
+  acts, and the network collapses for good (all but one of the 64 ReLUs of its feature layer die: chance accuracy);
 * *protected*: the same fault, the same monitor at its default rule (nothing overridden): when the probe's index
   and the training loss jump together it restores the newest healthy snapshot of the model, optimizer and
   scheduler, halves the learning rate (the cuts compound) and skips the next two check intervals' updates, and
   training goes on with the next batch, so the batches since the snapshot are not seen again. The fault comes back
   until it has passed, and so do the rollbacks; then training goes on as usual.
 
-:func:`train` is the example to copy: the monitor needs two lines in the loop (``on_step`` and ``act``) and a
-:class:`~topocallbacks.interventions.LoopActuator` that holds the model. :func:`run` prints the table, writes the
+`train` is the example to copy: the monitor needs two lines in the loop (``on_step`` and ``act``) and a
+[`LoopActuator`][topocallbacks.interventions.LoopActuator] that holds the model. `run` prints the table, writes the
 curves (``curves.csv``), the protected run's history (``protected-history.jsonl``) and, with matplotlib
 (``pip install "topocallbacks[report]"``), their picture (``rescue.png``) and the HTML report of the protected run's
-history (``report/index.html``, :meth:`TopoMonitor.report <topocallbacks.TopoMonitor.report>`).
+history (``report/index.html``, [`TopoMonitor.report`][topocallbacks.TopoMonitor.report]).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def train(
     check_every: int = CHECK_EVERY,
     history_path: Path | None = None,
 ) -> Run:
-    """Train :class:`DigitsMLP` with SGD for ``steps`` steps, watched by a :class:`TopoMonitor`.
+    """Train `DigitsMLP` with SGD for ``steps`` steps, watched by a [`TopoMonitor`][topocallbacks.TopoMonitor].
 
     Args:
         name: the run's name.

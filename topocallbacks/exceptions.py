@@ -1,6 +1,6 @@
 """Exceptions raised by topocallbacks.
 
-Every exception derives from :class:`TopoCallbacksError` *and* from the built-in it refines, so callers can catch
+Every exception derives from `TopoCallbacksError` *and* from the built-in it refines, so callers can catch
 either ``topocallbacks.TopoCallbacksError`` or the familiar ``ValueError``.
 """
 
@@ -56,4 +56,4 @@ class SnapshotUnsupported(InputError):
 
 
 class ConfigError(InputError):
-    """A configuration key is unknown, or a value read from a preset file is invalid (an :class:`InputError`)."""
+    """A configuration key is unknown, or a value read from a preset file is invalid (an `InputError`)."""

@@ -56,7 +56,7 @@ class Intake:
         channels: the channels the rule watches (a watched training channel that is never fed is said once).
         require: how many channels the rule requires (for the message).
 
-    Example:
+    Examples:
         >>> intake = Intake(("index", "loss"), 2)
         >>> intake.record(loss=2.0)
         >>> intake.record(loss=torch.tensor(1.0))
@@ -137,7 +137,7 @@ class OptimizerStep:
     gradient norms of the optimizer steps taken in one batch (several optimizers) are combined into one total norm;
     a step the grad scaler skipped (Inf or NaN gradients under mixed precision, its routine) has no norm.
 
-    Example:
+    Examples:
         >>> step = OptimizerStep()
         >>> step.add_loss(torch.tensor(1.0)); step.add_loss(torch.tensor(3.0))
         >>> step.add_grad_norm(torch.tensor(3.0)); step.add_grad_norm(torch.tensor(4.0))

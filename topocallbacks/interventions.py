@@ -1,6 +1,6 @@
 """Applying decisions, and learning-rate cuts that survive the scheduler.
 
-:func:`apply` carries out a :class:`~topocallbacks.policy.Decision` through an :class:`Actuator`, the small
+`apply` carries out a [`Decision`][topocallbacks.policy.Decision] through an `Actuator`, the small
 interface each training adapter implements with its framework's own means (save a checkpoint, scale the learning
 rate, request a stop). No training framework is imported here.
 
@@ -56,35 +56,35 @@ class Actuator(Protocol):
         """Ask the training loop to stop after this step."""
 
     def checkpoint_location(self, tag: str) -> str:
-        """Where :meth:`save_checkpoint` will write the checkpoint named by ``tag``, in words."""
+        """Where `save_checkpoint` will write the checkpoint named by ``tag``, in words."""
 
     def save_checkpoint(self, tag: str) -> None:
         """Save (or ask the framework to save) a checkpoint of the current state, named by ``tag``."""
 
     def snapshot(self) -> Any:
-        """A copy of this rank's training state in host memory (:func:`capture_state`), for ``rollback``."""
+        """A copy of this rank's training state in host memory (`capture_state`), for ``rollback``."""
 
     def restore(self, snapshot: Any) -> str:
-        """Load :meth:`snapshot`'s copy back in place, on this rank (:func:`restore_state`)."""
+        """Load `snapshot`'s copy back in place, on this rank (`restore_state`)."""
 
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
         """Write a snapshot to a file named by ``tag`` (rank 0) and say where, so a stop keeps the last good state."""
 
     def skip_updates(self, count: int) -> str:
-        """Skip the next ``count`` optimizer updates (:func:`skip_updates`), for ``rollback_skip``."""
+        """Skip the next ``count`` optimizer updates (`skip_updates`), for ``rollback_skip``."""
 
     def snapshot_nbytes(self) -> int:
-        """About the bytes one :meth:`snapshot` will take (:func:`live_state_nbytes`), before taking it (optional)."""
+        """About the bytes one `snapshot` will take (`live_state_nbytes`), before taking it (optional)."""
 
 
 class LoopActuator:
-    """The :class:`Actuator` of a plain PyTorch loop: ``monitor.act(record, LoopActuator(optimizer, scheduler))``.
+    """The `Actuator` of a plain PyTorch loop: ``monitor.act(record, LoopActuator(optimizer, scheduler))``.
 
-    A learning-rate cut scales the optimizers and schedulers together (:func:`scale_learning_rate`); a stop sets
-    :attr:`stop_requested`, which the loop reads to break; a rescue checkpoint is ``torch.save(state(), path)`` in
+    A learning-rate cut scales the optimizers and schedulers together (`scale_learning_rate`); a stop sets
+    `stop_requested`, which the loop reads to break; a rescue checkpoint is ``torch.save(state(), path)`` in
     ``directory`` (``<tag>.pt``, the tag naming the action and the step), written on rank 0 only. A rollback
     restores ``model``, the optimizers, the schedulers and ``scaler`` in place from a snapshot
-    (:func:`capture_state`), and the loop goes on with its next batch.
+    (`capture_state`), and the loop goes on with its next batch.
 
     Args:
         optimizers: a torch optimizer or a list of them.
@@ -95,7 +95,7 @@ class LoopActuator:
         state: returns what a rescue checkpoint holds, e.g. ``lambda: {"model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "monitor": monitor.state_dict()}``; required with ``directory``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
         >>> actuator = LoopActuator(optimizer)
@@ -142,7 +142,7 @@ class LoopActuator:
         return f"learning rate x {factor}"
 
     def request_stop(self) -> str:
-        """Set :attr:`stop_requested`."""
+        """Set `stop_requested`."""
         self.stop_requested = True
         return "stop requested"
 
@@ -162,7 +162,7 @@ class LoopActuator:
         save_on_rank_zero(self.state(), self.directory, f"{tag}.pt")
 
     def snapshot(self) -> dict[str, Any]:
-        """:func:`capture_state` of the model, optimizers, schedulers and scaler.
+        """`capture_state` of the model, optimizers, schedulers and scaler.
 
         Raises:
             SnapshotUnsupported: no ``model`` was given.
@@ -172,7 +172,7 @@ class LoopActuator:
         return capture_state(self.model, self.optimizers, self.schedulers, self.scaler)
 
     def restore(self, snapshot: Any) -> str:
-        """:func:`restore_state` in place."""
+        """`restore_state` in place."""
         if self.model is None:  # pragma: no cover - snapshot() refused already
             raise InputError("`rollback` needs the model: LoopActuator(optimizer, scheduler, model=model)")
         restore_state(snapshot, self.model, self.optimizers, self.schedulers, self.scaler)
@@ -181,7 +181,7 @@ class LoopActuator:
     def save_snapshot(self, snapshot: Any, tag: str) -> str:
         """``torch.save`` it as ``<directory>/<tag>.pt`` (rank 0); without a directory, keep it in memory.
 
-        Nothing is dropped: without ``directory`` the snapshot stays in :attr:`last_healthy`.
+        Nothing is dropped: without ``directory`` the snapshot stays in `last_healthy`.
         """
         if self.directory is None:
             self.last_healthy = snapshot
@@ -189,16 +189,16 @@ class LoopActuator:
         return save_on_rank_zero(snapshot, self.directory, f"{tag}.pt")
 
     def skip_updates(self, count: int) -> str:
-        """:func:`skip_updates` of the optimizers."""
+        """`skip_updates` of the optimizers."""
         return skip_updates(self.optimizers, count)
 
     def snapshot_nbytes(self) -> int:
-        """:func:`live_state_nbytes` of the model and optimizers (0 without a model)."""
+        """`live_state_nbytes` of the model and optimizers (0 without a model)."""
         return 0 if self.model is None else live_state_nbytes(self.model, self.optimizers)
 
 
 def live_state_nbytes(model: Any, optimizers: Iterable[Any]) -> int:
-    """About the bytes :func:`capture_state` will copy on this rank, read from the live state without copying it.
+    """About the bytes `capture_state` will copy on this rank, read from the live state without copying it.
 
     The model's ``state_dict`` plus each optimizer's state; an optimizer with no state yet (before its first step)
     counts as twice the trainable parameters (Adam's two moments), so the estimate is not low at step 0. A sharded
@@ -239,7 +239,7 @@ def skip_updates(optimizers: Iterable[Any], count: int) -> str:
     is back after the count. Asking again while skipping starts the count again. The count lives on the optimizer
     object (a checkpoint does not hold it).
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Linear(2, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -259,7 +259,7 @@ def skip_updates(optimizers: Iterable[Any], count: int) -> str:
 
 
 def updates_left_to_skip(optimizer: Any) -> int:
-    """How many more of ``optimizer``'s updates :func:`skip_updates` will skip."""
+    """How many more of ``optimizer``'s updates `skip_updates` will skip."""
     pending = optimizer.__dict__.get("_topo_skip")
     return 0 if pending is None else int(pending["left"])
 
@@ -295,41 +295,41 @@ def _skip(optimizer: Any, count: int) -> None:
 
 
 class StateActuator:
-    """The rollback half of an :class:`Actuator`, from the training's parts (a framework adapter's base).
+    """The rollback half of an `Actuator`, from the training's parts (a framework adapter's base).
 
-    A subclass gives :meth:`_parts` (model, optimizers, schedulers, grad scaler) and may refuse snapshots of a
-    training it cannot put back in place (:meth:`_check_snapshots`, e.g. sharded strategies) and word its restore
-    (:meth:`_restored`); ``snapshot_nbytes``, ``snapshot``, ``restore`` and ``skip_updates`` follow.
+    A subclass gives `_parts` (model, optimizers, schedulers, grad scaler) and may refuse snapshots of a
+    training it cannot put back in place (`_check_snapshots`, e.g. sharded strategies) and word its restore
+    (`_restored`); ``snapshot_nbytes``, ``snapshot``, ``restore`` and ``skip_updates`` follow.
     """
 
     def _parts(self) -> tuple[Any, list[Any], list[Any], Any]:
         raise NotImplementedError
 
     def _check_snapshots(self) -> None:
-        """Raise :class:`~topocallbacks.exceptions.SnapshotUnsupported` where a snapshot cannot be restored."""
+        """Raise `SnapshotUnsupported` where a snapshot cannot be restored."""
 
     def _restored(self, model: Any, optimizers: list[Any], schedulers: list[Any]) -> str:
         return f"model, {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s) restored"
 
     def snapshot_nbytes(self) -> int:
-        """:func:`live_state_nbytes` of the model and optimizers."""
+        """`live_state_nbytes` of the model and optimizers."""
         self._check_snapshots()
         model, optimizers, _, _ = self._parts()
         return live_state_nbytes(model, optimizers)
 
     def snapshot(self) -> dict[str, Any]:
-        """:func:`capture_state` of the parts."""
+        """`capture_state` of the parts."""
         self._check_snapshots()
         return capture_state(*self._parts())
 
     def restore(self, snapshot: Any) -> str:
-        """:func:`restore_state` in place."""
+        """`restore_state` in place."""
         model, optimizers, schedulers, scaler = self._parts()
         restore_state(snapshot, model, optimizers, schedulers, scaler)
         return self._restored(model, optimizers, schedulers)
 
     def skip_updates(self, count: int) -> str:
-        """:func:`skip_updates` of the optimizers."""
+        """`skip_updates` of the optimizers."""
         return skip_updates(self._parts()[1], count)
 
 
@@ -352,7 +352,7 @@ def _host_copy(tree: Any, pinned: bool = False) -> Any:
 
     A sharded tensor stays sharded: a DTensor (FSDP2, tensor parallelism) is copied as its local shard with the same
     mesh and placements, a ``ShardedTensor`` (FSDP1's sharded state dict) shard by shard; no rank gathers anything.
-    ``pinned``: GPU tensors go to pinned host memory with non-blocking copies (:func:`_to_host`).
+    ``pinned``: GPU tensors go to pinned host memory with non-blocking copies (`_to_host`).
     """
     import torch
 
@@ -378,7 +378,7 @@ def _to_host(tensor: Any, pinned: bool) -> Any:
     """A host copy of ``tensor``; from a CUDA device with ``pinned``, a non-blocking copy into pinned memory.
 
     The copy is queued on the current stream, so the training's later in-place updates on that stream come after it;
-    only a reader of the host copy must wait for it (:func:`capture_state`'s ``ready`` event).
+    only a reader of the host copy must wait for it (`capture_state`'s ``ready`` event).
     """
     if pinned and tensor.device.type == "cuda":
         import torch
@@ -401,7 +401,7 @@ def has_sharded_state(model: Any) -> bool:
     """Whether ``model``'s state is sharded across ranks: FSDP1, FSDP2 (``fully_shard``) or DTensor parameters.
 
     Its state is then read and written through ``torch.distributed.checkpoint``'s state-dict helpers, each rank its
-    own shard (:func:`capture_state`).
+    own shard (`capture_state`).
 
     Raises:
         SnapshotUnsupported: a DeepSpeed engine (its ZeRO partitions are not read or written exactly here).
@@ -438,11 +438,11 @@ def capture_state(
     scheduler's ``state_dict`` and the grad scaler's, every tensor copied to the host (the training goes on
     changing the originals in place). From a GPU the copies go to pinned host memory without blocking the loop,
     and ``"ready"`` holds a CUDA event recorded after them: wait on it (``ready.synchronize()``) before reading the
-    host tensors (:class:`~topocallbacks.rollback.SnapshotStore` does). A sharded model (:func:`has_sharded_state`) is
+    host tensors (`SnapshotStore` does). A sharded model (`has_sharded_state`) is
     read through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``,
     sharded): each rank copies its own shard, with no collective beyond what those helpers need.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Linear(2, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -493,7 +493,7 @@ def _stateless(optimizer: Any) -> dict[str, Any]:
 def restore_state(
     snapshot: dict[str, Any], model: Any, optimizers: Iterable[Any], schedulers: Iterable[Any], scaler: Any = None
 ) -> None:
-    """Load :func:`capture_state`'s copy back in place: the parameters are the same objects afterwards.
+    """Load `capture_state`'s copy back in place: the parameters are the same objects afterwards.
 
     Copies are loaded (``load_state_dict`` keeps a host tensor it is given as the optimizer's state, and the
     snapshot must stay intact for a later rollback). A sharded snapshot goes back through
@@ -651,7 +651,7 @@ def scale_learning_rate(optimizers: Iterable[Any], schedulers: Iterable[Any], fa
     Raises:
         InputError: ``factor`` is not in ``(0, 1)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
         >>> scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

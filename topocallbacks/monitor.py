@@ -1,8 +1,8 @@
 """TopoMonitor: the coordinator that wires a check's parts together, usable from a plain PyTorch loop.
 
-It holds no mechanism of its own: :class:`~topocallbacks.schedule.Schedule` says when,
-:class:`~topocallbacks.probing.ProbePass` takes the features, :class:`~topocallbacks.runner.Runner` evaluates them
-(the pipeline: transform, engine, index, policy), :class:`~topocallbacks.rescue.Rescuer` carries decisions out, and
+It holds no mechanism of its own: `Schedule` says when,
+`ProbePass` takes the features, `Runner` evaluates them
+(the pipeline: transform, engine, index, policy), `Rescuer` carries decisions out, and
 the sinks keep the records::
 
     monitor = TopoMonitor(probe=probe_inputs, layer="encoder.pool", check_every=100)
@@ -11,9 +11,10 @@ the sinks keep the records::
         for record in monitor.on_step(step, model=model, loss=loss):  # checks when due, decisions when their step comes
             monitor.act(record, actuator)  # does what record.decision says (and keeps healthy snapshots)
 
-The Lightning and Hugging Face callbacks are thin adapters around this class: they call :meth:`TopoMonitor.on_step`,
-log the records, and hand each decision to :meth:`TopoMonitor.act` with their framework's
-:class:`~topocallbacks.interventions.Actuator`.
+The Lightning and Hugging Face callbacks are thin adapters around this class: they call
+[`TopoMonitor.on_step`][topocallbacks.TopoMonitor.on_step],
+log the records, and hand each decision to [`TopoMonitor.act`][topocallbacks.TopoMonitor.act] with their framework's
+[`Actuator`][topocallbacks.interventions.Actuator].
 """
 
 from __future__ import annotations
@@ -75,23 +76,24 @@ class TopoMonitor(Stateful):
     """Watches the features of a fixed probe (or of the training batches) and decides when to act.
 
     Args:
-        settings: a :class:`~topocallbacks.settings.MonitorSettings`, or a mapping of options merged into the
+        settings: a [`MonitorSettings`][topocallbacks.settings.MonitorSettings], or a mapping of options merged into the
             preset's; default: every option at its default (or the preset's).
         preset: a preset name (``presets.available()``) or a YAML path whose values are the defaults.
         probe: probe inputs (a tensor, a Dataset, a list of inputs, a mapping of columns such as a tokenizer's
-            output, or a list of texts with ``tokenizer``; see :class:`~topocallbacks.probe.Probe`); needed in
-            probe mode to run :meth:`check` (:meth:`process` takes features directly).
+            output, or a list of texts with ``tokenizer``; see `Probe`); needed in
+            probe mode to run `check` (`process` takes features directly).
         tokenizer: a Hugging Face tokenizer for a probe of texts (truncated to ``probe.max_length`` tokens).
         **overrides: any option by name (``layer``, ``check_every``, ``index``, ``history_path``, ``policy={...}``
-            merged into the rule in effect...), merged and validated by :meth:`MonitorSettings.merged
-            <topocallbacks.settings.MonitorSettings.merged>`. ``layers=[...]`` watches several layers in one probe
-            pass: a check gives one record per layer, the primary layer's last, which alone carries the decision.
+            merged into the rule in effect...), merged and validated by
+            [`MonitorSettings.merged`][topocallbacks.settings.MonitorSettings.merged]. ``layers=[...]`` watches
+            several layers in one probe pass: a check gives one record per layer, the primary layer's last, which
+            alone carries the decision.
 
     Raises:
         InputError: an option is out of range, or a probe is given without a layer.
         ConfigError: an unknown option (with the closest one).
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> monitor = TopoMonitor(check_every=1)
         >>> record = monitor.process(np.random.default_rng(0).normal(size=(64, 8)), step=0)
@@ -148,7 +150,7 @@ class TopoMonitor(Stateful):
     several = property(lambda self: self.probing.several, doc="Whether several layers are watched (``layers=``).")
 
     def resolve_layers(self, model: Any) -> list[str]:
-        """The module names this monitor watches in ``model``, the primary first (:meth:`ProbePass.resolve`)."""
+        """The module names this monitor watches in ``model``, the primary first (`ProbePass.resolve`)."""
         return self.probing.resolve(model, self.pipeline if isinstance(self.pipeline, LayeredPipeline) else None)
 
     @classmethod
@@ -249,7 +251,7 @@ class TopoMonitor(Stateful):
         """Carry out ``record``'s decision (every rank, at the same step) and write it to the history.
 
         Call it for every record, healthy ones too: while a rule can roll back or stop, a healthy check's state is
-        kept as a snapshot (:attr:`snapshots`, through ``actuator.snapshot()``). A rollback restores the newest
+        kept as a snapshot (`snapshots`, through ``actuator.snapshot()``). A rollback restores the newest
         snapshot taken before the warning's onset, in place, and training goes on with the next batch.
 
         Returns:
@@ -281,7 +283,7 @@ class TopoMonitor(Stateful):
     # --- reading ----------------------------------------------------------------------------------------------
 
     def summary(self) -> str:
-        """What happened, in a few lines (:func:`topocallbacks.summary.summary_text`)."""
+        """What happened, in a few lines (`topocallbacks.summary.summary_text`)."""
         resolved = getattr(self.probing.extractor, "resolved_layer_", None)  # the name a pattern matched
         layers = self.pipeline.layers if isinstance(self.pipeline, LayeredPipeline) else []
         snapshots = self.snapshots.describe() if self.snapshots.snapshots else None
@@ -289,7 +291,7 @@ class TopoMonitor(Stateful):
         return summary_text(self.history, self.settings, layer=layer, layers=layers, snapshots=snapshots)
 
     def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
-        """The HTML report of the history in ``out_dir`` (:func:`topocallbacks.write_report`), on rank 0; its path.
+        """The HTML report of the history in ``out_dir`` (`topocallbacks.write_report`), on rank 0; its path.
 
         The last diagrams of the primary layer are drawn too. Needs matplotlib (``topocallbacks[report]``).
         """
@@ -359,7 +361,7 @@ class TopoMonitor(Stateful):
     )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`, the sum of the parts' states (a running worker is stopped first).
+        """Restore `state_dict`, the sum of the parts' states (a running worker is stopped first).
 
         Raises:
             InputError: missing keys, another version, or a probe with other contents than the saved one's.

@@ -1,8 +1,8 @@
 """The stateful evaluation of checks: features -> transform -> ε -> MMHM -> measure -> policy -> a record.
 
-:class:`CheckPipeline` imports no torch and pickles, so the same object runs in the training process (synchronous
-mode) or in the background worker (:mod:`topocallbacks._worker`); :class:`~topocallbacks.TopoMonitor` keeps a
-mirror of its state from what each result carries (:meth:`CheckPipeline.share`), exactly as a distributed rank
+`CheckPipeline` imports no torch and pickles, so the same object runs in the training process (synchronous
+mode) or in the background worker (`topocallbacks._worker`); [`TopoMonitor`][topocallbacks.TopoMonitor] keeps a
+mirror of its state from what each result carries (`CheckPipeline.share`), exactly as a distributed rank
 adopts rank 0's state.
 """
 
@@ -59,8 +59,8 @@ class Evaluation:
     """What one evaluation produced.
 
     The record (None: a streaming window too small to check), the pipeline's state after it
-    (:meth:`CheckPipeline.share`), and the diagrams of a TensorBoard figure when one is due. With several layers
-    (:class:`LayeredPipeline`) ``record`` is the primary layer's, which carries the check's decision, and
+    (`CheckPipeline.share`), and the diagrams of a TensorBoard figure when one is due. With several layers
+    (`LayeredPipeline`) ``record`` is the primary layer's, which carries the check's decision, and
     ``others`` the other layers' records.
     """
 
@@ -85,7 +85,7 @@ class CheckPipeline(Stateful):
     Args:
         settings: the monitor's settings.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> pipeline = CheckPipeline(MonitorSettings())
         >>> pipeline.evaluate(np.random.default_rng(0).normal(size=(64, 8)), step=0).record.status
@@ -246,7 +246,7 @@ class CheckPipeline(Stateful):
         return sentinel_values(recent, pooled, self.transform.normalise(pooled), self.epsilon_)
 
     def _rescaled(self, engine: MMHM) -> MMHM:
-        """Streaming: the engine at a new ε when the window's mean degree left :data:`DEGREE_BAND` (else as is).
+        """Streaming: the engine at a new ε when the window's mean degree left `DEGREE_BAND` (else as is).
 
         Only for a calibrated ε (not a fixed ``index.epsilon``) and a check whose newest points are not collapsed:
         a collapse keeps the scale it is measured at.
@@ -362,7 +362,7 @@ class CheckPipeline(Stateful):
         return self.state_dict()
 
     def receive(self, shared: Mapping[str, Any]) -> None:
-        """Adopt :meth:`share` from another copy (the worker's, or rank 0's)."""
+        """Adopt `share` from another copy (the worker's, or rank 0's)."""
         self.load_state_dict(shared)
 
     @property
@@ -377,7 +377,7 @@ class CheckPipeline(Stateful):
 
 
 class LayeredPipeline(Stateful):
-    """Several watched layers: one :class:`CheckPipeline` per layer, and the policy's rule over them.
+    """Several watched layers: one `CheckPipeline` per layer, and the policy's rule over them.
 
     Each layer has its own ε, transform, index and history; its records name it (``CheckRecord.layer``). The
     first layer of the first check is the *primary* one (the monitor puts the preset's or the user's ``layer``
@@ -390,7 +390,7 @@ class LayeredPipeline(Stateful):
     Args:
         settings: the monitor's settings (``probe.layers`` set).
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> rng = np.random.default_rng(0)
         >>> pipeline = LayeredPipeline(MonitorSettings().merged({"layers": ["a", "b"]}))
@@ -549,7 +549,7 @@ class LayeredPipeline(Stateful):
         return self.state_dict()
 
     def receive(self, shared: Mapping[str, Any]) -> None:
-        """Adopt :meth:`share` from another copy."""
+        """Adopt `share` from another copy."""
         self.load_state_dict(shared)
 
     @property

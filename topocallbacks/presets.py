@@ -1,6 +1,6 @@
 """Architecture presets: ``load("gpt")``, ``load("my.yaml")``, ``available()``; and the settings a callback runs with.
 
-A preset file has the sections of :class:`~topocallbacks.settings.MonitorSettings` (``probe``, ``schedule``,
+A preset file has the sections of [`MonitorSettings`][topocallbacks.settings.MonitorSettings] (``probe``, ``schedule``,
 ``transform``, ``index``, ``policy``, ``interventions``, ``output``) plus ``name`` and ``description``, and states
 only what differs from the defaults. Files are read with ``yaml.safe_load``; unknown keys are rejected with the
 sorted valid ones and a "did you mean", and a bad value is reported with its key path (``policy.patience``) and the
@@ -56,7 +56,7 @@ def preset_dir() -> Path:
 def available() -> list[str]:
     """Names of the bundled presets, sorted.
 
-    Example:
+    Examples:
         >>> {"resnet", "vit", "gpt", "llama"} <= set(available())
         True
     """
@@ -69,7 +69,7 @@ def parse_preset(data: Any, origin: str = "<dict>") -> Preset:
     Raises:
         ConfigError: unknown keys, wrong types or out-of-range values, naming the key path and ``origin``.
 
-    Example:
+    Examples:
         >>> parse_preset({"probe": {"layer": "encoder"}, "schedule": {"check_every": 7}}).settings.schedule.check_every
         7
     """
@@ -115,7 +115,7 @@ def load(name_or_path: str | os.PathLike[str]) -> Preset:
     Raises:
         ConfigError: unknown name (the message lists the available ones and the closest), or an invalid file.
 
-    Example:
+    Examples:
         >>> load("gpt").settings.probe.pooling
         'mean'
     """
@@ -144,15 +144,15 @@ def resolve_settings(
 
     Args:
         preset: a bundled preset name or a YAML path, or None for the defaults.
-        settings: a :class:`~topocallbacks.settings.MonitorSettings` that replaces the preset's, or a mapping of
-            options merged into it (the form LightningCLI's YAML gives).
+        settings: a [`MonitorSettings`][topocallbacks.settings.MonitorSettings] that replaces the preset's, or a
+            mapping of options merged into it (the form LightningCLI's YAML gives).
         overrides: options by name, merged last.
 
     Raises:
         ConfigError: an unknown preset or option (with the closest one).
         InputError: an out-of-range value.
 
-    Example:
+    Examples:
         >>> resolve_settings("gpt", {"check_every": 20}).schedule.check_every
         20
     """

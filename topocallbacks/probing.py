@@ -27,7 +27,7 @@ class ProbePass:
 
     Args:
         settings: the monitor's settings (``probe`` section, ``seed``).
-        probe: probe inputs (see :class:`~topocallbacks.probe.Probe`), or None (set later with :meth:`set_probe`).
+        probe: probe inputs (see `Probe`), or None (set later with `set_probe`).
         tokenizer: a Hugging Face tokenizer for a probe of texts.
 
     Raises:
@@ -138,7 +138,7 @@ class ProbePass:
     def take(
         self, model: Any, step: int, layered: LayeredPipeline | None = None, autocast: AutocastFactory | None = None
     ) -> tuple[Any, float]:
-        """A check's probe pass in the ``autocast`` precision: the features (:meth:`gathered`), the milliseconds.
+        """A check's probe pass in the ``autocast`` precision: the features (`gathered`), the milliseconds.
 
         Raises:
             InputError: no probe, or the pass failed; the message names the model, the layer and the step.

@@ -1,6 +1,6 @@
 """A self-contained HTML report of a monitor's history: what the index did, where it warned, and hints on why.
 
-:func:`write_report` reads a history (the JSONL file a monitor or callback writes with ``history_path=``, or its
+`write_report` reads a history (the JSONL file a monitor or callback writes with ``history_path=``, or its
 records) and writes ``index.html`` and its PNG figures into one folder: the watched index and the paper's
 composite with its components over the steps, warnings and interventions marked, a layer x step heatmap when the
 records name several layers, persistence diagrams at a few checks when they are given, and for each warning or
@@ -766,7 +766,7 @@ def _e(text: Any) -> str:
 
 
 def _also_moved(event: _Event) -> list[_Move]:
-    """Components besides the top one that moved by at least :data:`ALSO_CHANGE`."""
+    """Components besides the top one that moved by at least `ALSO_CHANGE`."""
     if event.top in ("drift", "diverged"):
         return []
     return [m for m in event.components[1:] if abs(m.change) >= ALSO_CHANGE]
@@ -994,7 +994,7 @@ def _curves_html(checks: Sequence[CheckRecord], figures: _Figures) -> list[str]:
 
 
 def _events_html(events: Sequence[_Event]) -> list[str]:
-    """The diagnosis of each event (up to :data:`MAX_DIAGNOSED`), or a line saying that nothing happened."""
+    """The diagnosis of each event (up to `MAX_DIAGNOSED`), or a line saying that nothing happened."""
     parts = ["<h2>Warnings, interventions and diagnosis</h2>"]
     if events:
         parts.append(f"<p class='note'>{_e(_CAVEAT)}</p>")
@@ -1058,7 +1058,7 @@ def write_report(
         InputError: the history file is missing or empty, a record is neither a check nor an intervention, no
             check record at all, a diagram is not ``(k, 2)``, or ``out_dir`` is a file.
 
-    Example:
+    Examples:
         >>> import tempfile, numpy as np
         >>> from topocallbacks import TopoMonitor
         >>> monitor = TopoMonitor(check_every=1)

@@ -37,10 +37,10 @@ class Checks(Protocol):
 
 
 class Rescuer(Stateful):
-    """Carries decisions out through an :class:`~topocallbacks.interventions.Actuator`, with healthy snapshots.
+    """Carries decisions out through an [`Actuator`][topocallbacks.interventions.Actuator], with healthy snapshots.
 
-    While the rule can roll back or stop (:attr:`keeps_snapshots`), every healthy check's state is kept
-    (:attr:`snapshots`; before the first one in host memory, ``snapshots + 1`` copies of every rank's state must fit
+    While the rule can roll back or stop (`keeps_snapshots`), every healthy check's state is kept
+    (`snapshots`; before the first one in host memory, ``snapshots + 1`` copies of every rank's state must fit
     in half of the memory available, rank 0 deciding; a sharded strategy or an actuator without snapshots turns them
     off, with one warning, and rollbacks then warn). A rollback restores the newest snapshot taken before the alarm's
     onset, in place, skips the next ``rollback_skip`` updates and cuts the rates (the cuts compound over rollbacks,

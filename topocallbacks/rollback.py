@@ -1,9 +1,9 @@
 """The healthy snapshots a ``rollback`` goes back to: kept in host memory or as files, a fixed number of them.
 
-A snapshot is taken when a check is judged healthy (:attr:`~topocallbacks.policy.Decision.healthy`) and only while
-a rule can roll back: the training state the adapter's :class:`~topocallbacks.interventions.Actuator` captures
+A snapshot is taken when a check is judged healthy ([`healthy`][topocallbacks.policy.Decision.healthy]) and only while
+a rule can roll back: the training state the adapter's [`Actuator`][topocallbacks.interventions.Actuator] captures
 (model, optimizers, schedulers, grad scaler) and the check state the next drift compares with. Memory is
-predictable: ``snapshots`` copies of the training state, each :attr:`Snapshot.nbytes`; the summary and every
+predictable: ``snapshots`` copies of the training state, each `Snapshot.nbytes`; the summary and every
 rollback's record say how much.
 """
 
@@ -27,13 +27,13 @@ class Snapshot:
         step: the training step it was taken at (after that step's update).
         nbytes: the bytes of its tensors.
         diagrams: the check's persistence diagrams at that step (what drift compares with after a rollback).
-        payload: the training state in host memory, or None when it lives in :attr:`path`.
+        payload: the training state in host memory, or None when it lives in `path`.
         path: the file holding it (``snapshot_dir``), or None.
         lr_factor: the monitor's cumulative learning-rate factor when it was taken.
         rollback_cut: the product of the rollbacks' learning-rate cuts already in its rates (a rollback to it cuts
             only by what the rule asks beyond that).
         ready: a CUDA event recorded after the copies of a snapshot taken from a GPU (pinned host memory,
-            non-blocking), or None; :meth:`load` waits for it.
+            non-blocking), or None; `load` waits for it.
         loss: the training loss at its check (the mean since the check before), or None (``stop_restores``).
     """
 
@@ -48,9 +48,9 @@ class Snapshot:
     loss: float | None = None
 
     def load(self) -> Any:
-        """The training state (read from :attr:`path` when it lives on disk).
+        """The training state (read from `path` when it lives on disk).
 
-        A copy still on its way from the GPU (:attr:`ready`, a CUDA event) is waited for first: the one
+        A copy still on its way from the GPU (`ready`, a CUDA event) is waited for first: the one
         synchronisation point of an asynchronous snapshot.
         """
         self.wait()
@@ -77,7 +77,7 @@ class SnapshotStore:
             sharding each rank's file holds its own shards), written whole or not at all, and the dropped ones are
             deleted.
 
-    Example:
+    Examples:
         >>> store = SnapshotStore(keep=2)
         >>> for step in (0, 10, 20):
         ...     _ = store.add(step, {"w": [1.0]}, diagrams=None)
@@ -93,8 +93,8 @@ class SnapshotStore:
     def add(self, step: int, payload: Any, diagrams: Any) -> Snapshot:
         """Keep a new snapshot (dropping the oldest beyond ``keep``); returns it.
 
-        A payload's ``"ready"`` event (:func:`~topocallbacks.interventions.capture_state` from a GPU) is kept beside
-        it, and waited for only when the snapshot is read or written to a file.
+        A payload's ``"ready"`` event ([`capture_state`][topocallbacks.interventions.capture_state] from a GPU) is kept
+        beside it, and waited for only when the snapshot is read or written to a file.
         """
         ready = payload.pop("ready", None) if isinstance(payload, dict) else None
         snapshot = Snapshot(step, state_nbytes(payload), diagrams, ready=ready)

@@ -63,8 +63,8 @@ class Runner(Stateful):
     """Evaluates checks and hands back their records when their step comes, the same on every rank.
 
     Rank 0 evaluates a check at once with ``pipeline`` (in the training loop) or sends it to a worker process
-    (:mod:`topocallbacks._worker`, in the background) and mirrors the worker's pipeline state from each reply. Every
-    rank queues the check; :meth:`collect` gives back, in order, the records of the checks whose ``apply_at`` has
+    (`topocallbacks._worker`, in the background) and mirrors the worker's pipeline state from each reply. Every
+    rank queues the check; `collect` gives back, in order, the records of the checks whose ``apply_at`` has
     come, waiting for a late worker there (the record's ``wait_ms``), and other ranks adopt rank 0's records and
     pipeline state (one broadcast per collected check).
 
@@ -101,7 +101,7 @@ class Runner(Stateful):
         self._pending: collections.deque[_Pending] = collections.deque()
         self._worker: WorkerProcess | None = None
         self._synced = True  # the worker's pipeline is the mirror's (False after a check evaluated here beside it)
-        #: Worker failures so far; after the second the checks run in the training loop (:attr:`in_loop`).
+        #: Worker failures so far; after the second the checks run in the training loop (`in_loop`).
         self.failures = 0
 
     @property
@@ -147,7 +147,7 @@ class Runner(Stateful):
     ) -> None:
         """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker.
 
-        ``prestart``: start a worker beside the loop even for a check evaluated here (:meth:`prestart`).
+        ``prestart``: start a worker beside the loop even for a check evaluated here (`prestart`).
         """
         pending = _Pending(request[1], apply_at, probe_ms)
         self._pending.append(pending)
@@ -233,7 +233,7 @@ class Runner(Stateful):
         annotate: Callable[[list[CheckRecord]], CheckRecord] | None = None,
         emit: Callable[[CheckRecord, Any], None] | None = None,
     ) -> list[CheckRecord]:
-        """End of training: every pending check's records (:meth:`collect`), with no ``applied_step``.
+        """End of training: every pending check's records (`collect`), with no ``applied_step``.
 
         Every rank must call it.
         """

@@ -22,7 +22,7 @@ class Schedule(Stateful):
     Args:
         settings: the schedule settings (``check_every``, ``mode``, ``background``, ``lag``).
 
-    Example:
+    Examples:
         >>> schedule = Schedule(ScheduleSettings(check_every=10))
         >>> [step for step in range(25) if schedule.due(step)]
         [0, 10, 20]
@@ -48,7 +48,7 @@ class Schedule(Stateful):
         self.settings = settings
         self.last_checked_step_: int | None = None
         self._background: bool | None = settings.background
-        #: The overhead budget's plan in force (see :mod:`topocallbacks.budget`): intervals, where, probe size.
+        #: The overhead budget's plan in force (see `topocallbacks.budget`): intervals, where, probe size.
         self.plan = Plan(background=bool(settings.background))
         self.warned_ = False  # the one warning that the budget cannot be met was given
 

@@ -1,10 +1,11 @@
-"""Every option of the monitor, its default and its valid values, written once: :class:`MonitorSettings`.
+"""Every option of the monitor, its default and valid values, once: [`MonitorSettings`][topocallbacks.MonitorSettings].
 
 The settings are one frozen value made of sections (``probe``, ``schedule``, ``transform``, ``index``, ``policy``,
 ``interventions``, ``output``) that mirror the sections of a preset file. Each field declares its default and its
-check; nothing else in the package repeats them. Presets produce a value (:func:`topocallbacks.presets.load`),
-:class:`~topocallbacks.TopoMonitor` and both training callbacks take one, and keyword overrides are merged into it
-by :meth:`MonitorSettings.merged`, which validates them with the same checks::
+check; nothing else in the package repeats them. Presets produce a value
+([`topocallbacks.presets.load`][topocallbacks.presets.load]),
+[`TopoMonitor`][topocallbacks.TopoMonitor] and both training callbacks take one, and keyword overrides are merged into
+it by `MonitorSettings.merged`, which validates them with the same checks::
 
     settings = MonitorSettings().merged({"check_every": 20, "policy": {"action": "lower_lr"}})
 
@@ -53,15 +54,15 @@ __all__ = [
     "resolve_weights",
 ]
 
-#: How a layer's output becomes one vector per sample (see :class:`~topocallbacks.probe.FeatureExtractor`).
+#: How a layer's output becomes one vector per sample (see `FeatureExtractor`).
 POOLINGS = ("auto", "mean", "last", "cls", "flatten", "none")
-#: The probe pass's precision (see :class:`ProbeSettings`).
+#: The probe pass's precision (see `ProbeSettings`).
 PRECISIONS = ("auto", "32", "bf16", "16")
 #: ``"probe"``: run a fixed probe every ``check_every`` steps; ``"stream"``: watch the training batches' features.
 MODES = ("probe", "stream")
 #: The fixed maps to fewer dimensions a monitor can apply before the topology.
 PROJECTIONS = (None, "pca", "random")
-#: What the policy can watch (see :mod:`topocallbacks.check`).
+#: What the policy can watch (see `topocallbacks.check`).
 INDEX_NAMES = ("diagram_drift", "paper", "rankme")
 #: How the policy turns the watched index into the score it compares with its threshold.
 SCORES = ("value", "baseline", "zscore")
@@ -76,7 +77,7 @@ PAPER_WEIGHTS: Mapping[str, float] = types.MappingProxyType({"betti": 0.4, "entr
 
 
 class Action(str, enum.Enum):
-    """What a decision asks the training adapter to do, weakest first (:attr:`level` orders them)."""
+    """What a decision asks the training adapter to do, weakest first (`level` orders them)."""
 
     NONE = "none"
     WARN = "warn"
@@ -104,7 +105,7 @@ def resolve_weights(weights: str | Mapping[str, float] | None, name: str = "weig
     Raises:
         InputError: unknown name, unknown component, negative or non-finite weight, or all weights zero.
 
-    Example:
+    Examples:
         >>> resolve_weights({"entropy": 1.0})
         {'betti': 0.0, 'entropy': 1.0, 'anisotropy': 0.0}
     """
@@ -277,7 +278,7 @@ class ProbeSettings(_Section):
 
     Attributes:
         layer: the watched module's name in ``model.named_modules()``, or name patterns tried in order
-            (``"*.ln_f"``; see :func:`topocallbacks.probe.resolve_layer`). Required to run a probe.
+            (``"*.ln_f"``; see `topocallbacks.probe.resolve_layer`). Required to run a probe.
         pooling: how the layer's output becomes one vector per sample: ``"auto"`` (2-D as is, 4-D global
             average, 3-D mask-aware mean), ``"mean"`` (mask-aware over tokens), ``"last"`` (last non-padding
             token), ``"cls"`` (first token), ``"flatten"`` or ``"none"``.
@@ -352,10 +353,10 @@ class ScheduleSettings(_Section):
             are evaluated (the background worker, when ``background`` is automatic and a core is free), the lag of
             a background check's decision (when ``lag`` is automatic: enough steps to hide the evaluation, at most
             until the next check), the cadence
-            (more ``check_every`` intervals between checks, at most :data:`~topocallbacks.budget.FLOOR_INTERVALS`),
-            the probe size (halved down to :data:`~topocallbacks.budget.MIN_PROBE`, when ``max_probe_samples``
+            (more ``check_every`` intervals between checks, at most `FLOOR_INTERVALS`),
+            the probe size (halved down to `MIN_PROBE`, when ``max_probe_samples``
             is automatic, during the warm-up: it restarts the calibration). When even that misses the budget, one
-            warning says what was chosen (:mod:`topocallbacks.budget`).
+            warning says what was chosen (`topocallbacks.budget`).
     """
 
     mode: str = _option("probe", _choice(MODES))
@@ -377,7 +378,7 @@ class ScheduleSettings(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class TransformSettings(_Section):
-    """The fixed map applied to the features before the topology (:class:`~topocallbacks.transform.FeatureTransform`).
+    """The fixed map applied to the features before the topology (`FeatureTransform`).
 
     Attributes:
         normalize: centre each check's cloud and scale it to unit RMS radius, so that a fixed ε keeps its meaning
@@ -411,7 +412,7 @@ class IndexSettings(_Section):
             a mean degree of 8 leaves 8-27 % of the points as components and β1 near its largest; the median
             heuristic (``epsilon_quantile=0.5, epsilon_factor=0.5``) isolated 93-100 % of the points of the 384-d
             and GPT clouds and left the MLP's one blob. A streaming window whose mean degree leaves
-            :data:`~topocallbacks.functional.collapse.DEGREE_BAND` at a check that is not flagged is recalibrated
+            `DEGREE_BAND` at a check that is not flagged is recalibrated
             to this degree (the record's ``report.epsilon`` says which ε a check used).
         epsilon_quantile: a fixed quantile of pairwise distances in ``(0, 1]`` to calibrate on instead of
             ``epsilon_degree`` (0.5: the median, the paper's heuristic), or None...
@@ -432,7 +433,7 @@ class IndexSettings(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class PolicySettings(_Section):
-    """When to act, and how (see :class:`~topocallbacks.policy.Policy`).
+    """When to act, and how (see `Policy`).
 
     The defaults are the rule the rescue suite chose (``benchmarks/rescue/``, results in
     ``benchmarks/results/rescue.md``), among candidates and actions designed on the suite's first results
@@ -443,14 +444,14 @@ class PolicySettings(_Section):
     check intervals after each rollback, cut the learning rate by 0.5 (compounding) only when a rollback fires again
     within two checks of the previous one, at most 4 rollbacks, then stop at the last healthy state. The loss
     confirms the index: alone, the index raised false alarms on healthy runs. Absolute sentinels
-    (:mod:`topocallbacks.functional.sentinels`) act on a total collapse at any check, warm-up or not. ``action``
+    (`topocallbacks.functional.sentinels`) act on a total collapse at any check, warm-up or not. ``action``
     changes only what is done.
 
     Attributes:
         action: ``"rollback"`` (to the newest healthy snapshot), ``"warn"``, ``"lower_lr"``, ``"stop"`` or
             ``"none"`` (log only).
         score: how the index is scored: ``"value"`` (the index itself), ``"baseline"`` (its excess over the warm-up
-            mean) or ``"zscore"`` (:func:`~topocallbacks.policy.trailing_zscore` against the last ``zscore_window``
+            mean) or ``"zscore"`` (`trailing_zscore` against the last ``zscore_window``
             scored checks that did not reach the threshold). The training channels are always scored by the
             z-score, with a noise floor of 1 % of their own scale (the largest value they reached at a healthy
             check), so a loss near zero does not turn a tiny blip into thousands of standard deviations.
@@ -470,7 +471,7 @@ class PolicySettings(_Section):
         on_diverged: the action for a diverged check (NaN or Inf features, loss or gradient norm), at once, warm-up
             or not.
         sentinels: act on a total collapse of the features (constant, on one line, or one point at the scale;
-            :mod:`topocallbacks.functional.sentinels`) with ``action``, at any check, warm-up or not.
+            `topocallbacks.functional.sentinels`) with ``action``, at any check, warm-up or not.
         rollback_lr_factor: ``rollback`` also multiplies the learning rate by this factor (None: the first rollback
             keeps the rate; every later one cuts it by ``lr_factor``). The cuts compound: after the k-th cutting
             rollback the rates are the snapshot's times the product of the k cuts (restoring a snapshot would
@@ -597,7 +598,7 @@ class OutputSettings(_Section):
     summary: bool = _option(True, _boolean)
 
 
-#: The default rule of each index, when no policy is given: the rescue suite's rule (the :class:`PolicySettings`
+#: The default rule of each index, when no policy is given: the rescue suite's rule (the `PolicySettings`
 #: defaults), and for the paper's composite, which lives in ``[0, 1]``, a fixed threshold on the index alone (the
 #: same actions).
 DEFAULT_RULES: Mapping[str, PolicySettings] = types.MappingProxyType(
@@ -630,23 +631,23 @@ def _where(origin: str | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MonitorSettings:
-    """Every option of a :class:`~topocallbacks.TopoMonitor` and of the training callbacks.
+    """Every option of a [`TopoMonitor`][topocallbacks.TopoMonitor] and of the training callbacks.
 
     Build one with keyword overrides (``MonitorSettings().merged({"check_every": 20})``), from a preset
     (``topocallbacks.presets.load("gpt").settings``) or section by section. ``policy`` None means the default
-    rule of the watched index (:data:`DEFAULT_RULES`); :attr:`rule` is the policy in effect.
+    rule of the watched index (`DEFAULT_RULES`); `rule` is the policy in effect.
 
     Attributes:
-        probe: see :class:`ProbeSettings`.
-        schedule: see :class:`ScheduleSettings`.
-        transform: see :class:`TransformSettings`.
-        index: see :class:`IndexSettings`.
-        policy: see :class:`PolicySettings`, or None.
-        interventions: see :class:`InterventionSettings`.
-        output: see :class:`OutputSettings`.
+        probe: see `ProbeSettings`.
+        schedule: see `ScheduleSettings`.
+        transform: see `TransformSettings`.
+        index: see `IndexSettings`.
+        policy: see `PolicySettings`, or None.
+        interventions: see `InterventionSettings`.
+        output: see `OutputSettings`.
         seed: seed of every random choice (probe subset, random projection, diagram subsample), >= 0.
 
-    Example:
+    Examples:
         >>> settings = MonitorSettings().merged({"check_every": 20, "policy": {"action": "lower_lr"}})
         >>> settings.schedule.check_every, settings.rule.action, settings.rule.threshold
         (20, 'lower_lr', 4.5)
@@ -698,8 +699,8 @@ class MonitorSettings:
         Args:
             overrides: options by name (``check_every``, ``max_probe_samples``, ``seed``...); section names with a
                 mapping merged into that section (``{"policy": {"patience": 5}}``; a policy mapping is merged into
-                the policy in effect, :attr:`rule`) or a section value that replaces it (for ``policy``, also a
-                :class:`~topocallbacks.policy.Policy`, which counts by its settings).
+                the policy in effect, `rule`) or a section value that replaces it (for ``policy``, also a
+                `Policy`, which counts by its settings).
             origin: where the overrides come from (a file), named in error messages; with an origin, keys are
                 reported with their section (``policy.patience``) and out-of-range values raise ConfigError.
 
@@ -777,7 +778,7 @@ class MonitorSettings:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, origin: str | None = None) -> MonitorSettings:
-        """The inverse of :meth:`as_dict`; also reads a preset's sections (sparse: the rest keeps its default).
+        """The inverse of `as_dict`; also reads a preset's sections (sparse: the rest keeps its default).
 
         Raises:
             ConfigError: unknown keys or sections, or bad values (named with their key path and ``origin``).

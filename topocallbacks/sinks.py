@@ -1,6 +1,6 @@
 """Where check records go: a JSONL history file and TensorBoard scalars (and persistence-diagram figures).
 
-Both are optional and framework-free. TensorBoard is imported only when a :class:`TensorBoardSink` is created.
+Both are optional and framework-free. TensorBoard is imported only when a `TensorBoardSink` is created.
 
 The names every logger receives (the callbacks' loggers too), under ``topo`` (or the callback's prefix):
 
@@ -8,9 +8,9 @@ The names every logger receives (the callbacks' loggers too), under ``topo`` (or
   ``topo/overhead`` ...), and the rule's view of it: ``topo/score/<channel>`` (the score of each watched channel,
   ``index``, ``loss`` or ``grad_norm``, once it has one) and ``topo/threshold/<channel>`` (what that score is
   compared with; the rule holds on a channel when its score reaches its threshold);
-- each intervention, at its step: ``topo/intervention``, the action's code (:data:`ACTION_CODES`: 1 warn,
+- each intervention, at its step: ``topo/intervention``, the action's code (`ACTION_CODES`: 1 warn,
   2 lower_lr, 3 rollback, 4 stop), and where the logger takes text, the reason and what was done
-  (:func:`intervention_text`) under ``topo/intervention``.
+  (`intervention_text`) under ``topo/intervention``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
     several callbacks are attached to one trainer). A record of one of several layers watched together
     (``record.layer`` set) is logged under ``<prefix>/<layer>/...``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> from topocallbacks import TopoMonitor
         >>> record = TopoMonitor().process(np.random.default_rng(0).normal(size=(40, 3)), step=0)
@@ -93,9 +93,9 @@ def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
 
 
 def intervention_scalars(record: InterventionRecord, prefix: str = "topo") -> dict[str, float]:
-    """``{<prefix>/intervention: code}`` (:data:`ACTION_CODES`), logged at the intervention's step.
+    """``{<prefix>/intervention: code}`` (`ACTION_CODES`), logged at the intervention's step.
 
-    Example:
+    Examples:
         >>> from topocallbacks.check import InterventionRecord
         >>> intervention_scalars(InterventionRecord(40, "rollback", "index and loss", "rolled back", 0.5))
         {'topo/intervention': 3.0}
@@ -117,7 +117,7 @@ class JsonlSink:
     """Appends one JSON line per record to ``path``.
 
     Each line is written with a single ``write`` call and flushed (and fsynced), so a crash mid-write loses at
-    most that line; :meth:`read` skips a torn last line.
+    most that line; `read` skips a torn last line.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -166,7 +166,7 @@ class TensorBoardSink:
     def write(self, record: CheckRecord | InterventionRecord, diagrams: list[np.ndarray] | None = None) -> None:
         """Log a check record's scalars at its step (that of its features); a figure of ``diagrams`` if given.
 
-        An intervention: its marker (:func:`intervention_scalars`) and its text (:func:`intervention_text`).
+        An intervention: its marker (`intervention_scalars`) and its text (`intervention_text`).
         """
         step = record.step
         if isinstance(record, InterventionRecord):
@@ -243,7 +243,7 @@ class Sinks:
 def distinct_prefixes(names: list[str], modes: list[str]) -> list[str]:
     """``topo/<layer>`` for each of several callbacks on one trainer (then the mode, then a number if still shared).
 
-    Example:
+    Examples:
         >>> distinct_prefixes(["enc", "enc", "head"], ["probe", "stream", "probe"])
         ['topo/enc/probe', 'topo/enc/stream', 'topo/head']
     """

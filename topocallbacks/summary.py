@@ -1,6 +1,7 @@
 """The end-of-run summary: what the checks found and what was done about it, in a few lines.
 
-Printed once on rank 0 at the end of training (``output.summary``); :meth:`TopoMonitor.summary` gives it any time.
+Printed once on rank 0 at the end of training (``output.summary``);
+[`TopoMonitor.summary`][topocallbacks.TopoMonitor.summary] gives it any time.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def summary_text(
         layers: several watched layers, the primary one first (empty: one layer).
         snapshots: the rollback snapshots kept, described (None: none).
 
-    Example:
+    Examples:
         >>> print(summary_text([], MonitorSettings()))
         topocallbacks: no check ran; no warning and no intervention.
     """
@@ -100,7 +101,7 @@ def cost_line(checks: Sequence[CheckRecord], budget: float | None) -> str | None
     In all: the monitor's time over the training's own time, summed over the intervals between checks, with the
     first check's time in the loop (the callback's set-up before it is not in it).
 
-    Example:
+    Examples:
         >>> from topocallbacks.check import Decision
         >>> checks = [CheckRecord(step=s, status="ok", index="diagram_drift", index_value=0.0, n_points=512,
         ...                       decision=Decision(action="none", reason="", step=s), check_ms=40.0, wait_ms=40.0,

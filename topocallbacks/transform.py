@@ -45,17 +45,17 @@ class FeatureTransform(Stateful):
     Normalisation (``settings.normalize``): in probe mode each cloud is centred and scaled to unit RMS radius, so a
     fixed ε keeps its meaning while the network's feature scale drifts. In streaming mode the window's points must
     share one frame: the centre and radius are fitted on the first batch and kept while a running estimate of them
-    (an average over about a window's worth of batches, :meth:`track`) stays close; once the features' radius has
-    moved by more than :data:`REFRAME_FACTOR` either way, or their centre by more than :data:`REFRAME_SHIFT` radii,
-    :meth:`reframe` adopts the running estimate and gives the map that re-expresses the points already in the
+    (an average over about a window's worth of batches, `track`) stays close; once the features' radius has
+    moved by more than `REFRAME_FACTOR` either way, or their centre by more than `REFRAME_SHIFT` radii,
+    `reframe` adopts the running estimate and gives the map that re-expresses the points already in the
     window, so that a fixed ε keeps its meaning there too.
 
     Args:
-        settings: a :class:`~topocallbacks.settings.TransformSettings`.
+        settings: a `TransformSettings`.
         streaming: whether the clouds are batches entering a streaming window.
         seed: seed of the random projection.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> transform = FeatureTransform(TransformSettings(projection="random", projection_dim=2))
         >>> cloud = transform(np.random.default_rng(0).normal(size=(50, 8)))
@@ -153,8 +153,8 @@ class FeatureTransform(Stateful):
 
         The running statistics are averages with weight ``batch / window`` per batch, so they follow the features
         over about a window's worth of points. A reframe is due when the running radius is more than
-        :data:`REFRAME_FACTOR` times larger or smaller than the frame's, or the running centre more than
-        :data:`REFRAME_SHIFT` frame radii away from the frame's centre.
+        `REFRAME_FACTOR` times larger or smaller than the frame's, or the running centre more than
+        `REFRAME_SHIFT` frame radii away from the frame's centre.
         """
         if not self.fitted:
             self.fit(cloud)
@@ -187,7 +187,7 @@ class FeatureTransform(Stateful):
         return scale, offset
 
     def __call__(self, cloud: NDArray[np.float64]) -> NDArray[np.float64]:
-        """The transformed cloud (fitting first if this is the first one): :meth:`normalise` of :meth:`project`.
+        """The transformed cloud (fitting first if this is the first one): `normalise` of `project`.
 
         Raises:
             InputError: the feature dimension changed since the fit.
@@ -207,7 +207,7 @@ class FeatureTransform(Stateful):
         return self._linear(cloud * self._prescale(cloud))
 
     def normalise(self, projected: NDArray[np.float64]) -> NDArray[np.float64]:
-        """A :meth:`project`-ed cloud centred and scaled (per cloud, or in the streaming frame), if normalising."""
+        """A `project`-ed cloud centred and scaled (per cloud, or in the streaming frame), if normalising."""
         if not self.settings.normalize:
             return projected
         if self.streaming and self.centre_ is not None and self.radius_ is not None:  # fitted on the first batch

@@ -89,7 +89,7 @@ class _Layer:
 
 @dataclasses.dataclass
 class Measured:
-    """What :func:`evaluate` measured: the rows, the check records and diagrams for the report, each layer's state."""
+    """What `evaluate` measured: the rows, the check records and diagrams for the report, each layer's state."""
 
     layers: dict[str, _Layer] = dataclasses.field(default_factory=dict)
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -101,7 +101,7 @@ def evaluate(source: Source, *, weights: bool, progress: bool) -> Measured:
     """Measure every checkpoint of ``source`` in step order: a row per layer, and per weight matrix if asked for.
 
     Args:
-        source: what :func:`~topocallbacks.analysis.loading.load_source` found.
+        source: what `load_source` found.
         weights: add a row per Linear/Conv weight matrix (model checkpoints).
         progress: show a tqdm progress bar on stderr.
 
@@ -111,7 +111,7 @@ def evaluate(source: Source, *, weights: bool, progress: bool) -> Measured:
 
     Raises:
         InputError: a checkpoint that cannot be read or run (see
-            :func:`~topocallbacks.analysis.loading.checkpoint_features`), or features that are not ``(n, d)``.
+            `checkpoint_features`), or features that are not ``(n, d)``.
     """
     measured = Measured()
     settings = source.settings

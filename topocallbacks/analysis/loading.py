@@ -29,7 +29,7 @@ _PRESETS = {"gpt2": "gpt", "llama": "llama", "vit": "vit", "resnet": "resnet"}
 
 @dataclasses.dataclass
 class Source:
-    """What an analysis reads, and how: found and checked by :func:`load_source`.
+    """What an analysis reads, and how: found and checked by `load_source`.
 
     Attributes:
         root: the folder given (or the one Hugging Face checkpoint folder).
@@ -75,7 +75,7 @@ def load_source(
     title: Any,
     overrides: Mapping[str, Any],
 ) -> Source:
-    """Check :func:`~topocallbacks.analyze.analyze`'s arguments, find the checkpoints, build the model, read the probe.
+    """Check `analyze`'s arguments, find the checkpoints, build the model, read the probe.
 
     Args:
         path: the folder of checkpoints or feature arrays.
@@ -90,7 +90,7 @@ def load_source(
         overrides: monitor options by name, merged into the settings.
 
     Returns:
-        The :class:`Source`, its model loaded with nothing yet.
+        The `Source`, its model loaded with nothing yet.
 
     Raises:
         InputError: a bad argument; ``path`` missing, empty or mixed; an unreadable checkpoint or probe; no probe,
@@ -243,7 +243,7 @@ def checkpoint_features(source: Source, checkpoint: _Checkpoint) -> dict[str, An
     model of its own: ``source.model`` and ``source.config_text`` are replaced.
 
     Args:
-        source: what :func:`load_source` found.
+        source: what `load_source` found.
         checkpoint: one of ``source.checkpoints``.
 
     Returns:

@@ -99,7 +99,7 @@ def _flattening(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 #: A layer "moved" at a checkpoint where its diagram drift reached this many times the median drift of the
-#: checkpoints before it (at least :data:`BEFORE` of them): a change that lasts is found where it starts.
+#: checkpoints before it (at least `BEFORE` of them): a change that lasts is found where it starts.
 MOVED = 3.0
 BEFORE = 2
 #: The quantities that follow a loss named one by one (the others counted).
@@ -109,12 +109,12 @@ NAMED = 3
 def findings(rows: Sequence[Mapping[str, Any]], correlations: Sequence[Mapping[str, Any]]) -> list[str]:
     r"""What the analysis found, in a few sentences with their numbers.
 
-    Which layer moved first (its diagram drift at least :data:`MOVED` times the median of the checkpoints before
+    Which layer moved first (its diagram drift at least `MOVED` times the median of the checkpoints before
     it, so that a change that lasts is found where it starts) and when, how far its effective rank went from the
     first checkpoint to the last, and every quantity that follows a loss (Spearman, p < 0.05; the strongest
-    :data:`NAMED` named, by p), or that none does.
+    `NAMED` named, by p), or that none does.
 
-    Example:
+    Examples:
         >>> rows = [{"source": "features", "layer": "h.0", "step": s, "diagram_drift": d, "effective_rank": r}
         ...         for s, d, r in [(0, None, 30.0), (10, 0.1, 29.0), (20, 0.1, 28.0), (30, 0.9, 5.0)]]
         >>> print("\n".join(findings(rows, [])))

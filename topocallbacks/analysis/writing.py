@@ -30,8 +30,8 @@ def write_outputs(
     """Write ``analysis.csv``, ``analysis.json`` and the report into ``source.out`` (created if needed).
 
     Args:
-        source: what :func:`~topocallbacks.analysis.loading.load_source` found.
-        measured: what :func:`~topocallbacks.analysis.evaluating.evaluate` measured.
+        source: what `load_source` found.
+        measured: what `evaluate` measured.
         title: the report's title (default: "Offline analysis of" the folder).
 
     Returns:

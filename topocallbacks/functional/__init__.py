@@ -1,9 +1,9 @@
 """Pure functions on feature clouds and weights: topology, geometry, the Collapse Index, weight-space topology.
 
 The functions on clouds take a ``(n_samples, dim)`` array (numpy, a nested list, or a torch tensor on any
-device), those on weights (:func:`neural_persistence`, :func:`weight_h0_total_persistence`) a layer's weight
+device), those on weights (`neural_persistence`, `weight_h0_total_persistence`) a layer's weight
 matrix; all return plain Python numbers or numpy arrays. None of them keeps state;
-:class:`topocallbacks.CollapseIndex` is the stateful counterpart that calibrates ε once and keeps it.
+`topocallbacks.CollapseIndex` is the stateful counterpart that calibrates ε once and keeps it.
 """
 
 from .collapse import (

@@ -26,7 +26,7 @@ __all__ = [
 _UNIT_ROUNDOFF = 2.0**-53
 # The error bounds below are first-order estimates; this factor keeps them safely conservative.
 _SAFETY = 8.0
-#: Rows per block in :func:`epsilon_adjacency`: the float64 temporaries hold about 4 x this x n numbers.
+#: Rows per block in `epsilon_adjacency`: the float64 temporaries hold about 4 x this x n numbers.
 ADJACENCY_BLOCK_ROWS = 256
 
 
@@ -81,7 +81,7 @@ def _direct_distances(
 def epsilon_block(
     left: NDArray[np.float64], right: NDArray[np.float64], epsilon: float, *, scale: float | None = None
 ) -> NDArray[np.bool_]:
-    """``B[i, j]`` iff ``||left_i - right_j|| <= epsilon``, decided exactly as :func:`epsilon_adjacency` decides it.
+    """``B[i, j]`` iff ``||left_i - right_j|| <= epsilon``, decided exactly as `epsilon_adjacency` decides it.
 
     The decision for every pair equals GUDHI's ``sqrt(sum_k (x_ik - y_jk)**2) <= epsilon`` in float64, whatever
     the centring and the power-of-two ``scale`` used internally (pass ``scale`` to reuse one computed over a larger

@@ -78,7 +78,7 @@ def epsilon_heuristic(
         InputError: bad shape, dtype or argument value.
         NonFiniteError: NaN or Inf entries.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> line = np.arange(5.0)[:, None]  # distances 1 (4 pairs), 2 (3), 3 (2), 4 (1)
         >>> epsilon_heuristic(line, degree=1.2)  # the 0.3 quantile of the 10 distances
@@ -97,7 +97,7 @@ def epsilon_heuristic(
 def calibrate_epsilon(
     cloud: NDArray[np.float64], settings: IndexSettings, seed: int = 0, *, size: int | None = None
 ) -> float:
-    """The scale a monitor keeps: ``settings.epsilon``, or :func:`epsilon_heuristic` of a validated ``cloud``.
+    """The scale a monitor keeps: ``settings.epsilon``, or `epsilon_heuristic` of a validated ``cloud``.
 
     The heuristic follows ``settings.epsilon_degree``, or ``settings.epsilon_quantile`` when it is set, times
     ``settings.epsilon_factor``. ``size``: the number of points the degree is aimed at, when the cloud is a sample of
@@ -123,7 +123,7 @@ def _epsilon_heuristic(
     degree: float,
     size: int | None = None,
 ) -> float:
-    """:func:`epsilon_heuristic` on a validated cloud (the degree aimed at for ``size`` points, default the cloud's)."""
+    """`epsilon_heuristic` on a validated cloud (the degree aimed at for ``size`` points, default the cloud's)."""
     sample = _subsample(cloud, max_points, seed)
     distances = pairwise_distances(sample)[np.triu_indices(sample.shape[0], 1)]
     n = max(cloud.shape[0] if size is None else size, 2)
@@ -145,7 +145,7 @@ def _epsilon_heuristic(
 def longest_mst_edge(points: Any) -> float | None:
     """Length of the longest edge of a Euclidean minimum spanning tree of ``points`` (None if all coincide).
 
-    Used as the Rips threshold of the persistence diagrams in :func:`collapse_index`: every H0 bar dies by then,
+    Used as the Rips threshold of the persistence diagrams in `collapse_index`: every H0 bar dies by then,
     so H0 is complete, while the costly long edges that only fill H1 in late are never built. The value is
     raised by one part in 10^9 so that rounding never leaves the last merge out.
     """
@@ -153,7 +153,7 @@ def longest_mst_edge(points: Any) -> float | None:
 
 
 def _longest_mst_edge(cloud: NDArray[np.float64]) -> float | None:
-    """:func:`longest_mst_edge` on a validated cloud."""
+    """`longest_mst_edge` on a validated cloud."""
     longest = float(mst_edge_lengths(pairwise_distances(cloud)).max(initial=0.0))
     if longest == 0.0:
         return None
@@ -167,7 +167,7 @@ def mst_edge_lengths(distances: NDArray[np.float64]) -> NDArray[np.float64]:
     lengths, so this is the multiset of the finite H0 deaths of the Rips filtration. O(n^2) time with one
     vectorised pass per vertex; coincident points give zero-length edges.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> points = np.array([0.0, 1.0, 5.0, 5.5])
         >>> sorted(mst_edge_lengths(np.abs(points[:, None] - points[None, :])).tolist())
@@ -191,13 +191,13 @@ def mst_edge_lengths(distances: NDArray[np.float64]) -> NDArray[np.float64]:
 
 
 def betti_term(b0: int, b1: int) -> float:
-    r"""Betti-ratio component :math:`1 - \mathrm{clip}(\beta_1 / \beta_0, 0, 1)`, in ``[0, 1]``.
+    r"""Betti-ratio component $1 - \mathrm{clip}(\beta_1 / \beta_0, 0, 1)$, in ``[0, 1]``.
 
     1 when the complex has no loops (full collapse: β = (1, 0)), lower as loops outnumber components.
     Isotropic Gaussian (``n = 512``, ``d = 32``) at the default ε (mean degree 8): 0 (β1 ≈ 190 > β0 ≈ 95); at the
     paper's 0.5 × median distance: 1 (β1 = 0). A single-ε Betti ratio saturates at one end or the other.
 
-    Example:
+    Examples:
         >>> betti_term(1, 0), betti_term(4, 1), betti_term(1, 3)
         (1.0, 0.75, 0.0)
     """
@@ -213,7 +213,7 @@ def entropy_term(normalized_entropy: float) -> float:
 
     1 under full collapse (no finite bars), near 0 for an isotropic Gaussian (bars of similar length).
 
-    Example:
+    Examples:
         >>> entropy_term(0.25)
         0.75
     """
@@ -270,7 +270,7 @@ class CollapseReport:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CollapseReport:
-        """The inverse of :meth:`as_dict`."""
+        """The inverse of `as_dict`."""
         return cls(**data)
 
 
@@ -287,11 +287,11 @@ def collapse_index(
 
     .. math:: CI = w_b \,(1 - \mathrm{clip}(\beta_1/\beta_0, 0, 1)) + w_e\,(1 - PE) + w_a\,A
 
-    with β0, β1 the Betti numbers of the Rips complex at ``epsilon`` (:func:`betti_numbers`, all points), PE the
-    normalised persistence entropy (:func:`persistence_entropy`) of the finite H0 and H1 bars of a seeded subsample
-    of ``max_points`` points (:func:`persistence_diagrams`, thresholded at the subsample's longest
-    minimum-spanning-tree edge, :func:`longest_mst_edge`, so H0 is complete and H1 loops still open there are
-    dropped), and A the covariance anisotropy (:func:`anisotropy`). The paper's weights are ``(0.4, 0.3, 0.3)``;
+    with β0, β1 the Betti numbers of the Rips complex at ``epsilon`` (`betti_numbers`, all points), PE the
+    normalised persistence entropy (`persistence_entropy`) of the finite H0 and H1 bars of a seeded subsample
+    of ``max_points`` points (`persistence_diagrams`, thresholded at the subsample's longest
+    minimum-spanning-tree edge, `longest_mst_edge`, so H0 is complete and H1 loops still open there are
+    dropped), and A the covariance anisotropy (`anisotropy`). The paper's weights are ``(0.4, 0.3, 0.3)``;
     weights are normalised to sum to 1, so ``CI`` lies in ``[0, 1]``.
 
     Full collapse (all points equal): every component is 1, so ``CI = 1``. Isotropic Gaussian (``n = 512``,
@@ -301,22 +301,22 @@ def collapse_index(
 
     Args:
         features: ``(n_samples, dim)`` array-like or torch tensor (any device), ``n_samples >= 2``.
-        epsilon: the scale of the Betti numbers, finite and > 0; None uses :func:`epsilon_heuristic` (the
+        epsilon: the scale of the Betti numbers, finite and > 0; None uses `epsilon_heuristic` (the
             distance at which the points have 8 ε-neighbours on average).
-        weights: ``"paper"``/None or a mapping of component weights (see :func:`resolve_weights`).
+        weights: ``"paper"``/None or a mapping of component weights (see `resolve_weights`).
         max_points: subsample size for the persistence diagrams, an integer >= 2.
         seed: seed of the subsamples.
-        betti: ``(b0, b1)`` already computed at ``epsilon`` (e.g. by an :class:`~topocallbacks.MMHM` engine);
+        betti: ``(b0, b1)`` already computed at ``epsilon`` (e.g. by an `MMHM` engine);
             requires ``epsilon``.
 
     Returns:
-        A :class:`CollapseReport`.
+        A [`CollapseReport`][topocallbacks.CollapseReport].
 
     Raises:
         InputError: bad shape, dtype or argument value.
         NonFiniteError: NaN or Inf entries.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> collapse_index(np.ones((32, 4)), epsilon=0.1).ci
         1.0
@@ -347,7 +347,7 @@ def _collapse_index(
     seed: int,
     betti: tuple[int, int] | None,
 ) -> tuple[CollapseReport, list[NDArray[np.float64]]]:
-    """:func:`collapse_index` on a validated cloud with resolved weights, and the H0, H1 diagrams it computed."""
+    """`collapse_index` on a validated cloud with resolved weights, and the H0, H1 diagrams it computed."""
     start = time.perf_counter()
     tick = time.perf_counter()
     b0, b1 = _betti_numbers(cloud, epsilon) if betti is None else (int(betti[0]), int(betti[1]))

@@ -45,8 +45,8 @@ def _entropy_exp(weights: NDArray[np.float64]) -> float:
 def anisotropy(features: Any) -> float:
     r"""Anisotropy of the covariance spectrum, in ``[0, 1]``.
 
-    With :math:`\lambda_k` the non-null eigenvalues of the sample covariance, :math:`p_k = \lambda_k / \sum \lambda`,
-    the effective rank :math:`e = \exp(-\sum_k p_k \log p_k)` and :math:`r = \min(n - 1, d)` the largest rank a
+    With $\lambda_k$ the non-null eigenvalues of the sample covariance, $p_k = \lambda_k / \sum \lambda$,
+    the effective rank $e = \exp(-\sum_k p_k \log p_k)$ and $r = \min(n - 1, d)$ the largest rank a
     sample of ``n`` points in ``d`` dimensions can have,
 
     .. math:: A = \frac{r - e}{r - 1} \quad (r > 1), \qquad A = 0 \quad (r = 1).
@@ -65,7 +65,7 @@ def anisotropy(features: Any) -> float:
         InputError: bad shape or dtype.
         NonFiniteError: NaN or Inf entries.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> anisotropy(np.ones((5, 3)))  # full collapse
         1.0
@@ -78,7 +78,7 @@ def anisotropy(features: Any) -> float:
 
 
 def _anisotropy(cloud: NDArray[np.float64]) -> float:
-    """:func:`anisotropy` of a validated cloud."""
+    """`anisotropy` of a validated cloud."""
     n, dim = cloud.shape
     rank_cap = min(n - 1, dim)
     values = _singular_values(cloud, center=True)
@@ -93,8 +93,8 @@ def _anisotropy(cloud: NDArray[np.float64]) -> float:
 def effective_rank(features: Any, center: bool = False) -> float:
     r"""RankMe effective rank of a feature matrix (Garrido et al., ICML 2023; Roy & Vetterli, 2007).
 
-    With :math:`\sigma_k` the non-null singular values of the ``(n, d)`` matrix and
-    :math:`p_k = \sigma_k / \sum \sigma`, :math:`\mathrm{RankMe} = \exp(-\sum_k p_k \log p_k)`.
+    With $\sigma_k$ the non-null singular values of the ``(n, d)`` matrix and
+    $p_k = \sigma_k / \sum \sigma$, $\mathrm{RankMe} = \exp(-\sum_k p_k \log p_k)$.
     RankMe uses the raw (uncentred) embeddings; pass ``center=True`` to centre columns first.
 
     Range: ``[1, min(n, d)]``, or 0.0 when the matrix is all zeros (centred: when all rows are equal).
@@ -112,7 +112,7 @@ def effective_rank(features: Any, center: bool = False) -> float:
         InputError: bad shape or dtype.
         NonFiniteError: NaN or Inf entries.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> round(effective_rank(np.eye(4)), 12)
         4.0
@@ -123,7 +123,7 @@ def effective_rank(features: Any, center: bool = False) -> float:
 
 
 def _effective_rank(cloud: NDArray[np.float64], center: bool = False) -> float:
-    """:func:`effective_rank` of a validated cloud."""
+    """`effective_rank` of a validated cloud."""
     values = _singular_values(cloud, center=center)
     if values.size == 0:
         return 0.0
@@ -131,7 +131,7 @@ def _effective_rank(cloud: NDArray[np.float64], center: bool = False) -> float:
 
 
 def participation_ratio(features: Any) -> float:
-    r"""Participation ratio of the covariance spectrum, :math:`(\sum_k \lambda_k)^2 / \sum_k \lambda_k^2`.
+    r"""Participation ratio of the covariance spectrum, $(\sum_k \lambda_k)^2 / \sum_k \lambda_k^2$.
 
     A linear estimate of the number of dimensions the variance occupies (Gao et al., 2017).
 
@@ -148,7 +148,7 @@ def participation_ratio(features: Any) -> float:
         InputError: bad shape or dtype.
         NonFiniteError: NaN or Inf entries.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> round(participation_ratio(np.vstack([np.eye(3), -np.eye(3)])), 12)
         3.0

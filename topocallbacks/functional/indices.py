@@ -4,7 +4,7 @@ These are the candidate collapse indices that the collapse-evidence suite (``ben
 the paper's composite. Unlike a Betti ratio at one fixed ε, none of them depends on the absolute feature scale:
 Betti curves take their scales from the quantiles of the current pairwise distances, total persistence is
 measured in units of the current median distance, and diagram drift is taken between clouds that
-:class:`~topocallbacks.TopoMonitor` has normalised to unit RMS radius.
+[`TopoMonitor`][topocallbacks.TopoMonitor] has normalised to unit RMS radius.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from .topology import _as_diagram, _betti_numbers, _subsample
 
 __all__ = ["DEFAULT_QUANTILES", "BettiCurve", "betti_curve", "diagram_distance", "total_persistence"]
 
-#: The largest Wasserstein order :func:`diagram_distance` takes (beyond it, powers of bar lengths lose all but the
+#: The largest Wasserstein order `diagram_distance` takes (beyond it, powers of bar lengths lose all but the
 #: longest bars to underflow; the distance is then the bottleneck distance to within rounding).
 MAX_ORDER = 100.0
 
-#: Quantiles of the pairwise distances at which :func:`betti_curve` counts components and loops.
+#: Quantiles of the pairwise distances at which `betti_curve` counts components and loops.
 DEFAULT_QUANTILES = (0.01, 0.02, 0.05, 0.1, 0.2)
 
 
@@ -50,7 +50,7 @@ class BettiCurve(NamedTuple):
 
     @property
     def component_area(self) -> float:
-        r"""Mean of :math:`\beta_0(\varepsilon_q) / n` over the quantiles, in ``(0, 1]``.
+        r"""Mean of $\beta_0(\varepsilon_q) / n$ over the quantiles, in ``(0, 1]``.
 
         Higher when many points are still isolated at the low quantiles, lower when points merge early. Full
         collapse onto one point: ``1 / n``. Isotropic Gaussian (``n = 512``, ``d = 32``): about 0.09.
@@ -59,7 +59,7 @@ class BettiCurve(NamedTuple):
 
     @property
     def loop_area(self) -> float:
-        r"""Mean of :math:`\beta_1(\varepsilon_q) / n` over the quantiles, ``>= 0``."""
+        r"""Mean of $\beta_1(\varepsilon_q) / n$ over the quantiles, ``>= 0``."""
         return float(np.mean(self.betti1) / self.n_samples)
 
 
@@ -68,10 +68,10 @@ def betti_curve(
 ) -> BettiCurve:
     r"""β0 and β1 of the Rips complex at scales set by the cloud's own distance quantiles.
 
-    For each ``q`` in ``quantiles``, :math:`\varepsilon_q` is the ``q``-quantile of the pairwise distances between
+    For each ``q`` in ``quantiles``, $\varepsilon_q$ is the ``q``-quantile of the pairwise distances between
     distinct points (a zero quantile is replaced by the smallest positive distance), and the Betti numbers are the
-    exact ones of :func:`~topocallbacks.functional.betti_numbers` at that scale. Because every scale follows the
-    current distance distribution, the curve is invariant to rescaling the cloud (a fixed ε is not: as the feature
+    exact ones of [`betti_numbers`][topocallbacks.functional.betti_numbers] at that scale. Because every scale follows
+    the current distance distribution, the curve is invariant to rescaling the cloud (a fixed ε is not: as the feature
     scale shrinks during a collapse, a fixed ε ends up larger than every distance and the Betti numbers saturate at
     ``(1, 0)``).
 
@@ -85,13 +85,13 @@ def betti_curve(
         seed: seed of that subsample.
 
     Returns:
-        A :class:`BettiCurve`.
+        A `BettiCurve`.
 
     Raises:
         InputError: bad shape, dtype or argument value.
         NonFiniteError: NaN or Inf entries.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> rng = np.random.default_rng(0)
         >>> clusters = np.concatenate([rng.normal(size=(50, 3)) * 0.01, rng.normal(size=(50, 3)) * 0.01 + 10])
@@ -124,7 +124,7 @@ def betti_curve(
 
 
 def total_persistence(diagram: Any, order: float = 1.0, scale: float | None = None) -> float:
-    r"""Total persistence :math:`\sum_i (d_i - b_i)^p` of the finite bars, optionally in units of ``scale``.
+    r"""Total persistence $\sum_i (d_i - b_i)^p$ of the finite bars, optionally in units of ``scale``.
 
     Essential (infinite) bars are left out. With ``scale`` (e.g. the median pairwise distance of the cloud), the
     lengths are divided by it first, which makes the value scale-free.
@@ -143,7 +143,7 @@ def total_persistence(diagram: Any, order: float = 1.0, scale: float | None = No
     Raises:
         InputError: bad diagram or argument, or a result beyond float64 (long bars at a high order: use ``scale``).
 
-    Example:
+    Examples:
         >>> total_persistence([[0.0, 1.0], [0.0, 3.0], [0.5, float("inf")]])
         4.0
         >>> total_persistence([[0.0, 1.0], [0.0, 3.0]], order=2, scale=2.0)
@@ -170,11 +170,11 @@ def diagram_distance(first: Any, second: Any, order: float = 1.0) -> float:
     r"""Wasserstein distance of order ``order`` between the finite parts of two persistence diagrams.
 
     The usual definition with the L-infinity ground metric: the cheapest matching of the bars of one diagram to
-    the bars of the other or to the diagonal, :math:`W_p = (\min \sum \|x - y\|_\infty^p)^{1/p}`, where a bar
+    the bars of the other or to the diagonal, $W_p = (\min \sum \|x - y\|_\infty^p)^{1/p}$, where a bar
     ``(b, d)`` costs ``(d - b) / 2`` to send to the diagonal. Solved exactly: when every bar of both diagrams is
     born at the same value (H0 of a Rips filtration) by a dynamic programme over the sorted bar lengths, else as
     an assignment problem on the ``(n + m) x (n + m)`` augmented cost matrix
-    (:func:`scipy.optimize.linear_sum_assignment`). GUDHI's Hera can loop forever on diagrams that are equal up to
+    (`scipy.optimize.linear_sum_assignment`). GUDHI's Hera can loop forever on diagrams that are equal up to
     rounding, which consecutive checks produce. Infinite bars are left
     out of both, as their number and birth carry no information for a Rips filtration (one essential H0 bar).
     Used as *diagram drift*: the distance between the diagrams of consecutive checks.
@@ -182,7 +182,7 @@ def diagram_distance(first: Any, second: Any, order: float = 1.0) -> float:
     Args:
         first: ``(n_bars, 2)`` diagram.
         second: ``(n_bars, 2)`` diagram.
-        order: the Wasserstein exponent, in ``[1, 100]`` (:data:`MAX_ORDER`).
+        order: the Wasserstein exponent, in ``[1, 100]`` (`MAX_ORDER`).
 
     Returns:
         A float ``>= 0``; 0 for equal diagrams.
@@ -190,7 +190,7 @@ def diagram_distance(first: Any, second: Any, order: float = 1.0) -> float:
     Raises:
         InputError: bad diagram or argument.
 
-    Example:
+    Examples:
         >>> diagram_distance([[0.0, 1.0]], [[0.0, 1.0]])
         0.0
         >>> diagram_distance([[0.0, 1.0]], [[0.0, 2.0]])  # move the bar's death by 1
@@ -203,7 +203,7 @@ def diagram_distance(first: Any, second: Any, order: float = 1.0) -> float:
 
 
 def _diagram_distance(a: NDArray[np.float64], b: NDArray[np.float64], p: float = 1.0) -> float:
-    """:func:`diagram_distance` of two validated diagrams."""
+    """`diagram_distance` of two validated diagrams."""
     a, b = (d[np.isfinite(d[:, 1])] for d in (a, b))
     n, m = a.shape[0], b.shape[0]
     if n == 0 and m == 0:

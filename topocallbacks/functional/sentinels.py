@@ -3,12 +3,12 @@
 A relative rule (a z-score against recent checks) is blind at the first checks, during its warm-up, and once a
 collapsed state has become the reference. The sentinels look at one cloud alone:
 
-* **constant**: :func:`relative_spread` (RMS distance to the centre over the RMS norm) at most
-  :data:`CONSTANT_SPREAD`: every point is the same, up to rounding (a zeroed layer, or one replaced by its batch
+* **constant**: `relative_spread` (RMS distance to the centre over the RMS norm) at most
+  `CONSTANT_SPREAD`: every point is the same, up to rounding (a zeroed layer, or one replaced by its batch
   mean; a streaming check looks at each batch since the last check);
-* **one direction**: :func:`top_direction_share` (the largest principal variance over the total) at least
-  :data:`ONE_DIRECTION_SHARE`: the points lie on a line (a layer squeezed to rank one), unless they sit in two
-  tight clusters on it (:func:`two_cluster_share` at least :data:`TWO_CLUSTER_SHARE`: a binary classifier's
+* **one direction**: `top_direction_share` (the largest principal variance over the total) at least
+  `ONE_DIRECTION_SHARE`: the points lie on a line (a layer squeezed to rank one), unless they sit in two
+  tight clusters on it (`two_cluster_share` at least `TWO_CLUSTER_SHARE`: a binary classifier's
   terminal phase);
 * **one point at the scale**: every pair of points within ε, where ε applies (a streaming window: the points since
   the last check, in the window's frame): at the monitor's scale every point is the same point, β0 = 1 in one
@@ -65,7 +65,7 @@ def relative_spread(points: Any) -> float:
     0 when every point is the same (and for an all-zero cloud), at most 1 (a cloud centred at the origin);
     scale-free. Under full collapse: 0; an isotropic Gaussian centred at 0: 1.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> relative_spread(np.ones((5, 3)) * 7.0)
         0.0
@@ -85,12 +85,12 @@ def _relative_spread(cloud: NDArray[np.float64]) -> float:
 
 
 def top_direction_share(points: Any) -> float:
-    r"""The share of the variance along the cloud's first principal direction, :math:`\lambda_1 / \sum_k \lambda_k`.
+    r"""The share of the variance along the cloud's first principal direction, $\lambda_1 / \sum_k \lambda_k$.
 
     1 when the points lie on a line; ``1 / d`` for an isotropic cloud in ``d`` dimensions; 1 too for a cloud
     with no variance (every point the same). Scale-free.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> t = np.linspace(0.0, 1.0, 20)[:, None]
         >>> round(top_direction_share(t * np.array([[1.0, 2.0, 3.0]])), 12)  # a line in 3-D
@@ -130,7 +130,7 @@ def two_cluster_share(coordinates: Any) -> float:
     A line holding two tight clusters is the terminal phase of a binary classifier (neural collapse), not a
     collapse: the one-direction sentinel leaves it alone.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> round(two_cluster_share(np.array([0.0, 0.1, 5.0, 5.1])), 4)
         0.9996
@@ -169,12 +169,12 @@ class SentinelValues:
     """The sentinels' values at one check, and which of them hold.
 
     Attributes:
-        spread: :func:`relative_spread` of the cloud (a streaming check: the median over the batches since the
+        spread: `relative_spread` of the cloud (a streaming check: the median over the batches since the
             last check).
         constant_share: the share of the clouds (the probe: 1 cloud; streaming: the batches since the last check)
-            whose spread is at most :data:`CONSTANT_SPREAD`.
-        top_share: :func:`top_direction_share` of the cloud (streaming: of the points since the last check).
-        two_clusters: :func:`two_cluster_share` of the points' coordinates along that direction.
+            whose spread is at most `CONSTANT_SPREAD`.
+        top_share: `top_direction_share` of the cloud (streaming: of the points since the last check).
+        two_clusters: `two_cluster_share` of the points' coordinates along that direction.
         extent: the largest distance from the cloud's centre in units of ε, where ε applies (None: no ε yet).
         one_point: every pair of points is within ε (then the ε-graph is one clique: one point at the scale).
     """
@@ -221,7 +221,7 @@ class SentinelValues:
 
     @classmethod
     def from_dict(cls, data: Any) -> SentinelValues:
-        """The inverse of :meth:`as_dict`."""
+        """The inverse of `as_dict`."""
         return cls(**data)
 
 
@@ -240,7 +240,7 @@ def sentinel_values(
         scaled: the same points where ε applies (the transformed cloud), for one point at the scale, or None.
         epsilon: the scale, or None.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> cloud = np.random.default_rng(0).normal(size=(64, 8))
         >>> sentinel_values([cloud], cloud).holding

@@ -21,14 +21,14 @@ FLOAT32_EPS = float(np.finfo(np.float32).eps)
 def eigenspectrum_decay(features: Any, *, rtol: float | None = None) -> float:
     r"""Decay exponent α of the covariance eigenspectrum, from a least-squares fit of log eigenvalue on log rank.
 
-    With :math:`\lambda_1 \ge \lambda_2 \ge \dots \ge \lambda_r > 0` the eigenvalues of the sample covariance that
-    are not null (the squared singular values :math:`\sigma_k` of the centred cloud with
-    :math:`\sigma_k > \mathrm{rtol} \cdot \sigma_1`), α is the slope of the ordinary least-squares line
+    With $\lambda_1 \ge \lambda_2 \ge \dots \ge \lambda_r > 0$ the eigenvalues of the sample covariance that
+    are not null (the squared singular values $\sigma_k$ of the centred cloud with
+    $\sigma_k > \mathrm{rtol} \cdot \sigma_1$), α is the slope of the ordinary least-squares line
 
     .. math:: \log \lambda_k \approx c - \alpha \log k, \qquad k = 1, \dots, r,
 
-    i.e. :math:`\alpha = -\mathrm{cov}(\log k, \log \lambda_k) / \mathrm{var}(\log k)`, fitted over the whole
-    non-null spectrum with equal weights. A power law :math:`\lambda_k \propto k^{-\alpha}` gives α exactly.
+    i.e. $\alpha = -\mathrm{cov}(\log k, \log \lambda_k) / \mathrm{var}(\log k)$, fitted over the whole
+    non-null spectrum with equal weights. A power law $\lambda_k \propto k^{-\alpha}$ gives α exactly.
     Larger α: the variance sits in fewer directions (α near 1 is the value Stringer et al., Nature 2019, found in
     visual cortex; Agrawal et al., NeurIPS 2022, "α-ReQ", relate it to the quality of self-supervised features).
 
@@ -53,7 +53,7 @@ def eigenspectrum_decay(features: Any, *, rtol: float | None = None) -> float:
         InputError: bad shape or dtype, or ``rtol`` outside ``[0, 1)``.
         NonFiniteError: NaN or Inf entries.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> basis = np.linalg.qr(np.random.default_rng(0).normal(size=(40, 6)))[0]  # orthonormal columns
         >>> basis -= basis.mean(axis=0)  # centred: the singular values below are the covariance's (up to n - 1)

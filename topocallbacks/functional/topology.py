@@ -49,7 +49,7 @@ def _collapse_until_stable(tree: Any) -> None:
         size = new_size
 
 
-#: Edges whose two closed neighbourhoods are compared at once in :func:`strong_collapse_core` (bounds the
+#: Edges whose two closed neighbourhoods are compared at once in `strong_collapse_core` (bounds the
 #: temporaries to about this x n / 4 bytes).
 DOMINATION_CHUNK = 4096
 
@@ -140,7 +140,7 @@ def strong_collapse_core(
         The remaining vertex count and the edges between the remaining vertices, relabelled ``0..n'-1`` in their
         original order, ``rows < cols``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> rows, cols = np.triu_indices(5, 1)  # a complete graph on 5 vertices
         >>> strong_collapse_core(5, rows, cols)[0]
@@ -155,7 +155,7 @@ def strong_collapse_core(
 
 
 #: Highest-degree vertices whose dominated neighbours are removed in one sweep before the rounds (see
-#: :func:`_sweep_from_hubs`).
+#: `_sweep_from_hubs`).
 _HUBS = 64
 
 
@@ -188,10 +188,10 @@ def _sweep_from_hubs(adjacency: NDArray[np.bool_], hubs: int = _HUBS) -> NDArray
 
 
 def _strong_collapse(adjacency: NDArray[np.bool_]) -> NDArray[np.bool_]:
-    """:func:`strong_collapse_core` of a symmetric boolean adjacency (false diagonal): the core's adjacency.
+    """`strong_collapse_core` of a symmetric boolean adjacency (false diagonal): the core's adjacency.
 
     With numba installed, a compiled kernel removes one dominated vertex at a time from a queue
-    (:mod:`topocallbacks.functional._jit`); otherwise vectorised rounds remove every dominated vertex at once.
+    (`topocallbacks.functional._jit`); otherwise vectorised rounds remove every dominated vertex at once.
     Both stop at a core: a graph with no dominated vertex, of the same homotopy type.
     """
     kernels = core_kernel()
@@ -214,7 +214,7 @@ def _strong_collapse(adjacency: NDArray[np.bool_]) -> NDArray[np.bool_]:
     return adjacency
 
 
-#: Vertices below which :func:`_betti_numbers_of_adjacency` skips the numpy strong collapse (measured: GUDHI alone
+#: Vertices below which `_betti_numbers_of_adjacency` skips the numpy strong collapse (measured: GUDHI alone
 #: is faster on graphs this small; the compiled kernel is not).
 SMALL_GRAPH = 64
 
@@ -236,7 +236,7 @@ def _gudhi_betti(n_vertices: int, rows: NDArray[np.intp], cols: NDArray[np.intp]
 def betti_numbers_of_graph(n_vertices: int, rows: NDArray[np.intp], cols: NDArray[np.intp]) -> BettiNumbers:
     """β0 and β1 of the flag complex of a graph on ``n_vertices`` vertices with edges ``(rows[k], cols[k])``.
 
-    The graph is first reduced to its strong-collapse core (:func:`strong_collapse_core`: dominated vertices
+    The graph is first reduced to its strong-collapse core (`strong_collapse_core`: dominated vertices
     removed until none is left, which keeps the homotopy type), then GUDHI edge-collapses the core and expands
     it to dimension 2. The core of a feature cloud's ε-graph is a few vertices per component, so the triangles
     of a dense graph are never enumerated and GUDHI's edge collapse, cubic on dense graphs, runs on almost
@@ -249,7 +249,7 @@ def betti_numbers_of_graph(n_vertices: int, rows: NDArray[np.intp], cols: NDArra
 
 
 def _betti_numbers_of_adjacency(adjacency: NDArray[np.bool_], degree: NDArray[np.int64] | None = None) -> BettiNumbers:
-    """:func:`betti_numbers_of_graph` of a symmetric boolean adjacency with a false diagonal.
+    """`betti_numbers_of_graph` of a symmetric boolean adjacency with a false diagonal.
 
     ``degree``: the vertices' degrees, if the caller has them already.
     """
@@ -312,11 +312,11 @@ def _collapsed_by_kernels(
 def betti_numbers(points: Any, epsilon: float) -> BettiNumbers:
     r"""Exact Betti numbers β0, β1 of the Vietoris-Rips complex of ``points`` at scale ``epsilon``.
 
-    An edge joins points at Euclidean distance :math:`\le \varepsilon`; β0 counts connected components and β1
-    counts independent loops, :math:`\beta_1 = \dim H_1(\mathrm{VR}_\varepsilon; \mathbb{Z}/2)`. Computed with
+    An edge joins points at Euclidean distance $\le \varepsilon$; β0 counts connected components and β1
+    counts independent loops, $\beta_1 = \dim H_1(\mathrm{VR}_\varepsilon; \mathbb{Z}/2)$. Computed with
     GUDHI: the ε-graph is edge-collapsed first, then expanded to dimension 2.
 
-    Range: :math:`1 \le \beta_0 \le n`, :math:`\beta_1 \ge 0`. Full collapse (all points equal): ``(1, 0)`` for any
+    Range: $1 \le \beta_0 \le n$, $\beta_1 \ge 0$. Full collapse (all points equal): ``(1, 0)`` for any
     ε. Isotropic Gaussian: ``(1, 0)`` once ε exceeds the largest gap; for ε near the median distance a few loops
     may appear in low dimension, and β1 is almost always 0 in high dimension.
 
@@ -331,7 +331,7 @@ def betti_numbers(points: Any, epsilon: float) -> BettiNumbers:
         InputError: bad shape or dtype, or ``epsilon`` not a finite number > 0.
         NonFiniteError: ``points`` holds NaN or Inf.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> angles = np.linspace(0, 2 * np.pi, 24, endpoint=False)
         >>> circle = np.stack([np.cos(angles), np.sin(angles)], axis=1)
@@ -346,7 +346,7 @@ def betti_numbers(points: Any, epsilon: float) -> BettiNumbers:
 
 
 def _betti_numbers(cloud: NDArray[np.float64], epsilon: float) -> BettiNumbers:
-    """:func:`betti_numbers` on a validated cloud and ε."""
+    """`betti_numbers` on a validated cloud and ε."""
     return _betti_numbers_of_adjacency(epsilon_graph(cloud, epsilon, edges=False)[0])
 
 
@@ -391,7 +391,7 @@ def persistence_diagrams(
         InputError: bad shape, dtype or argument value.
         NonFiniteError: ``points`` holds NaN or Inf.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> angles = np.linspace(0, 2 * np.pi, 24, endpoint=False)
         >>> h0, h1 = persistence_diagrams(np.stack([np.cos(angles), np.sin(angles)], axis=1))
@@ -410,7 +410,7 @@ def persistence_diagrams(
 def _persistence_diagrams(
     sample: NDArray[np.float64], max_dimension: int, threshold: float | None
 ) -> list[NDArray[np.float64]]:
-    """:func:`persistence_diagrams` of every point of a validated cloud."""
+    """`persistence_diagrams` of every point of a validated cloud."""
     dims, limit = max_dimension, threshold
     scale = power_of_two_scale(sample, *(() if limit is None else (limit,)))
     rips = gudhi.RipsComplex(points=sample * scale, max_edge_length=np.inf if limit is None else limit * scale)
@@ -457,9 +457,9 @@ def _as_diagram(diagram: Any) -> NDArray[np.float64]:
 def persistence_entropy(diagram: Any, normalize: bool = True, max_death: float | None = None) -> float:
     r"""Shannon entropy of the bar lengths of a persistence diagram.
 
-    With lengths :math:`\ell_i = d_i - b_i > 0` and :math:`p_i = \ell_i / \sum_j \ell_j`,
-    :math:`PE = -\sum_i p_i \log p_i` (natural log, :math:`0 \log 0 = 0`). With ``normalize=True`` it is divided by
-    :math:`\log m`, the largest value ``m`` bars can reach, so the result lies in ``[0, 1]``: 1 when all bars are
+    With lengths $\ell_i = d_i - b_i > 0$ and $p_i = \ell_i / \sum_j \ell_j$,
+    $PE = -\sum_i p_i \log p_i$ (natural log, $0 \log 0 = 0$). With ``normalize=True`` it is divided by
+    $\log m$, the largest value ``m`` bars can reach, so the result lies in ``[0, 1]``: 1 when all bars are
     equally long, near 0 when one bar dominates (Atienza et al., "Persistent entropy for separating topological
     features from noise", 2020).
 
@@ -481,7 +481,7 @@ def persistence_entropy(diagram: Any, normalize: bool = True, max_death: float |
     Raises:
         InputError: wrong shape, NaN, infinite births, or a bar with death < birth.
 
-    Example:
+    Examples:
         >>> persistence_entropy([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]])
         1.0
         >>> round(persistence_entropy([[0.0, 1.0], [0.0, 1.0]], normalize=False), 6)  # log 2
@@ -495,7 +495,7 @@ def persistence_entropy(diagram: Any, normalize: bool = True, max_death: float |
 
 
 def _persistence_entropy(bars: NDArray[np.float64], normalize: bool = True, max_death: float | None = None) -> float:
-    """:func:`persistence_entropy` of a validated diagram."""
+    """`persistence_entropy` of a validated diagram."""
     deaths = bars[:, 1]
     if max_death is not None:
         deaths = np.where(np.isinf(deaths), max_death, deaths)

@@ -9,7 +9,7 @@ __all__ = ["gradient_norm"]
 
 
 def gradient_norm(parameters: Iterable[Any]) -> float:
-    r"""Total L2 norm of the gradients of ``parameters``: :math:`\sqrt{\sum_p \|\nabla p\|_2^2}`.
+    r"""Total L2 norm of the gradients of ``parameters``: $\sqrt{\sum_p \|\nabla p\|_2^2}$.
 
     The value ``torch.nn.utils.clip_grad_norm_`` computes before clipping; parameters without a gradient are
     skipped. The collapse-evidence suite (``benchmarks/collapse/``) uses its mean between checks as the
@@ -24,7 +24,7 @@ def gradient_norm(parameters: Iterable[Any]) -> float:
     Raises:
         InputError: ``parameters`` is not an iterable of tensors (e.g. ``[None]``, ``[3]``), naming the first bad item.
 
-    Example:
+    Examples:
         >>> import torch
         >>> weight = torch.nn.Parameter(torch.zeros(2))
         >>> weight.grad = torch.tensor([3.0, 4.0])

@@ -1,9 +1,9 @@
 """Weight-space topology: neural persistence of a layer, the H0 persistence of its neurons, and when a curve flattens.
 
-Unlike the rest of :mod:`topocallbacks.functional`, these functions read a layer's *weights*, not the features a
-probe produces: no data is needed. A weight matrix has one row per output neuron (``torch.nn.Linear.weight`` is
-``(out_features, in_features)``); a convolution kernel ``(out, in, k1, k2, ...)`` is read as the matrix
-``(out, in * k1 * k2 * ...)`` (each output channel's kernel as one row).
+Unlike the rest of [`topocallbacks.functional`][topocallbacks.functional], these functions read a layer's *weights*,
+not the features a probe produces: no data is needed. A weight matrix has one row per output neuron
+(``torch.nn.Linear.weight`` is ``(out_features, in_features)``); a convolution kernel ``(out, in, k1, k2, ...)`` is read
+as the matrix ``(out, in * k1 * k2 * ...)`` (each output channel's kernel as one row).
 """
 
 from __future__ import annotations
@@ -74,33 +74,33 @@ def neural_persistence(
     r"""Neural persistence of one layer (Rieck et al., ICLR 2019).
 
     The layer is the complete bipartite graph between its ``n`` input and ``m`` output neurons, edge ``(i, j)``
-    weighted by :math:`w'_{ij} = |w_{ij}| / w_{\max}` with :math:`w_{\max}` the largest ``|w|`` (of the layer, or
+    weighted by $w'_{ij} = |w_{ij}| / w_{\max}$ with $w_{\max}$ the largest ``|w|`` (of the layer, or
     ``max_weight``, e.g. the whole network's as in the paper's Algorithm 1). The filtration is *descending*: every
-    vertex is present at 1 and an edge enters at :math:`w'`, heaviest first. Its 0-dimensional persistence diagram
-    has one point :math:`(1, w'_e)` per edge ``e`` of a maximum spanning tree (``n + m - 1`` merges, found by
+    vertex is present at 1 and an edge enters at $w'$, heaviest first. Its 0-dimensional persistence diagram
+    has one point $(1, w'_e)$ per edge ``e`` of a maximum spanning tree (``n + m - 1`` merges, found by
     Kruskal's union-find), and the one component that never dies is paired with 0, i.e. the point ``(1, 0)``, as
     in the authors' implementation (``BorgwardtLab/Neural-Persistence``, ``src/tda.py``: ``unpairedData=0``).
-    With persistence :math:`\mathrm{pers}(c, d) = c - d`,
+    With persistence $\mathrm{pers}(c, d) = c - d$,
 
     .. math:: NP = \Big(1 + \sum_{e \in \mathrm{MST}} (1 - w'_e)^p\Big)^{1/p}.
 
-    ``normalize=True`` divides by :math:`(n + m - 1)^{1/p}`, the paper's upper bound (Theorem 1) with
-    :math:`\max w' - \min w' = 1`, which is what the authors' implementation divides by (``tp / sqrt(n - 1)`` with
+    ``normalize=True`` divides by $(n + m - 1)^{1/p}$, the paper's upper bound (Theorem 1) with
+    $\max w' - \min w' = 1$, which is what the authors' implementation divides by (``tp / sqrt(n - 1)`` with
     ``p = 2`` and ``n = rows + columns``). With the layer's own maximum (the default) the normalised value lies in
     ``(0, 1]``; with a larger ``max_weight`` it can exceed 1 slightly, as in the authors' network-wide
     normalisation.
 
-    Range: :math:`[1, (n + m - 1)^{1/p}]` with the layer's own maximum. Invariant to permuting rows or columns, to
+    Range: $[1, (n + m - 1)^{1/p}]$ with the layer's own maximum. Invariant to permuting rows or columns, to
     transposing, to signs and to scaling the weights by a positive constant. Constant matrix (every ``|w|`` equal):
-    every merge happens at 1, so ``NP = 1`` (normalised: :math:`1 / (n + m - 1)^{1/p}`). Random Gaussian matrix
+    every merge happens at 1, so ``NP = 1`` (normalised: $1 / (n + m - 1)^{1/p}$). Random Gaussian matrix
     of 64 x 64: about 4.1 (normalised about 0.37; 4.0-4.4 over seeds).
 
     Args:
         weight: a ``(out, in)`` weight matrix, or a kernel ``(out, in, ...)`` read as ``(out, in * ...)``; array-like
             or torch tensor (any device).
         order: the norm's exponent ``p`` (``>= 1``; the paper uses 2).
-        normalize: divide by :math:`(n + m - 1)^{1/p}`.
-        max_weight: the :math:`w_{\max}` to divide by (``>=`` the layer's largest ``|w|``), or None for the
+        normalize: divide by $(n + m - 1)^{1/p}$.
+        max_weight: the $w_{\max}$ to divide by (``>=`` the layer's largest ``|w|``), or None for the
             layer's own.
 
     Returns:
@@ -111,7 +111,7 @@ def neural_persistence(
             layer's largest ``|w|``.
         NonFiniteError: NaN or Inf weights.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> weight = np.array([[4.0, 2.0], [1.0, 0.0]])  # w' = [[1, .5], [.25, 0]]: tree at 1, .5, .25
         >>> round(neural_persistence(weight), 6)  # sqrt(1 + 0**2 + .5**2 + .75**2)
@@ -170,7 +170,7 @@ def weight_h0_total_persistence(weight: Any) -> float:
         InputError: not a matrix, or non-numeric.
         NonFiniteError: NaN or Inf weights.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> weight_h0_total_persistence(np.array([[0.0, 0.0], [3.0, 4.0], [3.0, 5.0]]))  # edges 5 and 1
         6.0
@@ -200,12 +200,12 @@ def weight_h0_total_persistence(weight: Any) -> float:
 def flattening_step(steps: Sequence[float], values: Sequence[float], *, fraction: float = 0.1) -> float | None:
     r"""The step from which a quantity's rate of change over checkpoints stays small: where its curve flattens.
 
-    With checkpoints at steps :math:`s_0 < s_1 < \dots < s_{N-1}` and values :math:`v_k`, the rate over each interval
-    is :math:`r_k = |v_k - v_{k-1}| / (s_k - s_{k-1})` (``k = 1 .. N-1``) and the threshold is
-    :math:`\tau = \mathrm{fraction} \cdot \max_k r_k`. The flattening step is :math:`s_{K-1}` for the smallest
-    ``K`` such that :math:`r_k \le \tau` for every :math:`k \ge K`: the first checkpoint after which every later
+    With checkpoints at steps $s_0 < s_1 < \dots < s_{N-1}$ and values $v_k$, the rate over each interval
+    is $r_k = |v_k - v_{k-1}| / (s_k - s_{k-1})$ (``k = 1 .. N-1``) and the threshold is
+    $\tau = \mathrm{fraction} \cdot \max_k r_k$. The flattening step is $s_{K-1}$ for the smallest
+    ``K`` such that $r_k \le \tau$ for every $k \ge K$: the first checkpoint after which every later
     interval changes at most ``fraction`` of the fastest change seen. A curve that never changes is flat from its
-    first step (:math:`s_0`); a curve whose last interval is still above the threshold has not flattened yet
+    first step ($s_0$); a curve whose last interval is still above the threshold has not flattened yet
     (None). With the peak rate above the threshold, ``K`` comes after the peak, so the result is never before the
     steepest interval.
 
@@ -225,7 +225,7 @@ def flattening_step(steps: Sequence[float], values: Sequence[float], *, fraction
         InputError: lengths differ, fewer than 2 points, steps not strictly increasing, non-finite values, or
             ``fraction`` outside ``(0, 1)``.
 
-    Example:
+    Examples:
         >>> flattening_step([0, 10, 20, 30, 40], [0.0, 5.0, 5.2, 5.25, 5.25])  # fast, then nearly flat from 10
         10
         >>> flattening_step([0, 10, 20], [0.0, 1.0, 3.0]) is None  # still speeding up

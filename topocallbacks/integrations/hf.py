@@ -1,6 +1,6 @@
-"""The Hugging Face ``transformers.Trainer`` callback: translates the Trainer's hooks into :class:`TopoMonitor` calls.
+"""The ``transformers.Trainer`` callback: the Trainer's hooks as [`TopoMonitor`][topocallbacks.TopoMonitor] calls.
 
-Values go to the Trainer's logging, decisions through ``TrainerControl``; what it needs besides: :mod:`.hf_glue`.
+Values go to the Trainer's logging, decisions through ``TrainerControl``; what it needs besides: `hf_glue`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     optimizer, scheduler and grad scaler in place; a stop restores the last healthy state first). Each optimizer
     step's loss (its micro-batches' summed, as the Trainer logs it) and gradient norm before clipping feed the
     ``"loss"`` and ``"grad_norm"`` channels. ``transformers`` hands callbacks no Trainer: the callback finds the one
-    whose callback handler holds it (:func:`~topocallbacks.integrations.hf_glue.trainer_holding`), or
+    whose callback handler holds it (`trainer_holding`), or
     ``attach(trainer)`` says it. Its state goes to ``trainer_state.json`` (``ExportableState``) and is read back
     when a run resumes; with ``restore_callback_states_from_checkpoint`` the object the Trainer rebuilds from it
     becomes another name for the resumed Trainer's callback, so ``callback.history`` sees the whole run.
@@ -49,20 +49,21 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
             format, label columns dropped), or ``"train"``/``"eval"`` for the Trainer's dataset. Required in probe
             mode.
         preset: a preset name (``topocallbacks.presets.available()``) or YAML path whose values are the defaults.
-        settings: a :class:`~topocallbacks.settings.MonitorSettings` (instead of a preset), or a mapping of options
-            merged into the preset's.
+        settings: a [`MonitorSettings`][topocallbacks.settings.MonitorSettings] (instead of a preset), or a mapping of
+            options merged into the preset's.
         tokenizer: a Hugging Face tokenizer, for a probe of texts (default: the Trainer's ``processing_class``).
         probe_hash: set by a restore from ``trainer_state.json`` (the saved probe's hash); not for users.
         restoring: set by a restore from ``trainer_state.json``; not for users.
         **overrides: any monitor option by name, merged last: ``layer``, ``check_every``, ``index``, ``mode``,
-            ``policy={...}``, ``history_path``, ``layers=[...]``... (see :class:`~topocallbacks.MonitorSettings`).
+            ``policy={...}``, ``history_path``, ``layers=[...]``... (see
+            [`MonitorSettings`][topocallbacks.MonitorSettings]).
 
     Raises:
         InputError: a value is out of range, or no layer is named; an unknown layer is reported at
             ``on_train_begin`` with the closest module names.
         ConfigError: an unknown preset or option (with the closest one).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from topocallbacks.hf import TopoCollapseTrainerCallback
         >>> callback = TopoCollapseTrainerCallback(probe=torch.randn(64, 8), layer="encoder", check_every=50)
@@ -116,7 +117,10 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         return self
 
     def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
-        """The HTML report of the history so far, in ``out_dir`` (:meth:`TopoMonitor.report`; rank 0 writes)."""
+        """The HTML report of the history so far, in ``out_dir`` (rank 0 writes).
+
+        See [`TopoMonitor.report`][topocallbacks.TopoMonitor.report].
+        """
         return self.monitor.report(out_dir, title=title)
 
     def state(self) -> dict[str, Any]:

@@ -147,7 +147,7 @@ def reporters(trainer: Trainer | None) -> list[Any]:
 def text_targets(trainer: Trainer | None) -> list[tuple[Any, str, Any]]:
     """The ``report_to`` callbacks that take text, as ``(callback, kind, object)``.
 
-    For :func:`~topocallbacks.integrations.reporting.write_text`: TensorBoard's writer, the ``mlflow`` and ``wandb``
+    For `write_text`: TensorBoard's writer, the ``mlflow`` and ``wandb``
     modules with their active runs.
     """
     found = []
@@ -316,7 +316,7 @@ class Tap:
     """A method of one object, replaced while training by a call that hands its result to ``sink`` too.
 
     Installed on the object (``trainer.training_step``, ``trainer.accelerator.clip_grad_norm_``), so the class and
-    other objects are untouched; :meth:`remove` puts back what was there, or only silences the tap when something
+    other objects are untouched; `remove` puts back what was there, or only silences the tap when something
     else has wrapped it since.
     """
 

@@ -1,6 +1,6 @@
-"""The Lightning callback: translates Lightning's hooks into :class:`~topocallbacks.monitor.TopoMonitor` calls.
+"""The Lightning callback: translates Lightning's hooks into [`TopoMonitor`][topocallbacks.monitor.TopoMonitor] calls.
 
-Records go to the trainer's loggers and callback metrics, decisions through :mod:`.lightning_glue`'s actuator.
+Records go to the trainer's loggers and callback metrics, decisions through `lightning_glue`'s actuator.
 """
 
 from __future__ import annotations
@@ -46,20 +46,20 @@ class TopoCollapseCallback(Callback):
         probe: probe inputs (a tensor, Dataset, list of inputs, mapping of columns, or list of texts with
             ``tokenizer``), or ``"train"``/``"val"`` for that dataloader's dataset; required in probe mode.
         preset: a preset name (``topocallbacks.presets.available()``) or YAML path whose values are the defaults.
-        settings: a :class:`~topocallbacks.settings.MonitorSettings` (instead of a preset), or a mapping of options
-            merged into the preset's (the form for LightningCLI's YAML: ``settings: {check_every: 200}``).
+        settings: a [`MonitorSettings`][topocallbacks.settings.MonitorSettings] (instead of a preset), or a mapping of
+            options merged into the preset's (the form for LightningCLI's YAML: ``settings: {check_every: 200}``).
         tokenizer: a Hugging Face tokenizer, for a probe given as a list of texts.
         check_on_validation_end: also check after every validation run (probe mode; sanity checks skipped).
         **overrides: any monitor option by name, merged last: ``layer``, ``check_every``, ``index``, ``mode``,
             ``policy={...}``, ``history_path``, ``rescue_dir``, ``layers=[...]``... (see
-            :class:`~topocallbacks.settings.MonitorSettings`).
+            [`MonitorSettings`][topocallbacks.settings.MonitorSettings]).
 
     Raises:
         InputError: a value is out of range, or no layer is named; an unknown layer name is reported in ``setup``
             with the closest module names.
         ConfigError: an unknown preset or option (with the closest one).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from topocallbacks.lightning import TopoCollapseCallback
         >>> callback = TopoCollapseCallback(probe=torch.randn(64, 8), layer="encoder", check_every=50)
@@ -118,7 +118,10 @@ class TopoCollapseCallback(Callback):
             key["prefix"] = settings.output.prefix
         return self._generate_state_key(**key)
 
-    report = property(lambda self: self.monitor.report, doc="Write the HTML report (:meth:`TopoMonitor.report`).")
+    report = property(
+        lambda self: self.monitor.report,
+        doc="Write the HTML report ([`TopoMonitor.report`][topocallbacks.TopoMonitor.report]).",
+    )
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.monitor.resolve_layers(pl_module)  # unknown names fail here, with close matches

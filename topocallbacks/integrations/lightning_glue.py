@@ -102,7 +102,7 @@ def refuse_unsupported_rollback(trainer: pl.Trainer, keeps_snapshots: bool) -> N
 def text_target(logger: Any) -> tuple[str, Any, str | None] | None:
     """Where ``logger`` takes an intervention's text, or None (scalars only, e.g. CSV).
 
-    ``(kind, object, MLflow run id)`` for :func:`~topocallbacks.integrations.reporting.write_text`.
+    ``(kind, object, MLflow run id)`` for `write_text`.
     """
     kind = {"TensorBoardLogger": "tensorboard", "MLFlowLogger": "mlflow", "WandbLogger": "wandb"}.get(
         type(logger).__name__

@@ -1,7 +1,8 @@
 """An intervention's text where a logger takes text, for both adapters; a logger that fails never stops training.
 
 TensorBoard: a text summary; MLflow: a text artifact ``<prefix>/interventions/step<S>-<action>.md``; W&B: a table
-row (step, action, reason, detail). The marker scalar goes with the other values (:mod:`topocallbacks.sinks`).
+row (step, action, reason, detail). The marker scalar goes with the other values
+([`topocallbacks.sinks`][topocallbacks.sinks]).
 """
 
 from __future__ import annotations

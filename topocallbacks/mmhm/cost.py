@@ -87,7 +87,7 @@ def path_features(
     """Work counts of ``path`` for a cloud of ``n`` points in ``d`` dimensions.
 
     Args:
-        path: one of :data:`PATHS`.
+        path: one of `PATHS`.
         n: number of points.
         d: dimension.
         edges: number of edges of the ε-graph (current or expected).
@@ -117,7 +117,7 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe:
     collapse a reduced copy of the adjacency and 48 bytes per edge; an edge update holds the masks of flipped edges.
 
     Args:
-        path: one of :data:`PATHS`.
+        path: one of `PATHS`.
         n: number of points.
         d: dimension.
         edges: edges of the ε-graph (the current count stands in for the next one).
@@ -163,7 +163,7 @@ class CostModel:
     follows a drifting machine load), and the coefficients are re-solved from them: a few microseconds per
     update, whatever the history length.
 
-    Example:
+    Examples:
         >>> model = CostModel()
         >>> model.predict("rebuild", n=1024, d=64, edges=50_000).seconds > 0
         True
@@ -193,7 +193,7 @@ class CostModel:
         probe: bool = True,
         rows: int | None = None,
     ) -> CostEstimate:
-        """Predicted time and memory of ``path`` (``rows``: see :func:`path_features`)."""
+        """Predicted time and memory of ``path`` (``rows``: see `path_features`)."""
         features = path_features(path, n=n, d=d, edges=edges, ops=ops, mean_degree=mean_degree, rows=rows)
         seconds = self._shared_seconds(path, features) + sum(
             self.coefficients_[path][name] * features[name] for name in _FEATURES[path]

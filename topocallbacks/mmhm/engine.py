@@ -25,7 +25,7 @@ Local certificates
 Paths
     ``vertex`` (streaming, or a probe update where few points moved: delete and re-insert them), ``edge`` (a probe
     update where every point moved a little but few edges flipped), and ``rebuild`` (from scratch, per module). An
-    online cost model (:mod:`topocallbacks.mmhm.cost`) predicts each path's time and picks the cheapest, so the
+    online cost model (`topocallbacks.mmhm.cost`) predicts each path's time and picks the cheapest, so the
     engine never does much worse than rebuilding.
 """
 
@@ -84,7 +84,7 @@ def _csr_graph(rows: NDArray[np.intp], cols: NDArray[np.intp], n: int) -> csr_ma
 
 @dataclasses.dataclass(frozen=True)
 class UpdateStats:
-    """What one :meth:`MMHM.update` or :meth:`MMHM.push` did.
+    """What one `MMHM.update` or `MMHM.push` did.
 
     Attributes:
         path: ``"rebuild"``, ``"vertex"``, ``"edge"`` or ``"noop"`` (nothing moved).
@@ -124,7 +124,7 @@ class UpdateStats:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> UpdateStats:
-        """The inverse of :meth:`as_dict`."""
+        """The inverse of `as_dict`."""
         return cls(**data)
 
 
@@ -133,15 +133,16 @@ class MMHM:
 
     Two ways in, one per engine:
 
-    * probe mode, :meth:`update`: the same ``n`` points (a fixed probe, same order) at every call;
-    * streaming mode, :meth:`push`: a window of the last ``window`` points, a batch at a time, oldest evicted.
+    * probe mode, `update`: the same ``n`` points (a fixed probe, same order) at every call;
+    * streaming mode, `push`: a window of the last ``window`` points, a batch at a time, oldest evicted.
 
-    After any sequence of calls, :meth:`betti_numbers` equals
-    :func:`topocallbacks.functional.betti_numbers` computed from scratch on the same points and ε.
+    After any sequence of calls, `betti_numbers` equals
+    [`topocallbacks.functional.betti_numbers`][topocallbacks.functional.betti_numbers] computed from scratch on the
+    same points and ε.
 
     Args:
         epsilon: the scale, finite and > 0 (an edge joins points at distance ``<= epsilon``).
-        window: window size for :meth:`push` (>= 2); None for a probe-mode engine.
+        window: window size for `push` (>= 2); None for a probe-mode engine.
         path: ``"auto"`` (the cost model chooses), or force ``"rebuild"``, ``"vertex"`` or ``"edge"`` (for tests
             and benchmarks; ``"edge"`` applies to probe updates, ``"vertex"`` to both modes).
         link_certificates: also try the GUDHI link certificate when a vertex is not dominated (more operations
@@ -153,7 +154,7 @@ class MMHM:
     Raises:
         InputError: an argument is out of range.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> angles = np.linspace(0, 2 * np.pi, 40, endpoint=False)
         >>> circle = np.stack([np.cos(angles), np.sin(angles)], axis=1)
@@ -212,7 +213,7 @@ class MMHM:
 
     @property
     def mode(self) -> str | None:
-        """``"probe"`` after :meth:`update`, ``"stream"`` after :meth:`push`, None before either."""
+        """``"probe"`` after `update`, ``"stream"`` after `push`, None before either."""
         return self._mode
 
     @property
@@ -258,7 +259,7 @@ class MMHM:
         return self._update(as_points(points))
 
     def _update(self, cloud: NDArray[np.float64]) -> BettiNumbers:
-        """:meth:`update` of a validated cloud."""
+        """`update` of a validated cloud."""
         if self._mode == "stream":
             raise InputError("this engine is in streaming mode (push was called): use push(batch), or a new MMHM")
         start = self.clock()
@@ -300,7 +301,7 @@ class MMHM:
         return self._push_batch(as_points(batch, "batch", min_samples=1))
 
     def _push_batch(self, cloud: NDArray[np.float64]) -> BettiNumbers:
-        """:meth:`push` of a validated batch."""
+        """`push` of a validated batch."""
         if self.window is None:
             raise InputError("push needs a window: create the engine with MMHM(epsilon=..., window=W)")
         if self._mode == "probe":
@@ -379,8 +380,8 @@ class MMHM:
     def state_dict(self, include_points: bool = True) -> dict[str, Any]:
         """State to save: ε, window, mode, the points (or a rebuild marker) and the cost model.
 
-        The complex itself is not saved: :meth:`load_state_dict` rebuilds it exactly from the points. With
-        ``include_points=False`` the state is small and JSON-ready; after loading it, the next :meth:`update`
+        The complex itself is not saved: `load_state_dict` rebuilds it exactly from the points. With
+        ``include_points=False`` the state is small and JSON-ready; after loading it, the next `update`
         starts from scratch and a streaming window starts empty.
         """
         state: dict[str, Any] = {
@@ -397,7 +398,7 @@ class MMHM:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (ε and window must match this engine's).
+        """Restore a `state_dict` (ε and window must match this engine's).
 
         Raises:
             InputError: missing keys, another version, an unknown mode, or a different ε or window.
@@ -510,7 +511,7 @@ class MMHM:
         """From scratch: (β0, β1) of the whole ε-graph, exactly as the from-scratch function computes them.
 
         Args:
-            start: :attr:`clock` at the start of the update.
+            start: `clock` at the start of the update.
             reason: why the rebuild was chosen.
             graph: the ε-graph of the alive points (adjacency, rows, cols) if the caller already computed it.
             flipped: edges that changed since the last update, if known (probe mode).
@@ -571,7 +572,7 @@ class MMHM:
     def _refresh_rows(self, slots: NDArray[np.intp]) -> int:
         """Recompute the stored adjacency's rows and columns of ``slots`` against every alive point.
 
-        Each decision is the one a from-scratch ε-graph makes (:func:`epsilon_block`), so the stored graph stays
+        Each decision is the one a from-scratch ε-graph makes (`epsilon_block`), so the stored graph stays
         exactly the from-scratch graph of the alive points; dead slots get empty rows. Returns how many edges
         flipped (appeared or disappeared).
         """

@@ -48,7 +48,7 @@ class Channel:
         }
 
     def load(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state`."""
+        """Restore `state`."""
         self.reference.values = [float(v) for v in state["reference"]]
         self.reference.held = [float(v) for v in state["held"]]
         self.reference.scale = float(state["scale"])
@@ -62,11 +62,11 @@ class ChannelScores:
     """The channels the rule watches, and the training channels it does not, each scored at every check.
 
     A watched channel is scored by ``settings.score`` (the value, its excess over its warm-up mean, or its z-score
-    against its recent checks that stayed below the threshold, see :class:`~topocallbacks.policy.Reference`); a
-    training channel is always z-scored, its noise floored at :data:`TRAINING_NOISE_FLOOR` of its scale. The
+    against its recent checks that stayed below the threshold, see `Reference`); a
+    training channel is always z-scored, its noise floored at `TRAINING_NOISE_FLOOR` of its scale. The
     training channels the rule does not watch are still scored, by the default rule's z-score (whatever the index's
     score): a check where one of them spikes is not healthy (no rollback snapshot), though nothing acts on it
-    (:attr:`Decision.unsettled <topocallbacks.policy.Decision.unsettled>`).
+    (`Decision.unsettled`).
 
     Args:
         settings: the policy's settings.
@@ -164,7 +164,7 @@ class ChannelScores:
         return {name: channel.state() for name, channel in self.watched.items()}
 
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        """Restore :meth:`state`.
+        """Restore `state`.
 
         Raises:
             InputError: the saved policy watched other channels.
@@ -181,7 +181,7 @@ class ChannelScores:
         return {name: channel.state() for name, channel in self.unwatched.items()}
 
     def load_unwatched(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        """Restore :meth:`unwatched_state` (a channel this policy watches, or that the state lacks, is skipped)."""
+        """Restore `unwatched_state` (a channel this policy watches, or that the state lacks, is skipped)."""
         for name, saved in state.items():
             if name in self.unwatched:
                 self.unwatched[name].load(saved)

@@ -1,6 +1,6 @@
-"""What the policy hands on: a :class:`Decision`, the action asked of the training adapter and why.
+"""What the policy hands on: a [`Decision`][topocallbacks.Decision], the action asked of the training adapter and why.
 
-Between its parts, an :class:`Alarm` is a rule or short-cut that held, before the escalation makes it a decision.
+Between its parts, an `Alarm` is a rule or short-cut that held, before the escalation makes it a decision.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Decision:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Decision:
-        """The inverse of :meth:`as_dict`."""
+        """The inverse of `as_dict`."""
         held = data.get("held_back")
         return cls(
             **{
@@ -95,9 +95,9 @@ class Decision:
 
 @dataclasses.dataclass(frozen=True)
 class Alarm:
-    """A rule that held at a check (or a diverged or collapsed check), before it becomes a :class:`Decision`.
+    """A rule that held (or a diverged or collapsed check) before it becomes a [`Decision`][topocallbacks.Decision].
 
-    The escalation (:class:`~topocallbacks.policy.escalation.Escalation`) turns it into one: the action, escalated
+    The escalation (`Escalation`) turns it into one: the action, escalated
     once its budget is spent, held back by a cooldown or carried out. The fields are the decision's.
 
     Attributes:

@@ -12,7 +12,7 @@ __all__ = ["Escalation"]
 
 
 class Escalation:
-    """Turns an :class:`~topocallbacks.policy.decision.Alarm` into a :class:`~topocallbacks.policy.Decision`.
+    """Turns an `Alarm` into a [`Decision`][topocallbacks.policy.Decision].
 
     The action is escalated once its budget is spent: ``lower_lr`` to ``after_max_lr_cuts`` after ``max_lr_cuts``
     cuts, ``rollback`` to ``after_max_rollbacks`` after ``max_rollbacks`` rollbacks. Within ``cooldown`` checks of

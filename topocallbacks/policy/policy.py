@@ -1,4 +1,4 @@
-"""The policy's coordinator: :class:`Policy` wires its parts and takes the short-cuts of a diverged or collapsed check.
+"""The policy's coordinator: `Policy` wires its parts and takes the short-cuts of a diverged or collapsed check.
 
 The parts are the channels' scores, the rule across channels and the escalation; its state is the sum of theirs.
 """
@@ -57,19 +57,19 @@ class Policy(Stateful):
     starts again.
 
     Each of these jobs is a part: the scores and references of the channels
-    (:class:`~topocallbacks.policy.channels.ChannelScores`), the rule across them
-    (:class:`~topocallbacks.policy.rule.ChannelRule`) and the escalation with its cooldown and counters
-    (:class:`~topocallbacks.policy.escalation.Escalation`).
+    (`ChannelScores`), the rule across them
+    (`ChannelRule`) and the escalation with its cooldown and counters
+    (`Escalation`).
 
     Args:
-        settings: a :class:`~topocallbacks.settings.PolicySettings` (default: the library's default rule).
+        settings: a [`PolicySettings`][topocallbacks.settings.PolicySettings] (default: the library's default rule).
         **overrides: any of its fields, e.g. ``Policy(action="stop", threshold=0.8)``.
 
     Raises:
         InputError: a value is out of range.
         ConfigError: an unknown field (with the closest one).
 
-    Example:
+    Examples:
         >>> policy = Policy(action="stop", score="value", threshold=0.8, patience=2, warmup=1, channels=["index"],
         ...                 require=1)
         >>> [policy.decide(step, value).action.value for step, value in enumerate([0.5, 0.9, 0.9])]
@@ -129,7 +129,7 @@ class Policy(Stateful):
             loss: the mean training loss since the last check (the ``"loss"`` channel), or None.
             grad_norm: the mean gradient norm (before clipping) since the last check, or None.
             collapsed: why the features count as totally collapsed by an absolute sentinel
-                (:meth:`SentinelValues.describe <topocallbacks.functional.sentinels.SentinelValues.describe>`), or
+                (`SentinelValues.describe`), or
                 None. With ``settings.sentinels`` such a check acts at once (warm-up or not) and, whatever the
                 setting, none of its values enters a reference: a collapsed state is never learned as healthy.
         """
@@ -178,13 +178,13 @@ class Policy(Stateful):
     def unwatched_(self) -> dict[str, Channel]:
         """The training channels the rule does not watch, scored only to tell a healthy check.
 
-        See :class:`~topocallbacks.policy.channels.ChannelScores`.
+        See `ChannelScores`.
         """
         return self._channels.unwatched
 
     @property
     def reference_(self) -> Reference:
-        """The watched index's z-score reference (see :class:`Reference`)."""
+        """The watched index's z-score reference (see `Reference`)."""
         return self._channels.index.reference
 
     @property
@@ -253,7 +253,7 @@ def _short_cut(
     """The action a check asks for at once, warm-up or not, and its alarm; None: the check goes to the rule.
 
     A diverged check (NaN or Inf features, loss or gradient norm) asks for ``on_diverged``, which no cooldown holds
-    back (see :class:`~topocallbacks.policy.escalation.Escalation`); with ``settings.sentinels``, a check whose
+    back (see `Escalation`); with ``settings.sentinels``, a check whose
     features an absolute sentinel finds collapsed asks for ``action``. Neither enters any reference.
     """
     broken = [name for name in TRAINING_CHANNELS if not _finite_or_none(observed[name])]

@@ -35,7 +35,7 @@ class ChannelRule:
 
     Args:
         settings: the policy's settings.
-        channels: the channels it scores (:class:`~topocallbacks.policy.channels.ChannelScores`).
+        channels: the channels it scores (`ChannelScores`).
     """
 
     def __init__(self, settings: PolicySettings, channels: ChannelScores) -> None:
@@ -46,7 +46,7 @@ class ChannelRule:
     def judge(
         self, step: int, value: float | None, observed: Mapping[str, float | None], check: int
     ) -> Decision | Alarm:
-        """Score the watched channels at check number ``check``: an :class:`Alarm` when the rule holds.
+        """Score the watched channels at check number ``check``: an `Alarm` when the rule holds.
 
         Else the decision to do nothing, whose reason says how far each channel is from holding.
         """

@@ -1,7 +1,7 @@
 """The policy's pure scores: the robust z-score, its reference, and the threshold rule over a whole series.
 
 The collapse-evidence suite (``benchmarks/collapse/``) evaluates the warning rule with these same functions
-(:func:`rule_scores`, :func:`rule_holds`), and :class:`~topocallbacks.policy.Policy` scores each check with them.
+(`rule_scores`, `rule_holds`), and `Policy` scores each check with them.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def trailing_zscore(
     Returns:
         The score, or None when fewer than 3 past values (or differences) are available or ``value`` is not finite.
 
-    Example:
+    Examples:
         >>> round(trailing_zscore([1.0, 1.1, 0.9, 1.0, 1.1, 0.9], 2.0), 2)  # median 1.0, |differences| 0.1-0.2
         9.54
         >>> trailing_zscore([1.0, 1.1, 0.9, 1.0, 1.1, 0.9], 2.0, direction=-1) < 0
@@ -66,7 +66,7 @@ def trailing_zscore(
 def robust_zscore(
     values: NDArray[np.float64], value: float, direction: int, window: int, floor: float = 0.0
 ) -> float | None:
-    """:func:`trailing_zscore` without the checks, with the noise estimate at least ``floor``."""
+    """`trailing_zscore` without the checks, with the noise estimate at least ``floor``."""
     if not math.isfinite(value):
         return None
     recent = values[-window:]
@@ -95,7 +95,7 @@ class Reference:
         size: values kept (the z-score's ``2 * zscore_window``).
         rebase_after: consecutive held-out checks after which they are admitted.
 
-    Example:
+    Examples:
         >>> reference = Reference(size=4, rebase_after=2)
         >>> for value, flagged in [(1.0, False), (9.0, True), (1.1, False), (8.0, True), (8.2, True)]:
         ...     reference.add(value, flagged)
@@ -134,7 +134,7 @@ def score_value(
     """The score of ``value`` under ``settings.score`` given the ``past`` reference values (oldest first).
 
     ``"value"``: the value; ``"baseline"``: its excess over ``baseline`` (None before there is one);
-    ``"zscore"``: :func:`trailing_zscore` against the last ``zscore_window`` values, in ``direction`` (+1 rises,
+    ``"zscore"``: `trailing_zscore` against the last ``zscore_window`` values, in ``direction`` (+1 rises,
     -1 drops, 0 either). None: no score yet.
     """
     if settings.score == "zscore":
@@ -150,12 +150,12 @@ def at_threshold(score: float | None, threshold: float) -> bool:
 
 
 def rule_scores(values: Sequence[float], settings: PolicySettings, *, direction: int = 1) -> NDArray[np.float64]:
-    """The score of every check of a series, as :class:`Policy` computes it (NaN during the warm-up and where none).
+    """The score of every check of a series, as `Policy` computes it (NaN during the warm-up and where none).
 
     Non-finite values (diverged checks, or an index with no value yet) get no score and stay out of the
-    reference; so do the checks whose score reached ``settings.threshold`` (see :class:`Reference`).
+    reference; so do the checks whose score reached ``settings.threshold`` (see `Reference`).
 
-    Example:
+    Examples:
         >>> rule_scores([1.0, 1.0, 5.0], PolicySettings(score="value", warmup=1)).tolist()
         [nan, 1.0, 5.0]
     """
@@ -182,12 +182,12 @@ def rule_scores(values: Sequence[float], settings: PolicySettings, *, direction:
 def rule_holds(
     scores: Sequence[float], threshold: float, patience: int, warmup: int, diverged: Sequence[bool] | None = None
 ) -> NDArray[np.bool_]:
-    """Where the threshold rule holds over a series of scores (as :class:`Policy` applies it).
+    """Where the threshold rule holds over a series of scores (as `Policy` applies it).
 
     The rule holds at a check after the warm-up whose score and the ``patience - 1`` scores before it are
     ``>= threshold``; a diverged check always holds (its action comes at once).
 
-    Example:
+    Examples:
         >>> rule_holds([0.0, 2.0, 2.0, 0.0, 2.0], threshold=1.0, patience=2, warmup=0).tolist()
         [False, False, True, False, False]
     """

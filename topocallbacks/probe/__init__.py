@@ -1,7 +1,7 @@
 """The probe: a fixed set of inputs, and the features a named layer gives for them.
 
-Parts: :mod:`.inputs` (the probe set), :mod:`.layers` (layer resolution), :mod:`.pooling`, :mod:`.text` (text probes,
-attention masks), :mod:`.hooks`, :mod:`.extractor` (the probe pass) and :mod:`.stream` (streaming capture).
+Parts: `inputs` (the probe set), `layers` (layer resolution), `pooling`, `text` (text probes,
+attention masks), `hooks`, `extractor` (the probe pass) and `stream` (streaming capture).
 """
 
 from .extractor import DEVICE_CACHE_BYTES, AutocastFactory, FeatureExtractor, autocast_for

@@ -35,7 +35,7 @@ def autocast_for(precision: str, device: torch.device) -> AutocastFactory:
 
     ``"bf16"``/``"16"``: autocast on ``device``; ``"32"`` and ``"auto"`` (no adapter to ask): none.
 
-    Example:
+    Examples:
         >>> import torch
         >>> with autocast_for("bf16", torch.device("cpu"))():
         ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
@@ -54,12 +54,12 @@ class FeatureExtractor:
     The pass runs at training speed: without gradients, in eval mode, in the trainer's precision (``autocast``),
     stopped as soon as the watched layer has run (``stop_at_layer``: nothing after it is computed), with the probe's
     batches kept on the model's device between checks (pinned host memory for probes over
-    :data:`DEVICE_CACHE_BYTES`), pooled on the device, and one copy of the ``(n, d)`` float32 features to the host
+    `DEVICE_CACHE_BYTES`), pooled on the device, and one copy of the ``(n, d)`` float32 features to the host
     (one synchronisation per check). Every module's mode is restored and the hook removed afterwards, whatever
     happens; an exception that is not the pass's own stop signal is re-raised.
 
     Args:
-        settings: the probe settings: ``layer`` (a module name or name patterns, see :func:`resolve_layer`),
+        settings: the probe settings: ``layer`` (a module name or name patterns, see `resolve_layer`),
             ``pooling``, ``batch_size``, ``precision`` and ``stop_at_layer``.
         **overrides: any of them by name, e.g. ``FeatureExtractor(layer="backbone", batch_size=64)``.
 
@@ -203,8 +203,8 @@ class _PassCapture:
 
     Args:
         names: the watched modules' names.
-        pooling: how an output becomes one vector per sample (see :func:`~topocallbacks.probe.pooling.pool`).
-        stop: whether to end a batch's forward (raise :class:`_StopForward`) once every watched layer has run.
+        pooling: how an output becomes one vector per sample (see `pool`).
+        stop: whether to end a batch's forward (raise `_StopForward`) once every watched layer has run.
     """
 
     def __init__(self, names: list[str], pooling: str, stop: bool) -> None:

@@ -1,6 +1,6 @@
 """The probe set: a fixed set of inputs, so that point i at one check and point i at the next are the same sample.
 
-It is described by a serialisable :class:`ProbeSpec` (source, indices, content hash) so callback state can be saved
+It is described by a serialisable `ProbeSpec` (source, indices, content hash) so callback state can be saved
 as JSON and checked on resume; the inputs themselves are never pickled into a checkpoint.
 """
 
@@ -44,7 +44,7 @@ class ProbeSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ProbeSpec:
-        """The inverse of :meth:`as_dict`."""
+        """The inverse of `as_dict`."""
         indices = data.get("indices")
         return cls(
             data["source"], int(data["n_samples"]), None if indices is None else tuple(indices), data["content_hash"]
@@ -76,7 +76,7 @@ class Probe:
             shapes (ragged token lists: pad them, or pass the texts with ``tokenizer``), or inputs on the meta
             device.
 
-    Example:
+    Examples:
         >>> import torch
         >>> probe = Probe(torch.zeros(10, 3), max_samples=4)
         >>> probe.spec.n_samples, probe.spec.source
@@ -127,7 +127,7 @@ class Probe:
     def describe(self) -> str:
         """Its inputs in words: ``probe of shape (n, ...) and dtype ...``, or its columns' shapes and dtypes.
 
-        Example:
+        Examples:
             >>> Probe(torch.zeros(10, 3)).describe()
             'probe of shape (10, 3) and dtype torch.float32'
         """
@@ -163,7 +163,7 @@ class Probe:
 
 
 def _kind_of(source: Any) -> tuple[str, int]:
-    """The kind of a probe source (its :attr:`ProbeSpec.source`) and its number of samples."""
+    """The kind of a probe source (its `ProbeSpec.source`) and its number of samples."""
     if isinstance(source, str):
         raise InputError(f"`probe` is a single string ({source!r:.40}); pass a list of texts with `tokenizer=`")
     if isinstance(source, torch.Tensor):

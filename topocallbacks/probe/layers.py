@@ -27,7 +27,7 @@ def resolve_layer(model: torch.nn.Module, layer: str | Sequence[str]) -> str:
     ``layer`` is a module name, or one or more ``fnmatch`` patterns (``"*.ln_f"``) tried in order; the first pattern
     that matches wins, and among several matches of one pattern the last module (in ``named_modules`` order).
     Presets use patterns so that one preset fits a bare model and one wrapped in a LightningModule. Names are
-    compared without the segments wrappers insert (:data:`WRAPPER_SEGMENTS`: FSDP, activation checkpointing,
+    compared without the segments wrappers insert (`WRAPPER_SEGMENTS`: FSDP, activation checkpointing,
     ``torch.compile``), so ``"encoder"`` designates the FSDP unit wrapping the encoder; the outermost module of a
     name is returned.
 
@@ -60,15 +60,15 @@ def resolve_layers(
     Each entry of ``layers`` is a shortcut of ``shortcuts`` (name patterns tried in order: the first that matches
     any module gives all its matches), a module name, or an ``fnmatch`` pattern that stands for every module it
     matches that is not inside another match (``"h.*"``: the blocks ``h.0``, ``h.1``..., not their sublayers).
-    Names are compared without wrapper segments, as in :func:`resolve_layer`. ``primary`` (a name or patterns,
-    resolved by :func:`resolve_layer`) comes first, whether ``layers`` names it or not; without it the first layer
+    Names are compared without wrapper segments, as in `resolve_layer`. ``primary`` (a name or patterns,
+    resolved by `resolve_layer`) comes first, whether ``layers`` names it or not; without it the first layer
     found is the primary one.
 
     Raises:
         InputError: an empty list, an entry that designates no module (with the closest names and the shortcuts),
             or two entries that designate one module.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
         >>> resolve_layers(model, ["all_linear"], primary="1", shortcuts={"all_linear": ["[02]"]})
@@ -100,7 +100,7 @@ def resolve_layers(
 
 
 def resolve_module(model: torch.nn.Module, name: str | Sequence[str]) -> torch.nn.Module:
-    """The submodule ``name`` designates (a name or patterns, see :func:`resolve_layer`).
+    """The submodule ``name`` designates (a name or patterns, see `resolve_layer`).
 
     Raises:
         InputError: no module has that name; the message lists the closest names.

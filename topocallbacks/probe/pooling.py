@@ -21,14 +21,14 @@ def pooled_features(output: Any, pooling: str, mask: torch.Tensor | None) -> tor
     Args:
         output: what the layer returned: a tensor, a model output with ``last_hidden_state``, or a tuple or list
             that starts with a tensor.
-        pooling: ``"auto"``, ``"mean"``, ``"last"``, ``"cls"``, ``"flatten"`` or ``"none"`` (see :func:`pool`).
+        pooling: ``"auto"``, ``"mean"``, ``"last"``, ``"cls"``, ``"flatten"`` or ``"none"`` (see `pool`).
         mask: the batch's attention mask ``(batch, tokens)`` (1 for a real token), or None (every token counts).
 
     Raises:
         InputError: the output holds no tensor, or a token pooling of an output that is not ``(batch, tokens,
             features)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> hidden = torch.arange(12.0).reshape(2, 3, 2)
         >>> pooled_features((hidden,), "last", torch.tensor([[1, 1, 0], [1, 1, 1]])).tolist()

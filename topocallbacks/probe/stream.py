@@ -24,10 +24,10 @@ class StreamCapture:
     ``attach`` registers a forward hook on the watched module (forwards in eval mode, such as a probe pass or
     validation, are ignored). Per training forward the hook pools the output on its device, keeps a seeded random
     subset of at most ``points_per_batch`` rows there and nothing more: no copy to the host, no synchronisation.
-    :meth:`take` returns what was kept since the last call (still on the device) and forgets it.
+    `take` returns what was kept since the last call (still on the device) and forgets it.
 
     Args:
-        pooling: how the layer's output becomes one vector per sample (see :class:`ProbeSettings`).
+        pooling: how the layer's output becomes one vector per sample (see `ProbeSettings`).
         points_per_batch: rows kept per forward (None: all).
         seed: seed of the subsets (with a per-forward counter).
     """

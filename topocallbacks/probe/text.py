@@ -117,7 +117,7 @@ def accepted_inputs(model: torch.nn.Module) -> set[str] | None:
 
     A wrapper whose forward takes anything (DDP, FSDP1, accelerate's) is looked through to the module it wraps.
 
-    Example:
+    Examples:
         >>> class Encoder(torch.nn.Module):
         ...     def forward(self, input_ids, attention_mask=None):
         ...         return input_ids
