@@ -41,12 +41,17 @@ def recordings(directory: Path = RECORDINGS) -> list[Path]:
 def _segment(trainee, scenario, kind: str, start: int, stop: int, checks: bool, progress=None) -> dict:
     """Train steps ``[start, stop)``; check at every multiple of ``check_every`` in ``[start, stop]`` if asked."""
     out: dict[str, list] = {"check_steps": [], "metric": [], "features": [], "loss": [], "grad_norm": []}
+    views = getattr(trainee, "views", None)  # a trainee that gives LiDAR's views (the silent suite's) records them
+    if views is not None:
+        out["views"] = []
     for step in range(start, stop + 1):
         if checks and step % scenario.check_every == 0:
             metric, features = trainee.evaluate()
             out["check_steps"].append(step)
             out["metric"].append(metric)
             out["features"].append(features.astype(np.float16))
+            if views is not None:
+                out["views"].append(views().astype(np.float16))
         if step == stop:
             break
         loss, norm = trainee.train_step(step, kind)
@@ -84,7 +89,7 @@ def record(name: str, seed: int, directory: Path = RECORDINGS, progress=None, sc
     for kind in KINDS:
         trainee.restore(snapshot)
         branch = _segment(trainee, scenario, kind, branch_start, scenario.steps, True, progress)
-        branch = {key: values[1:] if key in ("check_steps", "metric", "features") else values
+        branch = {key: values[1:] if key in ("check_steps", "metric", "features", "views") else values
                   for key, values in branch.items()}  # fmt: skip
         for key in prefix:
             arrays[f"{kind}/{key}"] = np.asarray(prefix[key] + branch[key])

@@ -38,6 +38,33 @@ from scenarios import PROBE_SIZE, Scenario, SelfSupervised, Trainee, images  # n
 
 #: Images the linear probes fit on (a fixed draw of training images) and score on (held-out images).
 PROBE_FIT = 2048
+#: LiDAR's views (an anchor of PREREGISTERED.md): this many probe samples, each seen this many ways, at every check.
+LIDAR_SAMPLES = 128
+LIDAR_VIEWS = 4
+
+
+@torch.no_grad()
+def image_views(x: torch.Tensor, embed: Any) -> np.ndarray:
+    """``(LIDAR_SAMPLES, LIDAR_VIEWS, dim)``: the embedding of each of the first probe images under the collapse
+    suite's augmentation, drawn from a fixed generator (the same views at every check)."""
+    from scenarios import augment
+
+    generator = torch.Generator().manual_seed(999)
+    batch = x[:LIDAR_SAMPLES]
+    return torch.stack([embed(augment(batch, generator)) for _ in range(LIDAR_VIEWS)], dim=1).numpy()
+
+
+@torch.no_grad()
+def dropout_views(model: nn.Module, hidden: tuple[torch.Tensor, torch.Tensor]) -> np.ndarray:
+    """The MiniLM scenarios' views: the pooled embedding with 10 % dropout on the trained layers' input states, from
+    fixed seeds and without touching the training's random stream."""
+    states, mask = hidden[0][:LIDAR_SAMPLES], hidden[1][:LIDAR_SAMPLES]
+    views = []
+    for k in range(LIDAR_VIEWS):
+        with torch.random.fork_rng():
+            torch.manual_seed(999 + k)
+            views.append(model(F.dropout(states, 0.1, training=True), mask)[1])
+    return torch.stack(views, dim=1).numpy()
 
 
 def linear_probe_accuracy(train: np.ndarray, train_y: np.ndarray, test: np.ndarray, test_y: np.ndarray) -> float:
@@ -69,6 +96,10 @@ class SimSiamLinear(SelfSupervised):
         features = self.embed(self.eval_x).numpy()
         accuracy = linear_probe_accuracy(fit, self.train_y[pick].numpy(), features, self.eval_y.numpy())
         return accuracy, features
+
+    def views(self) -> np.ndarray:
+        self.model.eval()
+        return image_views(self.eval_x, self.embed)
 
 
 # --- S3: a shortcut leaks into the training images ------------------------------------------------------------
@@ -127,6 +158,10 @@ class Shortcut(Trainee):
         self.model.eval()
         logits, features = self.model(self.eval_x)
         return float((logits.argmax(1) == self.eval_y).float().mean()), features[:PROBE_SIZE].numpy()
+
+    def views(self) -> np.ndarray:
+        self.model.eval()
+        return image_views(self.eval_x, lambda x: self.model(x)[1])
 
 
 # --- S4: a generator whose real sampler loses modes -----------------------------------------------------------
@@ -201,6 +236,14 @@ class Generator(Trainee):
         covered = int(((distance < 3 * MODE_STD).mean(0) >= 0.01).sum())
         return float(covered), samples[:PROBE_SIZE]
 
+    @torch.no_grad()
+    def views(self) -> np.ndarray:
+        """Each of the first probe noise vectors perturbed by fixed N(0, 0.1^2) draws, through the generator."""
+        self.model.eval()
+        z = self.noise[:LIDAR_SAMPLES]
+        draws = np.random.default_rng(999).normal(0.0, 0.1, size=(LIDAR_VIEWS, *z.shape)).astype(np.float32)
+        return torch.stack([self.model(z + torch.from_numpy(d)) for d in draws], dim=1).numpy()
+
 
 # --- S5: VAE posterior collapse -------------------------------------------------------------------------------
 
@@ -257,6 +300,14 @@ class PosteriorCollapse(Trainee):
         active = int((mean.var(0) > 0.01).sum())
         return float(active), mean[:PROBE_SIZE].numpy()
 
+    @torch.no_grad()
+    def views(self) -> np.ndarray:
+        """Fixed draws of each of the first probe images' posterior sample."""
+        self.model.eval()
+        mean, log_var = self.model.encode(self.eval_x[:LIDAR_SAMPLES].flatten(1))
+        draws = np.random.default_rng(999).normal(size=(LIDAR_VIEWS, *mean.shape)).astype(np.float32)
+        return torch.stack([mean + torch.exp(0.5 * log_var) * torch.from_numpy(d) for d in draws], dim=1).numpy()
+
 
 # --- S2 (held out): contrastive pairs gone wrong -------------------------------------------------------------
 
@@ -305,6 +356,10 @@ class Contrastive(Trainee):
         features = self.model(self.eval_x).numpy()
         accuracy = linear_probe_accuracy(fit, self.train_y[pick].numpy(), features, self.eval_y.numpy())
         return accuracy, features[:PROBE_SIZE]
+
+    def views(self) -> np.ndarray:
+        self.model.eval()
+        return image_views(self.eval_x, self.model)
 
 
 class PairContrastive(Trainee):
@@ -367,6 +422,10 @@ class PairContrastive(Trainee):
                 self.threshold = threshold
         accuracy = float(((cosine >= threshold) == self.same).mean())
         return accuracy, self._embed(self.probe_hidden).numpy()
+
+    def views(self) -> np.ndarray:
+        self.model.eval()
+        return dropout_views(self.model, self.probe_hidden)
 
     def state(self) -> dict[str, Any]:
         return {**super().state(), "threshold": self.threshold, "step": self.step_}
@@ -443,6 +502,10 @@ class Forgetting(Trainee):
         _, probe = self.model(*self.probe_hidden)
         return accuracy, probe.numpy()
 
+    def views(self) -> np.ndarray:
+        self.model.eval()
+        return dropout_views(self.model, self.probe_hidden)
+
 
 # --- traps: healthy runs whose representations change on purpose ----------------------------------------------
 
@@ -499,6 +562,10 @@ class Transfer(Trainee):
         mask = torch.isin(self.eval_y, classes)
         accuracy = float((head(features[mask]).argmax(1) == self.eval_y[mask]).float().mean())
         return accuracy, features[:PROBE_SIZE].numpy()
+
+    def views(self) -> np.ndarray:
+        self.model.eval()
+        return image_views(self.eval_x, self.model.body)
 
     def state(self) -> dict[str, Any]:
         return {**super().state(), "second_head": {k: v.clone() for k, v in self.second_head.state_dict().items()},

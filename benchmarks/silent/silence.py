@@ -92,9 +92,9 @@ def check(path: Path) -> dict[str, Any]:
 
 
 def drop_features(path: Path) -> None:
-    """Rewrite a recording without its probe features."""
+    """Rewrite a recording without its probe features (and LiDAR's views of them)."""
     with np.load(path) as data:
-        kept = {key: data[key] for key in data.files if not key.endswith("/features")}
+        kept = {key: data[key] for key in data.files if not key.endswith(("/features", "/views"))}
     tmp = path.with_suffix(".tmp.npz")
     np.savez_compressed(tmp, **kept)
     os.replace(tmp, path)

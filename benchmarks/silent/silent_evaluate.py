@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent / "collapse"))
 sys.path.insert(0, str(HERE.parents[1]))
 
 from silence import RECORDINGS, harm_point  # noqa: E402
-from silent_signals import DIRECTIONS, FAMILIES, WARMUP, feature_signals, training_signals  # noqa: E402
+from silent_signals import DIRECTIONS, FAMILIES, WARMUP, feature_signals, lidar, training_signals  # noqa: E402
 
 from topocallbacks.policy import rule_holds, rule_scores  # noqa: E402
 from topocallbacks.settings import PolicySettings  # noqa: E402
@@ -140,6 +140,8 @@ def load_runs(directory: Path, scenarios: list[str], seeds: tuple[int, ...]) -> 
                 steps = data[f"{kind}/check_steps"]
                 values, _ = feature_signals(data[f"{kind}/features"])
                 values.update(training_signals(steps, data[f"{kind}/loss"], data[f"{kind}/grad_norm"]))
+                if f"{kind}/views" in data.files:  # the LiDAR anchor
+                    values["lidar"] = np.array([lidar(v) for v in data[f"{kind}/views"]])
                 runs.append(Run(name, seed, "trap" if trap else kind, steps, values, fault, point))
     return runs
 

@@ -49,7 +49,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 #: +1: collapse raises the signal; -1: lowers it. Sentinels are 1.0 when they hold.
 DIRECTIONS: dict[str, int] = {
     "spread": -1, "norm_std": -1, "anisotropy": 1, "mean_cosine": 1, "modes": -1, "rankme": -1,
-    "diagram_drift_ref": 1, "cka_drift": 1, "rank_squeeze": 1, "cone": 1, "shrink": 1,
+    "diagram_drift_ref": 1, "cka_drift": 1, "rank_squeeze": 1, "cone": 1, "shrink": 1, "lidar": -1,
 }  # fmt: skip
 TOPOLOGICAL = ("modes", "diagram_drift_ref")
 
@@ -67,6 +67,29 @@ def training_signals(check_steps: np.ndarray, loss: np.ndarray, grad_norm: np.nd
     spec.loader.exec_module(module)
     result: dict[str, np.ndarray] = module.training_signals(check_steps, loss, grad_norm)
     return result
+
+
+def lidar(views: np.ndarray, delta: float = 1e-4) -> float:
+    """LiDAR (Thilak et al., 2023; stable-pretraining's callback): the effective rank of the LDA matrix
+    ``S_w^-1/2 S_b S_w^-1/2`` of ``views`` ``(samples, views, dim)``, each sample its own class (``delta`` times the
+    identity, relative to the within-class scatter's mean eigenvalue, keeps ``S_w`` invertible)."""
+    x = np.asarray(views, dtype=np.float64)
+    if not np.isfinite(x).all():
+        return math.nan
+    means = x.mean(1)
+    centred = means - means.mean(0)
+    between = centred.T @ centred / x.shape[0]
+    within_points = (x - means[:, None, :]).reshape(-1, x.shape[2])
+    within = within_points.T @ within_points / within_points.shape[0]
+    within += delta * max(float(np.trace(within)) / x.shape[2], 1e-12) * np.eye(x.shape[2])
+    values, vectors = np.linalg.eigh(within)
+    root = vectors @ np.diag(values**-0.5) @ vectors.T
+    eig = np.clip(np.linalg.eigvalsh(root @ between @ root), 0.0, None)
+    total = float(eig.sum())
+    if total <= 0:
+        return 1.0
+    share = eig / total + 1e-12
+    return float(np.exp(-(share * np.log(share)).sum()))
 
 
 def rms_radius(frame: np.ndarray) -> float:

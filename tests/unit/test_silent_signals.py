@@ -69,3 +69,14 @@ def test_a_diverged_check_is_nan_everywhere(silent_signals):
     frames[10, 0, 0] = np.nan
     values, _ = silent_signals.feature_signals(frames)
     assert all(math.isnan(v[10]) for v in values.values())
+
+
+def test_lidar_counts_the_directions_that_separate_samples_from_their_views(silent_signals):
+    rng = np.random.default_rng(3)
+    centres = rng.normal(size=(128, 8))  # 128 samples spread over 8 dimensions
+    views = centres[:, None, :] + 0.05 * rng.normal(size=(128, 4, 8))
+    assert silent_signals.lidar(views) > 6.0  # close to the 8 directions the samples differ in
+    flat = np.zeros((128, 8))
+    flat[:, 0] = rng.normal(size=128)  # the samples differ in one direction only
+    assert silent_signals.lidar(flat[:, None, :] + 0.05 * rng.normal(size=(128, 4, 8))) < 1.5
+    assert math.isnan(silent_signals.lidar(np.full((4, 2, 3), np.nan)))
