@@ -84,15 +84,27 @@ def frozen_scores(values: np.ndarray, direction: int, warmup: int = WARMUP) -> n
     return scores
 
 
+#: The anchors (PREREGISTERED.md: reported beside the candidates, never selected). ``loss_two_sided`` is the
+#: training loss scored both ways (a rise or a drop).
+ANCHORS = ("rankme", "lidar", "norm_std", "loss", "loss_two_sided", "grad_norm")
+#: The silence check's rule: the library's loss channel alone at its defaults.
+LOSS_RULE = ("loss", "trailing", 4.5, 1)
+
+
+def _scores(values: np.ndarray, direction: int, score: str, k: float) -> np.ndarray:
+    if score == "trailing":
+        return rule_scores(values, PolicySettings(threshold=k, warmup=WARMUP), direction=direction)
+    return frozen_scores(values, direction)
+
+
 def alarms(values: np.ndarray, signal: str, score: str, k: float, p: int) -> np.ndarray:
     """Where one signal alarms (a boolean per check)."""
     if signal in SENTINELS:
         return np.nan_to_num(values, nan=0.0) >= 1.0
-    direction = DIRECTIONS.get(signal, 1)
-    if score == "trailing":
-        scores = rule_scores(values, PolicySettings(threshold=k, warmup=WARMUP), direction=direction)
-    else:
-        scores = frozen_scores(values, direction)
+    if signal == "loss_two_sided":
+        both = np.fmax(_scores(values, 1, score, k), _scores(values, -1, score, k))
+        return rule_holds(np.nan_to_num(both, nan=-math.inf), k, p, WARMUP)
+    scores = _scores(values, DIRECTIONS.get(signal, 1), score, k)
     return rule_holds(np.nan_to_num(scores, nan=-math.inf), k, p, WARMUP)
 
 
@@ -114,7 +126,7 @@ def first_alarm(run: Run, signals: tuple[str, ...], score: str, k: float, p: int
     after the warm-up for a healthy run; on the shared prefix for a faulted one)."""
     hit = np.zeros(run.steps.size, dtype=bool)
     for signal in signals:
-        hit |= alarms(run.values[signal], signal, score, k, p)
+        hit |= alarms(run.values["loss" if signal == "loss_two_sided" else signal], signal, score, k, p)
     hit[:WARMUP] = False
     steps = run.steps[hit]
     if run.kind != "collapse":
@@ -146,30 +158,74 @@ def load_runs(directory: Path, scenarios: list[str], seeds: tuple[int, ...]) -> 
     return runs
 
 
-def evaluate(runs: list[Run], classes: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Every candidate on ``runs``: classes caught, faulted runs caught, median lead, healthy runs alarmed."""
-    results = []
-    for (name, signals), score, k, p in itertools.product(combinations().items(), SCORES, THRESHOLDS, PATIENCES):
-        caught: dict[str, list[bool]] = {}
-        leads, alarmed = [], 0
-        for run in runs:
-            alarm, healthy_alarm = first_alarm(run, signals, score, k, p)
-            if run.kind != "collapse":
-                alarmed += healthy_alarm
-                continue
-            # Alarms on the shared prefix are the twin's (its run holds the same checks up to the fault).
-            hit = alarm is not None and run.point is not None and alarm < run.point
-            caught.setdefault(run.scenario, []).append(hit)
-            if hit:
-                leads.append(run.point - alarm)
-        by_class = {c: all(sum(caught.get(s, [])) >= 5 for s in CLASSES[c]) for c in classes if c in CLASSES}
-        results.append({
-            "combination": name, "score": score, "k": k, "p": p, "signals": len(signals),
-            "classes_caught": sum(by_class.values()), "by_class": by_class,
-            "runs_caught": sum(sum(v) for v in caught.values()), "median_lead": float(np.median(leads)) if leads
-            else None, "healthy_alarmed": alarmed,
-        })  # fmt: skip
-    return results
+def judge(runs: list[Run], classes: tuple[str, ...], signals: tuple[str, ...], score: str, k: float,
+          p: int) -> dict[str, Any]:  # fmt: skip
+    """One candidate on ``runs``: seeds caught per scenario, classes caught, median lead, healthy runs alarmed."""
+    caught: dict[str, list[bool]] = {}
+    leads, alarmed, healthy = [], 0, 0
+    for run in runs:
+        if any(signal not in run.values for signal in signals if signal != "loss_two_sided"):
+            continue  # an anchor a recording cannot give (LiDAR without views)
+        alarm, healthy_alarm = first_alarm(run, signals, score, k, p)
+        if run.kind != "collapse":
+            alarmed += healthy_alarm
+            healthy += 1
+            continue
+        # Alarms on the shared prefix are the twin's (its run holds the same checks up to the fault).
+        hit = alarm is not None and run.point is not None and alarm < run.point
+        caught.setdefault(run.scenario, []).append(hit)
+        if hit:
+            leads.append(run.point - alarm)
+    by_class = {c: all(sum(caught.get(s, [])) >= 5 for s in CLASSES[c]) for c in classes if c in CLASSES}
+    return {
+        "score": score, "k": k, "p": p, "signals": len(signals), "classes_caught": sum(by_class.values()),
+        "by_class": by_class, "seeds_caught": {name: sum(v) for name, v in caught.items()},
+        "runs": sum(len(v) for v in caught.values()), "runs_caught": sum(sum(v) for v in caught.values()),
+        "median_lead": float(np.median(leads)) if leads else None, "healthy_alarmed": alarmed,
+        "healthy_runs": healthy,
+    }  # fmt: skip
+
+
+def evaluate(
+    runs: list[Run], classes: tuple[str, ...], candidates: dict[str, tuple[str, ...]] | None = None
+) -> list[dict[str, Any]]:
+    """Every candidate (default: the pre-registered combinations) at every score, ``k`` and ``p`` on ``runs``."""
+    found = []
+    chosen = combinations() if candidates is None else candidates
+    for (name, signals), score, k, p in itertools.product(chosen.items(), SCORES, THRESHOLDS, PATIENCES):
+        found.append({"combination": name, **judge(runs, classes, signals, score, k, p)})
+    return found
+
+
+def clopper_pearson(successes: int, n: int) -> tuple[float, float]:
+    """The exact 95 % interval of a binomial proportion."""
+    from scipy.stats import beta
+
+    low = 0.0 if successes == 0 else float(beta.ppf(0.025, successes, n - successes + 1))
+    high = 1.0 if successes == n else float(beta.ppf(0.975, successes + 1, n - successes))
+    return low, high
+
+
+def report(runs: list[Run], classes: tuple[str, ...]) -> dict[str, Any]:
+    """The pre-registered report of one split: every candidate, the choice, the best of each family and anchor at
+    the same healthy budget, the loss-only rule, and per class the chosen candidate's seeds with exact intervals."""
+    results = evaluate(runs, classes)
+    chosen = choose(results)
+    families = {
+        family: choose([r for r in results if r["combination"] in (family, f"{family}+sentinels")])
+        for family in ("geometry", "spectrum", "drift")
+    }
+    anchors = {name: choose(evaluate(runs, classes, {name: (name,)})) for name in ANCHORS}
+    signal, score, k, p = LOSS_RULE
+    loss_rule = judge(runs, classes, (signal,), score, k, p)
+    per_class = {}
+    if chosen is not None:
+        for c in classes:
+            for name in CLASSES.get(c, ()):
+                got = chosen["seeds_caught"].get(name, 0)
+                per_class[name] = {"caught": got, "seeds": 6, "interval": clopper_pearson(got, 6)}
+    return {"chosen": chosen, "families": families, "anchors": anchors, "loss_rule": loss_rule,
+            "per_scenario": per_class, "results": results}  # fmt: skip
 
 
 def choose(results: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -225,13 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         record_missing(scenarios, args.recordings, args.jobs)
     runs = load_runs(args.recordings, scenarios, EVALUATION_SEEDS)
-    results = evaluate(runs, classes)
-    chosen = choose(results) if args.split == "design" else None
+    found = report(runs, classes)
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "chosen": chosen,
-               "results": results}  # fmt: skip
+    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), **found}
     (args.out / f"silent_{args.split}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"silent {args.split}: {len(results)} candidates; chosen {chosen}")
+    print(f"silent {args.split}: {len(found['results'])} candidates; chosen {found['chosen']}")
     return 0
 
 

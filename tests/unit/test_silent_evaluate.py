@@ -65,3 +65,28 @@ def test_the_choice_needs_no_healthy_alarm_and_counts_classes_with_five_of_six_s
     assert chosen["healthy_alarmed"] == 0
     assert chosen["signals"] == 1  # the spectrum alone: fewest signals among the ties
     assert len(results) == len(evaluate.combinations()) * 2 * 5 * 3
+
+
+def test_the_report_gives_the_choice_each_family_and_anchor_the_loss_rule_and_exact_intervals(evaluate):
+    runs = []
+    for seed in range(6):
+        faulted = run(evaluate, "collapse", series(drop_at=25 if seed < 5 else None, seed=seed), point=300, seed=seed)
+        faulted.values["loss"] = series(level=2.0, drop_at=25, drop_to=1.0, seed=seed)  # the loss falls: silent
+        healthy = run(evaluate, "healthy", series(seed=10 + seed), seed=seed)
+        healthy.values["loss"] = series(level=2.0, seed=20 + seed)
+        for r in (faulted, healthy):
+            r.values["norm_std"] = series(seed=30 + seed)
+            r.values["grad_norm"] = series(seed=40 + seed)
+        runs += [faulted, healthy]
+    found = evaluate.report(runs, ("S5",))
+    assert found["chosen"]["combination"] == "spectrum"
+    assert found["per_scenario"]["vae_kl_bug"]["caught"] == 5
+    low, high = found["per_scenario"]["vae_kl_bug"]["interval"]
+    assert low == pytest.approx(0.3588, abs=1e-3)  # Clopper-Pearson for 5 of 6
+    assert high == pytest.approx(0.9958, abs=1e-3)
+    assert found["loss_rule"]["classes_caught"] == 0  # a falling loss never alarms the rising-loss rule
+    two_sided = found["anchors"]["loss_two_sided"]
+    assert two_sided is not None
+    assert two_sided["classes_caught"] == 1  # scored both ways, the drop is seen
+    assert found["anchors"]["lidar"] is None  # no views recorded here: LiDAR cannot be judged
+    assert found["families"]["spectrum"]["combination"] in ("spectrum", "spectrum+sentinels")
