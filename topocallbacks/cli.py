@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
@@ -138,20 +139,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "report":
         return _reporting_errors(lambda: run_report(args.history, args.out, args.title))
     if args.command == "analyze":
-        return _reporting_errors(lambda: run_analyze(args))
+        if args.probe is not None and not Path(args.probe).is_file():  # before any checkpoint is loaded
+            print(f"topocallbacks: error: --probe: no such file: {args.probe}", file=sys.stderr)
+            return 2
+        return _reporting_errors(lambda: run_analyze(args), flags={"layers": "--layer", "probe": "--probe"})
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     return run_demo(args.out, seed=args.seed)
 
 
-def _reporting_errors(command: Callable[[], int]) -> int:
-    """Run a command; a bad input is one line on stderr and exit status 2 (argparse's for usage errors)."""
+def _reporting_errors(command: Callable[[], int], flags: Mapping[str, str] | None = None) -> int:
+    """Run a command; a bad input is one line on stderr and exit status 2 (argparse's for usage errors).
+
+    ``flags`` maps the Python argument names an error may quote (`` `layers` ``) to the command line's flags
+    (``--layer``), so the message names what the user typed.
+    """
     from .exceptions import InputError
 
     try:
         return command()
     except InputError as exc:
-        print(f"topocallbacks: error: {exc}", file=sys.stderr)
+        message = str(exc)
+        for name, flag in (flags or {}).items():
+            message = message.replace(f"`{name}`", f"`{flag}`")
+        print(f"topocallbacks: error: {message}", file=sys.stderr)
         return 2
 
 

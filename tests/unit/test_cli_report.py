@@ -92,3 +92,26 @@ def test_version_and_help_without_markup():
             [sys.executable, "-m", "topocallbacks", *command, "--help"], capture_output=True, text=True, check=True
         ).stdout
         assert not [mark for mark in ("``", ":class:", ":func:", ":meth:") if mark in shown], command
+
+
+def test_analyze_names_a_missing_probe_file_before_loading_anything(tmp_path, capsys):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "model-step10.pt").write_bytes(b"")
+    missing = tmp_path / "probe.npy"
+    assert main(["analyze", str(folder), "--probe", str(missing), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert f"--probe: no such file: {missing}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_analyze_names_the_command_line_flag_when_layers_are_needed(capsys):
+    from topocallbacks.cli import _reporting_errors
+    from topocallbacks.exceptions import InputError
+
+    def needs_layers():
+        raise InputError("`layers` is required: name the module(s) of Net to analyse; some names: ['encoder']")
+
+    assert _reporting_errors(needs_layers, flags={"layers": "--layer"}) == 2
+    error = capsys.readouterr().err
+    assert "`--layer` is required: name the module(s) of Net to analyse" in error
+    assert "`layers`" not in error
