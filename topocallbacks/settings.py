@@ -589,6 +589,8 @@ class OutputSettings(_Section):
             ``topo/<layer>`` when several callbacks are attached to one trainer, so their metrics never collide.
         summary: print a summary at the end of training (checks, warnings, interventions and their reasons, where
             the history went), once, on rank 0.
+        console: the Hugging Face callback also prints each check's values to the Trainer's console (its progress
+            bar or printer), as a Trainer log does; False sends them to the ``report_to`` loggers only.
     """
 
     history_path: str | None = _option(None, _optional(_filepath))
@@ -596,6 +598,7 @@ class OutputSettings(_Section):
     diagram_every: int = _option(0, _integer(0))
     prefix: str | None = _option(None, _optional(_text))
     summary: bool = _option(True, _boolean)
+    console: bool = _option(True, _boolean)
 
 
 #: The default rule of each index, when no policy is given: the rescue suite's rule (the `PolicySettings`

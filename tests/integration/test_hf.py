@@ -271,6 +271,18 @@ def test_the_values_reach_report_to_tensorboard_and_the_console(tmp_path, capsys
     assert "'topo/ci': " in capsys.readouterr().out  # the console's log lines (PrinterCallback) carry them too
 
 
+def test_console_false_keeps_the_values_off_the_console_and_in_report_to(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, console=False)
+    args = arguments(tmp_path, report_to="tensorboard", logging_strategy="no")
+    Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[callback]).train()
+    assert "topo/" not in capsys.readouterr().out
+    events = EventAccumulator(str(next((tmp_path / "runs").iterdir()))).Reload()
+    assert [e.step for e in events.Scalars("train/topo/ci")] == [0, 5, 10]
+
+
 def test_attach_places_the_callback_before_the_report_to_callbacks(tmp_path):
     pytest.importorskip("tensorboard")
     trainer = Trainer(model=DigitsNet(), args=arguments(tmp_path, report_to="tensorboard"))

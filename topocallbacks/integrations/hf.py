@@ -217,7 +217,8 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         reporters have started (their step is still 0 then): never through a Trainer log of the loss.
         """
         logs, self._unreported = self._unreported, {}
-        for reporter in glue.reporters(self._trainer) if logs else []:
+        console = self.monitor.settings.output.console
+        for reporter in glue.reporters(self._trainer, console=console) if logs else []:
             self._guard(reporter, "a check's values", reporter.on_log, args, state, control, logs=dict(logs), **kw)
 
     def _bind(self, args: TrainingArguments) -> None:

@@ -137,11 +137,11 @@ def _objects_holding(value: Any, kind: type) -> list[Any]:
     return found
 
 
-def reporters(trainer: Trainer | None) -> list[Any]:
-    """The Trainer's ``report_to`` callbacks and its console (progress bar or printer), in the handler's order."""
-    console = (ProgressCallback, PrinterCallback)
+def reporters(trainer: Trainer | None, console: bool = True) -> list[Any]:
+    """The Trainer's ``report_to`` callbacks and (``console``) its progress bar or printer, in the handler's order."""
+    kinds = (*REPORTERS, *((ProgressCallback, PrinterCallback) if console else ()))
     handler = [] if trainer is None else trainer.callback_handler.callbacks
-    return [c for c in handler if isinstance(c, (*REPORTERS, *console))]
+    return [c for c in handler if isinstance(c, kinds)]
 
 
 def text_targets(trainer: Trainer | None) -> list[tuple[Any, str, Any]]:
