@@ -695,8 +695,8 @@ def _figures(
     figures.add(
         "index.png",
         _index_figure(checks, interventions),
-        "The index the policy watches. Markers on the step axis: decisions that fired (warn, lower_lr, stop) and "
-        "diverged checks; dashed lines: what was done (interventions).",
+        "The index the policy watches. Markers on the step axis: decisions that fired (warn, lower_lr, rollback, "
+        "stop) and diverged checks; dashed lines: what was done (interventions, rollbacks and skips included).",
     )
     optional = {
         "scores.png": (
