@@ -43,7 +43,8 @@ class Rescuer(Stateful):
     (`snapshots`; before the first one in host memory, ``snapshots + 1`` copies of every rank's state must fit
     in half of the memory available, rank 0 deciding; a sharded strategy or an actuator without snapshots turns them
     off, with one warning, and rollbacks then warn). A rollback restores the newest snapshot taken before the alarm's
-    onset, in place, skips the next ``rollback_skip`` updates and cuts the rates (the cuts compound over rollbacks,
+    onset, in place, skips the next ``rollback_skip`` updates and cuts the rates as its decision says
+    (``rollback_order``; the cuts compound over rollbacks,
     relative to those a snapshot already holds). A stop first restores that last healthy state and keeps the cuts.
 
     Args:
