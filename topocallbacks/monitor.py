@@ -84,10 +84,9 @@ class TopoMonitor(Stateful):
             probe mode to run `check` (`process` takes features directly).
         tokenizer: a Hugging Face tokenizer for a probe of texts (truncated to ``probe.max_length`` tokens).
         **overrides: any option by name (``layer``, ``check_every``, ``index``, ``history_path``, ``policy={...}``
-            merged into the rule in effect...), merged and validated by
-            [`MonitorSettings.merged`][topocallbacks.settings.MonitorSettings.merged]. ``layers=[...]`` watches
-            several layers in one probe pass: a check gives one record per layer, the primary layer's last, which
-            alone carries the decision.
+            merged into the rule in effect...), merged and validated by `MonitorSettings.merged`. ``layers=[...]``
+            watches several layers in one probe pass: a check gives one record per layer, the primary layer's
+            last, which alone carries the decision.
 
     Raises:
         InputError: an option is out of range, or a probe is given without a layer.

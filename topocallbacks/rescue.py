@@ -250,10 +250,9 @@ class Rescuer(Stateful):
             )
         skip = self.settings.rollback_skip
         when = "now" if confirmed else decision.skip
-        if when == "later" and skip:
-            self.pending_skip_ = True
+        self.pending_skip_ = bool(skip) and when == "later"
         skipped = "" if not skip or when != "now" else f"; {_skip_updates(actuator, skip)}"
-        if when == "later" and skip:
+        if self.pending_skip_:
             skipped = f"; {skip} updates will be skipped if the training loss flags again at the next check"
         return (
             f"rolled back to the snapshot of step {target.step}: {undone} updates undone and their batches not seen "
