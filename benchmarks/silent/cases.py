@@ -43,6 +43,24 @@ LIDAR_SAMPLES = 128
 LIDAR_VIEWS = 4
 
 
+def held_out_images() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1,024 fixed held-out Fashion-MNIST images (and labels) the image scenarios measure their harm on (the
+    collapse suite's draw)."""
+    test_x, test_y = images("test")
+    pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:1024])
+    return test_x[pick], test_y[pick]
+
+
+@torch.no_grad()
+def probe_accuracy(trainee: Any, embed: Any) -> tuple[float, np.ndarray]:
+    """The linear-probe accuracy of ``embed`` on ``trainee``'s held-out images (fitted on ``PROBE_FIT`` fixed
+    training images), and the held-out images' embedding."""
+    pick = torch.from_numpy(np.random.default_rng(777).permutation(trainee.train_x.shape[0])[:PROBE_FIT])
+    fit = embed(trainee.train_x[pick]).numpy()
+    features = embed(trainee.eval_x).numpy()
+    return linear_probe_accuracy(fit, trainee.train_y[pick].numpy(), features, trainee.eval_y.numpy()), features
+
+
 @torch.no_grad()
 def image_views(x: torch.Tensor, embed: Any) -> np.ndarray:
     """``(LIDAR_SAMPLES, LIDAR_VIEWS, dim)``: the embedding of each of the first probe images under the collapse
@@ -91,11 +109,7 @@ class SimSiamLinear(SelfSupervised):
     @torch.no_grad()
     def evaluate(self) -> tuple[float, np.ndarray]:
         self.model.eval()
-        pick = torch.from_numpy(np.random.default_rng(777).permutation(self.train_x.shape[0])[:PROBE_FIT])
-        fit = self.embed(self.train_x[pick]).numpy()
-        features = self.embed(self.eval_x).numpy()
-        accuracy = linear_probe_accuracy(fit, self.train_y[pick].numpy(), features, self.eval_y.numpy())
-        return accuracy, features
+        return probe_accuracy(self, self.embed)
 
     def views(self) -> np.ndarray:
         self.model.eval()
@@ -141,9 +155,7 @@ class Shortcut(Trainee):
         super().__init__(seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05, "mark": kind == "collapse"
                                                                             and step >= fault})  # fmt: skip
         self.train_x, self.train_y = images("train")
-        test_x, test_y = images("test")
-        pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:1024])
-        self.eval_x, self.eval_y = test_x[pick], test_y[pick]
+        self.eval_x, self.eval_y = held_out_images()
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
         index = torch.from_numpy(self.rng(step).integers(0, self.train_x.shape[0], self.batch_size))
@@ -275,9 +287,7 @@ class PosteriorCollapse(Trainee):
         super().__init__(seed, model, optimizer, self._schedule_of)
         x, _ = images("train")
         self.train_x = x * 0.3530 + 0.2860  # back to [0, 1]
-        test_x, _ = images("test")
-        pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:1024])
-        self.eval_x = test_x[pick] * 0.3530 + 0.2860
+        self.eval_x = held_out_images()[0] * 0.3530 + 0.2860
 
     def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
         beta = 1.0 if kind != "collapse" else 1.0 + 7.0 * min(max((step - fault) / self.ramp, 0.0), 1.0)
@@ -328,9 +338,7 @@ class Contrastive(Trainee):
         super().__init__(seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05, "negatives": kind !=
                                                                             "collapse" or step < fault})  # fmt: skip
         self.train_x, self.train_y = images("train")
-        test_x, test_y = images("test")
-        pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:1024])
-        self.eval_x, self.eval_y = test_x[pick], test_y[pick]
+        self.eval_x, self.eval_y = held_out_images()
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
         from scenarios import augment
@@ -351,10 +359,7 @@ class Contrastive(Trainee):
     @torch.no_grad()
     def evaluate(self) -> tuple[float, np.ndarray]:
         self.model.eval()
-        pick = torch.from_numpy(np.random.default_rng(777).permutation(self.train_x.shape[0])[:PROBE_FIT])
-        fit = self.model(self.train_x[pick]).numpy()
-        features = self.model(self.eval_x).numpy()
-        accuracy = linear_probe_accuracy(fit, self.train_y[pick].numpy(), features, self.eval_y.numpy())
+        accuracy, features = probe_accuracy(self, self.model)
         return accuracy, features[:PROBE_SIZE]
 
     def views(self) -> np.ndarray:
@@ -536,9 +541,7 @@ class Transfer(Trainee):
                                     weight_decay=5e-4)  # fmt: skip
         super().__init__(seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05})
         self.train_x, self.train_y = images("train")
-        test_x, test_y = images("test")
-        pick = torch.from_numpy(np.random.default_rng(12345).permutation(test_x.shape[0])[:1024])
-        self.eval_x, self.eval_y = test_x[pick], test_y[pick]
+        self.eval_x, self.eval_y = held_out_images()
         self.step_ = 0
 
     def _task(self, step: int) -> tuple[torch.Tensor, nn.Module]:

@@ -136,7 +136,7 @@ def first_alarm(run: Run, signals: tuple[str, ...], score: str, k: float, p: int
 
 
 def load_runs(directory: Path, scenarios: list[str], seeds: tuple[int, ...]) -> list[Run]:
-    """Every run of the recordings, with its signals (computed once and cached beside the recording)."""
+    """Every run of the recordings, with its signals (computed here, from the recorded features and losses)."""
     runs = []
     for name in scenarios:
         for seed in seeds:

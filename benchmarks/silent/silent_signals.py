@@ -18,6 +18,7 @@ run's shared prefix is computed once and each branch continues from it:
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from pathlib import Path
@@ -54,9 +55,9 @@ DIRECTIONS: dict[str, int] = {
 TOPOLOGICAL = ("modes", "diagram_drift_ref")
 
 
-def training_signals(check_steps: np.ndarray, loss: np.ndarray, grad_norm: np.ndarray) -> dict[str, np.ndarray]:
-    """The collapse suite's training channels (``benchmarks/collapse/signals.py``: the mean loss and gradient norm
-    since the previous check), loaded from its file (its module name is this one's)."""
+@functools.cache
+def _collapse_signals() -> Any:
+    """The collapse suite's ``signals`` module, loaded once from its file (a module name this suite shares)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "collapse" / "signals.py"
@@ -65,7 +66,13 @@ def training_signals(check_steps: np.ndarray, loss: np.ndarray, grad_norm: np.nd
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    result: dict[str, np.ndarray] = module.training_signals(check_steps, loss, grad_norm)
+    return module
+
+
+def training_signals(check_steps: np.ndarray, loss: np.ndarray, grad_norm: np.ndarray) -> dict[str, np.ndarray]:
+    """The collapse suite's training channels (``benchmarks/collapse/signals.py``: the mean loss and gradient norm
+    since the previous check)."""
+    result: dict[str, np.ndarray] = _collapse_signals().training_signals(check_steps, loss, grad_norm)
     return result
 
 
