@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ def _collapse_signals() -> Any:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there while the file runs
     spec.loader.exec_module(module)
     return module
 

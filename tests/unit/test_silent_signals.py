@@ -80,3 +80,12 @@ def test_lidar_counts_the_directions_that_separate_samples_from_their_views(sile
     flat[:, 0] = rng.normal(size=128)  # the samples differ in one direction only
     assert silent_signals.lidar(flat[:, None, :] + 0.05 * rng.normal(size=(128, 4, 8))) < 1.5
     assert math.isnan(silent_signals.lidar(np.full((4, 2, 3), np.nan)))
+
+
+def test_training_signals_are_the_means_since_the_previous_check(silent_signals):
+    steps = np.array([0, 2, 5])
+    loss = np.arange(6, dtype=float)
+    found = silent_signals.training_signals(steps, loss, 2 * loss)
+    assert math.isnan(found["loss"][0])
+    assert found["loss"][1:].tolist() == [0.5, 3.0]
+    assert found["grad_norm"][1:].tolist() == [1.0, 6.0]
