@@ -40,15 +40,18 @@ HELD_OUT = frozenset(
 
 def loss_rule_alarms(check_steps: np.ndarray, loss: np.ndarray) -> list[int]:
     """The checks at which the loss-only rule warns, replayed on the mean loss since the previous check."""
+    means = [None if i == 0 else float(np.mean(loss[int(check_steps[i - 1]) : int(step)]))
+             for i, step in enumerate(check_steps)]  # fmt: skip
+    return [int(step) for step, fired in zip(check_steps, loss_rule_fires(means), strict=True) if fired]
+
+
+def loss_rule_fires(means: list[float | None]) -> list[bool]:
+    """Where the loss-only rule (the library's ``Policy`` on the training loss channel alone, no sentinels, at the
+    default threshold, warm-up and window) warns, over a run's mean losses since each previous check."""
     from topocallbacks.policy import Policy
 
     policy = Policy(channels=("loss",), require=1, sentinels=False, action="warn")
-    alarms = []
-    for i, step in enumerate(check_steps):
-        mean = None if i == 0 else float(np.mean(loss[int(check_steps[i - 1]) : int(step)]))
-        if policy.decide(int(step), None, loss=mean).fired:
-            alarms.append(int(step))
-    return alarms
+    return [policy.decide(i, None, loss=mean).fired for i, mean in enumerate(means)]
 
 
 def harm_point(

@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "collapse"))
 sys.path.insert(0, str(HERE.parents[1]))
 
-from silence import RECORDINGS, harm_point  # noqa: E402
+from silence import RECORDINGS, harm_point, loss_rule_fires  # noqa: E402
 from silent_signals import DIRECTIONS, FAMILIES, WARMUP, feature_signals, lidar, training_signals  # noqa: E402
 
 from topocallbacks.policy import rule_holds, rule_scores  # noqa: E402
@@ -87,8 +87,12 @@ def frozen_scores(values: np.ndarray, direction: int, warmup: int = WARMUP) -> n
 #: The anchors (PREREGISTERED.md: reported beside the candidates, never selected). ``loss_two_sided`` is the
 #: training loss scored both ways (a rise or a drop).
 ANCHORS = ("rankme", "lidar", "norm_std", "loss", "loss_two_sided", "grad_norm")
-#: The silence check's rule: the library's loss channel alone at its defaults.
-LOSS_RULE = ("loss", "trailing", 4.5, 1)
+#: The silence check's rule: the library's ``Policy`` on the loss channel alone at its defaults (replayed as the
+#: policy itself, with the training channels' noise floor; ``score``, ``k`` and ``p`` are its defaults, for the
+#: tables). The ``loss`` anchor is scored as every candidate is, without that floor.
+LOSS_RULE = ("loss_rule", "trailing", 4.5, 1)
+#: Signals computed from another one's values.
+SOURCES = {"loss_two_sided": "loss", "loss_rule": "loss"}
 
 
 def _scores(values: np.ndarray, direction: int, score: str, k: float) -> np.ndarray:
@@ -101,6 +105,9 @@ def alarms(values: np.ndarray, signal: str, score: str, k: float, p: int) -> np.
     """Where one signal alarms (a boolean per check)."""
     if signal in SENTINELS:
         return np.nan_to_num(values, nan=0.0) >= 1.0
+    if signal == "loss_rule":
+        means = [float(v) if math.isfinite(v) else None for v in values]
+        return np.array(loss_rule_fires(means), dtype=bool)
     if signal == "loss_two_sided":
         both = np.fmax(_scores(values, 1, score, k), _scores(values, -1, score, k))
         return rule_holds(np.nan_to_num(both, nan=-math.inf), k, p, WARMUP)
@@ -126,7 +133,7 @@ def first_alarm(run: Run, signals: tuple[str, ...], score: str, k: float, p: int
     after the warm-up for a healthy run; on the shared prefix for a faulted one)."""
     hit = np.zeros(run.steps.size, dtype=bool)
     for signal in signals:
-        hit |= alarms(run.values["loss" if signal == "loss_two_sided" else signal], signal, score, k, p)
+        hit |= alarms(run.values[SOURCES.get(signal, signal)], signal, score, k, p)
     hit[:WARMUP] = False
     steps = run.steps[hit]
     if run.kind != "collapse":
@@ -164,7 +171,7 @@ def judge(runs: list[Run], classes: tuple[str, ...], signals: tuple[str, ...], s
     caught: dict[str, list[bool]] = {}
     leads, alarmed, healthy = [], 0, 0
     for run in runs:
-        if any(signal not in run.values for signal in signals if signal != "loss_two_sided"):
+        if any(SOURCES.get(signal, signal) not in run.values for signal in signals):
             continue  # an anchor a recording cannot give (LiDAR without views)
         alarm, healthy_alarm = first_alarm(run, signals, score, k, p)
         if run.kind != "collapse":
@@ -197,44 +204,100 @@ def evaluate(
     return found
 
 
+def interval(successes: int, n: int, method: str = "exact") -> tuple[float, float]:
+    """The 95 % interval of a binomial proportion: ``"exact"`` (Clopper-Pearson) or ``"wilson"``."""
+    from scipy.stats import binomtest
+
+    if n == 0:
+        return math.nan, math.nan
+    found = binomtest(successes, n).proportion_ci(confidence_level=0.95, method=method)
+    return float(found.low), float(found.high)
+
+
 def clopper_pearson(successes: int, n: int) -> tuple[float, float]:
     """The exact 95 % interval of a binomial proportion."""
-    from scipy.stats import beta
+    return interval(successes, n, "exact")
 
-    low = 0.0 if successes == 0 else float(beta.ppf(0.025, successes, n - successes + 1))
-    high = 1.0 if successes == n else float(beta.ppf(0.975, successes + 1, n - successes))
-    return low, high
+
+def summary(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A candidate's row of a family table: catch rate over the faulted runs and healthy runs alarmed (Wilson
+    intervals), median lead, classes caught, and which candidate it is."""
+    if result is None:
+        return None
+    caught, runs = result["runs_caught"], result["runs"]
+    alarmed, healthy = result["healthy_alarmed"], result["healthy_runs"]
+    return {
+        "candidate": {key: result[key] for key in ("combination", "score", "k", "p") if key in result},
+        "classes_caught": result["classes_caught"], "seeds_caught": result["seeds_caught"],
+        "runs_caught": caught, "runs": runs, "catch_interval": interval(caught, runs, "wilson"),
+        "median_lead": result["median_lead"], "healthy_alarmed": alarmed, "healthy_runs": healthy,
+        "healthy_interval": interval(alarmed, healthy, "wilson"),
+    }  # fmt: skip
+
+
+def family_row(pool: list[dict[str, Any]]) -> dict[str, Any]:
+    """One family's (or anchor's) line: its best candidate at the pre-registered healthy budget (no healthy run
+    alarmed), and the fewest healthy runs alarmed by any of its candidates that catches a class."""
+    catching = [r for r in pool if r["classes_caught"] > 0]
+    cheapest = min(catching, key=lambda r: (r["healthy_alarmed"], -r["classes_caught"], -r["runs_caught"]),
+                   default=None)  # fmt: skip
+    return {"at_zero": summary(best_within(pool, 0)), "cheapest_catch": summary(cheapest)}
+
+
+def silence_checks(directory: Path, scenarios: list[str], seeds: tuple[int, ...]) -> dict[str, Any]:
+    """The silence check (``silence.check``) re-run on the evaluation seeds' recordings, per scenario: the seeds that
+    pass and whether the scenario does (>= 5 of 6)."""
+    from silence import check
+
+    out: dict[str, Any] = {}
+    for name in scenarios:
+        if name.startswith("trap_"):
+            continue
+        found = [check(directory / f"{name}-seed{seed}.npz") for seed in seeds]
+        passed = sum(r["passed"] for r in found)
+        out[name] = {"passed": passed, "seeds": len(found), "passes": passed >= 5, "per_seed": found}
+    return out
 
 
 def report(runs: list[Run], classes: tuple[str, ...]) -> dict[str, Any]:
-    """The pre-registered report of one split: every candidate, the choice, the best of each family and anchor at
-    the same healthy budget, the loss-only rule, and per class the chosen candidate's seeds with exact intervals."""
+    """The pre-registered report of one split: every candidate, the choice, each family's and anchor's line at the
+    same healthy budget (`family_row`), the loss-only rule, and per class the chosen candidate's seeds with exact
+    intervals."""
     results = evaluate(runs, classes)
     chosen = choose(results)
     families = {
-        family: choose([r for r in results if r["combination"] in (family, f"{family}+sentinels")])
+        family: family_row([r for r in results if r["combination"] in (family, f"{family}+sentinels")])
         for family in ("geometry", "spectrum", "drift")
     }
-    anchors = {name: choose(evaluate(runs, classes, {name: (name,)})) for name in ANCHORS}
+    families["sentinels"] = family_row(evaluate(runs, classes, {"sentinels": SENTINELS}))
+    anchors = {name: family_row(evaluate(runs, classes, {name: (name,)})) for name in ANCHORS}
     signal, score, k, p = LOSS_RULE
-    loss_rule = judge(runs, classes, (signal,), score, k, p)
+    loss_rule = {"combination": signal, **judge(runs, classes, (signal,), score, k, p)}
     per_class = {}
     if chosen is not None:
         for c in classes:
             for name in CLASSES.get(c, ()):
                 got = chosen["seeds_caught"].get(name, 0)
                 per_class[name] = {"caught": got, "seeds": 6, "interval": clopper_pearson(got, 6)}
-    return {"chosen": chosen, "families": families, "anchors": anchors, "loss_rule": loss_rule,
+    return {"chosen": chosen, "families": families, "anchors": anchors, "loss_rule": summary(loss_rule),
             "per_scenario": per_class, "results": results}  # fmt: skip
 
 
-def choose(results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The pre-registered choice on the design split: no healthy alarm; most classes; then the ties."""
-    eligible = [r for r in results if r["healthy_alarmed"] == 0 and r["classes_caught"] > 0]
+def best_within(results: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
+    """The best candidate alarming on at most ``budget`` healthy runs: most classes; then the pre-registered ties
+    (more caught runs, larger median lead, fewer signals, larger ``k``, larger ``p``, score (ii))."""
+    eligible = [r for r in results if r["healthy_alarmed"] <= budget]
     if not eligible:
         return None
     return min(eligible, key=lambda r: (-r["classes_caught"], -r["runs_caught"], -(r["median_lead"] or 0),
                                         r["signals"], -r["k"], -r["p"], r["score"] != "frozen"))  # fmt: skip
+
+
+def choose(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The pre-registered choice on the design split: no healthy alarm; most classes (at least one); then the
+    ties."""
+    best = best_within(results, 0)
+    return best if best is not None and best["classes_caught"] > 0 else None
 
 
 PREREGISTRATION = HERE / "PREREGISTERED.md"
@@ -266,6 +329,23 @@ def record_missing(scenarios: list[str], directory: Path, jobs: int) -> None:
             print(done, flush=True)
 
 
+def _commit() -> str:
+    """The commit the evaluation ran at (with ``+dirty`` when the work tree had changes)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, check=False).stdout.strip()
+
+    return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--", ".") else "")
+
+
+def write_markdown(payload: dict[str, Any], path: Path) -> None:
+    """The split's results page (``silent_pages.page``) beside its JSON."""
+    from silent_pages import page
+
+    path.write_text(page(payload))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--split", choices=sorted(SPLITS), default="design")
@@ -273,7 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--record", action="store_true", help="record the missing evaluation seeds first")
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--render", action="store_true", help="rewrite the .md from the stored .json only")
     args = parser.parse_args(argv)
+    if args.render:
+        stored = args.out / f"silent_{args.split}.json"
+        write_markdown(json.loads(stored.read_text()), stored.with_suffix(".md"))
+        return 0
     classes, traps = SPLITS[args.split]
     scenarios = [s for c in classes for s in CLASSES.get(c, ())] + [TRAPS[t] for t in traps]
     if args.split == "held_out" and STAGE_2 not in PREREGISTRATION.read_text():
@@ -282,9 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         record_missing(scenarios, args.recordings, args.jobs)
     runs = load_runs(args.recordings, scenarios, EVALUATION_SEEDS)
     found = report(runs, classes)
+    silence = silence_checks(args.recordings, scenarios, EVALUATION_SEEDS)
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), **found}
+    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": _commit(),
+               "silence": silence, **found}  # fmt: skip
     (args.out / f"silent_{args.split}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    write_markdown(payload, args.out / f"silent_{args.split}.md")
     print(f"silent {args.split}: {len(found['results'])} candidates; chosen {found['chosen']}")
     return 0
 

@@ -67,7 +67,9 @@ def test_the_choice_needs_no_healthy_alarm_and_counts_classes_with_five_of_six_s
     assert len(results) == len(evaluate.combinations()) * 2 * 5 * 3
 
 
-def test_the_report_gives_the_choice_each_family_and_anchor_the_loss_rule_and_exact_intervals(evaluate):
+def silent_runs(evaluate):
+    """Six seeds of S5 whose rankme drops on five faulted runs (after the fault, before the harm) while the loss
+    falls, and their quiet twins."""
     runs = []
     for seed in range(6):
         faulted = run(evaluate, "collapse", series(drop_at=25 if seed < 5 else None, seed=seed), point=300, seed=seed)
@@ -78,15 +80,78 @@ def test_the_report_gives_the_choice_each_family_and_anchor_the_loss_rule_and_ex
             r.values["norm_std"] = series(seed=30 + seed)
             r.values["grad_norm"] = series(seed=40 + seed)
         runs += [faulted, healthy]
-    found = evaluate.report(runs, ("S5",))
+    return runs
+
+
+def test_the_report_gives_the_choice_each_family_and_anchor_the_loss_rule_and_exact_intervals(evaluate):
+    found = evaluate.report(silent_runs(evaluate), ("S5",))
     assert found["chosen"]["combination"] == "spectrum"
     assert found["per_scenario"]["vae_kl_bug"]["caught"] == 5
     low, high = found["per_scenario"]["vae_kl_bug"]["interval"]
     assert low == pytest.approx(0.3588, abs=1e-3)  # Clopper-Pearson for 5 of 6
     assert high == pytest.approx(0.9958, abs=1e-3)
     assert found["loss_rule"]["classes_caught"] == 0  # a falling loss never alarms the rising-loss rule
-    two_sided = found["anchors"]["loss_two_sided"]
-    assert two_sided is not None
+    assert found["loss_rule"]["candidate"] == {"combination": "loss_rule", "score": "trailing", "k": 4.5, "p": 1}
+    two_sided = found["anchors"]["loss_two_sided"]["at_zero"]
     assert two_sided["classes_caught"] == 1  # scored both ways, the drop is seen
-    assert found["anchors"]["lidar"] is None  # no views recorded here: LiDAR cannot be judged
-    assert found["families"]["spectrum"]["combination"] in ("spectrum", "spectrum+sentinels")
+    assert found["anchors"]["lidar"]["at_zero"]["runs"] == 0  # no views recorded here: LiDAR cannot be judged
+    spectrum = found["families"]["spectrum"]["at_zero"]
+    assert spectrum["candidate"]["combination"] in ("spectrum", "spectrum+sentinels")
+    assert (spectrum["runs_caught"], spectrum["runs"], spectrum["healthy_alarmed"]) == (5, 6, 0)
+    low, high = spectrum["catch_interval"]
+    assert low == pytest.approx(0.4365, abs=1e-3)  # Wilson for 5 of 6
+    assert high == pytest.approx(0.9699, abs=1e-3)
+    assert found["families"]["spectrum"]["cheapest_catch"]["classes_caught"] == 1
+    assert found["families"]["sentinels"]["cheapest_catch"] is None  # the sentinels never hold here
+
+
+def test_the_loss_only_rule_is_the_librarys_policy_with_its_noise_floor_and_the_loss_anchor_has_none(evaluate):
+    flat = np.full(30, 1.0)
+    flat[0] = math.nan  # no loss before the first check
+    flat[20] = 1.0001  # a blip far below 1 % of the loss's own scale
+    assert not evaluate.alarms(flat, "loss_rule", "trailing", 4.5, 1).any()
+    assert evaluate.alarms(flat, "loss", "trailing", 4.5, 1)[20]  # scored as every candidate: no floor
+    jump = flat.copy()
+    jump[20] = 3.0
+    assert np.flatnonzero(evaluate.alarms(jump, "loss_rule", "trailing", 4.5, 1)).tolist() == [20]
+
+
+def test_the_best_within_a_budget_and_the_choice_need_no_more_healthy_alarms(evaluate):
+    rows = [
+        {"classes_caught": 2, "runs_caught": 9, "median_lead": 5.0, "signals": 1, "k": 3.0, "p": 2,
+         "score": "frozen", "healthy_alarmed": 1},
+        {"classes_caught": 0, "runs_caught": 3, "median_lead": 5.0, "signals": 1, "k": 3.0, "p": 2,
+         "score": "frozen", "healthy_alarmed": 0},
+    ]  # fmt: skip
+    assert evaluate.best_within(rows, 0) is rows[1]
+    assert evaluate.best_within(rows, 1) is rows[0]
+    assert evaluate.choose(rows) is None  # eligible, but it catches no class: no silent path
+
+
+def test_the_page_says_when_no_candidate_is_eligible_and_shows_every_silence_check(evaluate):
+    pages = benchmark_pages()
+    found = evaluate.report(silent_runs(evaluate), ("S5",))
+    seeds = [{"reached": True, "quiet": seed != 0, "passed": seed != 0} for seed in range(6)]
+    payload = {"split": "design", "classes": ["S5"], "traps": ["T2"], "commit": "0123456789abcdef",
+               "silence": {"vae_kl_bug": {"passed": 5, "seeds": 6, "passes": True, "per_seed": seeds}}, **found}
+    text = pages.page(payload)
+    assert "| S5 VAE | 5 | 6 | 5 | yes |" in text
+    assert "Chosen: spectrum" in text
+    assert "commit `0123456789ab`" in text
+    assert "| spectrum (family) | spectrum, " in text
+    assert "| 5/6 (44-97 %) |" in text
+    payload["chosen"] = None
+    assert "**No candidate was eligible.**" in pages.page(payload)
+
+
+def benchmark_pages():
+    import importlib
+    import sys
+
+    from tests.benchmarks import BENCHMARKS
+
+    sys.path.insert(0, str(BENCHMARKS / "silent"))
+    try:
+        return importlib.import_module("silent_pages")
+    finally:
+        sys.path.remove(str(BENCHMARKS / "silent"))

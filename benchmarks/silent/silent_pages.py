@@ -1,0 +1,121 @@
+"""The silent suite's results page, rendered from the stored JSON of one split (``silent_evaluate.py``).
+
+The same text is ``benchmarks/results/silent_<split>.md`` and, for the design split, the ``silent-design`` block of
+``docs/evidence.md`` (``benchmarks/pages.py``); it computes nothing, it only formats what the evaluation stored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: How the tables name the scenarios, in the pre-registration's order.
+SHORT = {
+    "simsiam_no_stopgrad": "S1 SimSiam",
+    "contrastive_no_negatives": "S2a contrastive",
+    "minilm_pairs_no_negatives": "S2b MiniLM pairs",
+    "watermark_shortcut": "S3 watermark",
+    "generator_modes_grid": "S4a grid",
+    "generator_modes_circle": "S4b circle",
+    "vae_kl_bug": "S5 VAE",
+    "minilm_forgetting": "S6 MiniLM forgetting",
+}
+
+
+def _rate(successes: int, n: int, low: float, high: float) -> str:
+    if not n:
+        return "-"
+    return f"{successes}/{n} ({100 * low:.0f}-{100 * high:.0f} %)"
+
+
+def _candidate(row: dict[str, Any]) -> str:
+    c = row["candidate"]
+    if "score" not in c:
+        return str(c.get("combination", "-"))
+    return f"{c['combination']}, {c['score']}, k {c['k']:g}, p {c['p']}"
+
+
+def _seeds(row: dict[str, Any]) -> str:
+    return ", ".join(f"{SHORT.get(name, name).split(' ', 1)[0]} {n}" for name, n in row["seeds_caught"].items())
+
+
+def _lead(row: dict[str, Any]) -> str:
+    lead = row["median_lead"]
+    return "-" if lead is None or (isinstance(lead, float) and math.isnan(lead)) else f"{lead:.0f}"
+
+
+def _row(name: str, row: dict[str, Any] | None) -> str:
+    if row is None:
+        return f"| {name} | none | - | - | - | - |"
+    catch = _rate(row["runs_caught"], row["runs"], *row["catch_interval"])
+    healthy = _rate(row["healthy_alarmed"], row["healthy_runs"], *row["healthy_interval"])
+    return f"| {name} | {_candidate(row)} | {_seeds(row)} | {catch} | {_lead(row)} | {healthy} |"
+
+
+HEADER = (
+    "| signal | candidate | seeds caught (of 6) | faulted runs caught (95 % Wilson) | median lead (steps) "
+    "| healthy runs alarmed (95 % Wilson) |\n|---|---|---|---|---|---|"
+)
+
+
+def silence_table(payload: dict[str, Any]) -> str:
+    """The silence check re-run on the evaluation seeds, per scenario."""
+    lines = [
+        "| scenario | seeds passing (of 6) | 5 % point reached | loss-only rule quiet until it | passes |",
+        "|---|---|---|---|---|",
+    ]
+    for name, found in payload["silence"].items():
+        seeds = found["per_seed"]
+        reached = sum(s["reached"] for s in seeds)
+        quiet = sum(s["quiet"] and s["reached"] for s in seeds)
+        verdict = "yes" if found["passes"] else "**no**"
+        lines.append(f"| {SHORT.get(name, name)} | {found['passed']} | {reached} | {quiet} | {verdict} |")
+    return "\n".join(lines)
+
+
+def choice(payload: dict[str, Any]) -> str:
+    """The pre-registered choice's outcome, in a sentence."""
+    healthy = payload["loss_rule"]["healthy_runs"]
+    candidates = len(payload["results"])
+    if payload["chosen"] is None:
+        return (
+            f"**No candidate was eligible.** Of the {candidates} pre-registered candidates, none that alarmed on "
+            f"none of the {healthy} healthy runs (the design split's twins and trap) caught any design class on 5 "
+            "of its 6 seeds, so by the pre-registered rule the default gains **no silent path**."
+        )
+    chosen = payload["chosen"]
+    return (
+        f"Chosen: {chosen['combination']}, score {chosen['score']}, k {chosen['k']:g}, p {chosen['p']}: "
+        f"{chosen['classes_caught']} design classes caught, no healthy run alarmed of {healthy}."
+    )
+
+
+def page(payload: dict[str, Any]) -> str:
+    """The whole results text of one split."""
+    split = payload["split"]
+    loss = payload["loss_rule"]
+    lines = [
+        f"Split: **{split}** (classes {', '.join(payload['classes'])}; trap {', '.join(payload['traps'])}); "
+        f"evaluation seeds 0-5; evaluated at commit `{payload['commit'][:12]}`.",
+        "",
+        "The silence check, re-run on the evaluation seeds' recordings (a scenario passes when the loss-only rule "
+        "stays quiet from the fault until the 5 % point and the point comes, on at least 5 of 6 seeds):",
+        "",
+        silence_table(payload),
+        "",
+        choice(payload),
+        "",
+        "Each family's and anchor's best candidate at the pre-registered healthy budget (no healthy run alarmed), "
+        "then, on a second line, its candidate that catches a class while alarming on the fewest healthy runs "
+        "(not a choice: the price of catching). A run is caught when the first alarm after the fault comes strictly "
+        "before the 5 % point.",
+        "",
+        HEADER,
+    ]
+    for title, group in (("family", payload["families"]), ("anchor", payload["anchors"])):
+        for name, row in group.items():
+            lines.append(_row(f"{name} ({title})", row["at_zero"]))
+            lines.append(_row(f"{name}, cheapest catch", row["cheapest_catch"]))
+    lines += ["", "The loss-only rule (the silence check's rule, at the library's defaults):", "", HEADER]
+    lines.append(_row("loss-only rule", loss))
+    return "\n".join(lines) + "\n"
