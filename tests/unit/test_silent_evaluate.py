@@ -132,8 +132,14 @@ def test_the_page_says_when_no_candidate_is_eligible_and_shows_every_silence_che
     pages = benchmark_pages()
     found = evaluate.report(silent_runs(evaluate), ("S5",))
     seeds = [{"reached": True, "quiet": seed != 0, "passed": seed != 0} for seed in range(6)]
-    payload = {"split": "design", "classes": ["S5"], "traps": ["T2"], "commit": "0123456789abcdef",
-               "silence": {"vae_kl_bug": {"passed": 5, "seeds": 6, "passes": True, "per_seed": seeds}}, **found}
+    payload = {
+        "split": "design",
+        "classes": ["S5"],
+        "traps": ["T2"],
+        "commit": "0123456789abcdef",
+        "silence": {"vae_kl_bug": {"passed": 5, "seeds": 6, "passes": True, "per_seed": seeds}},
+        **found,
+    }
     text = pages.page(payload)
     assert "| S5 VAE | 5 | 6 | 5 | yes |" in text
     assert "Chosen: spectrum" in text
