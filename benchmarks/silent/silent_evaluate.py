@@ -103,7 +103,7 @@ def _scores(values: np.ndarray, direction: int, score: str, k: float) -> np.ndar
 
 def alarms(values: np.ndarray, signal: str, score: str, k: float, p: int) -> np.ndarray:
     """Where one signal alarms (a boolean per check)."""
-    if signal in SENTINELS:
+    if signal in SENTINELS or signal == "default":
         return np.nan_to_num(values, nan=0.0) >= 1.0
     if signal == "loss_rule":
         means = [float(v) if math.isfinite(v) else None for v in values]
@@ -134,12 +134,33 @@ def first_alarm(run: Run, signals: tuple[str, ...], score: str, k: float, p: int
     hit = np.zeros(run.steps.size, dtype=bool)
     for signal in signals:
         hit |= alarms(run.values[SOURCES.get(signal, signal)], signal, score, k, p)
-    hit[:WARMUP] = False
+    if "default" not in signals:  # the default touches a run wherever it acts, its sentinels in the warm-up too
+        hit[:WARMUP] = False
     steps = run.steps[hit]
     if run.kind != "collapse":
         return None, bool(steps.size)
     after = steps[steps > run.fault]
     return (int(after[0]) if after.size else None), False
+
+
+def default_actions(frames: np.ndarray, steps: np.ndarray, values: dict[str, np.ndarray]) -> np.ndarray:
+    """Where the library's default (``MonitorSettings()``: its check pipeline and rule, the training loss and
+    gradient norm since the last check passed as the adapters pass them) decides anything but nothing (1.0), replayed
+    open-loop on a run's recorded features: its first action is where it would first touch the run."""
+    from topocallbacks.pipeline import CheckPipeline
+    from topocallbacks.settings import MonitorSettings
+
+    def channel(name: str, i: int) -> float | None:
+        value = float(values[name][i])
+        return value if math.isfinite(value) else None
+
+    pipeline = CheckPipeline(MonitorSettings())
+    out = np.zeros(len(frames))
+    for i, (frame, step) in enumerate(zip(frames, steps, strict=True)):
+        dynamics = {"loss": channel("loss", i), "grad_norm": channel("grad_norm", i)}
+        record = pipeline.evaluate(frame, int(step), dynamics).record
+        out[i] = float(record is not None and record.decision.fired)
+    return out
 
 
 def load_runs(directory: Path, scenarios: list[str], seeds: tuple[int, ...]) -> list[Run]:
@@ -159,6 +180,7 @@ def load_runs(directory: Path, scenarios: list[str], seeds: tuple[int, ...]) -> 
                 steps = data[f"{kind}/check_steps"]
                 values, _ = feature_signals(data[f"{kind}/features"])
                 values.update(training_signals(steps, data[f"{kind}/loss"], data[f"{kind}/grad_norm"]))
+                values["default"] = default_actions(data[f"{kind}/features"], steps, values)
                 if f"{kind}/views" in data.files:  # the LiDAR anchor
                     values["lidar"] = np.array([lidar(v) for v in data[f"{kind}/views"]])
                 runs.append(Run(name, seed, "trap" if trap else kind, steps, values, fault, point))
@@ -273,6 +295,7 @@ def report(runs: list[Run], classes: tuple[str, ...]) -> dict[str, Any]:
     anchors = {name: family_row(evaluate(runs, classes, {name: (name,)})) for name in ANCHORS}
     signal, score, k, p = LOSS_RULE
     loss_rule = {"combination": signal, **judge(runs, classes, (signal,), score, k, p)}
+    default = {"combination": "default", **judge(runs, classes, ("default",), score, k, p)}
     per_class = {}
     if chosen is not None:
         for c in classes:
@@ -280,6 +303,7 @@ def report(runs: list[Run], classes: tuple[str, ...]) -> dict[str, Any]:
                 got = chosen["seeds_caught"].get(name, 0)
                 per_class[name] = {"caught": got, "seeds": 6, "interval": clopper_pearson(got, 6)}
     return {"chosen": chosen, "families": families, "anchors": anchors, "loss_rule": summary(loss_rule),
+            "default": summary(default),
             "per_scenario": per_class, "results": results}  # fmt: skip
 
 

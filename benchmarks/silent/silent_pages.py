@@ -116,6 +116,14 @@ def page(payload: dict[str, Any]) -> str:
         for name, row in group.items():
             lines.append(_row(f"{name} ({title})", row["at_zero"]))
             lines.append(_row(f"{name}, cheapest catch", row["cheapest_catch"]))
-    lines += ["", "The loss-only rule (the silence check's rule, at the library's defaults):", "", HEADER]
-    lines.append(_row("loss-only rule", loss))
+    lines += [
+        "",
+        "The library's default as shipped (`MonitorSettings()`, replayed open-loop on the recorded features and "
+        "training channels: a run counts as caught at its first action, and a healthy run as touched by any action, "
+        "warm-up included) and the loss-only rule (the silence check's rule, at the library's defaults):",
+        "",
+        HEADER,
+        _row("the default", payload.get("default")),
+        _row("loss-only rule", loss),
+    ]
     return "\n".join(lines) + "\n"

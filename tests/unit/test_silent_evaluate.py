@@ -161,3 +161,15 @@ def benchmark_pages():
         return importlib.import_module("silent_pages")
     finally:
         sys.path.remove(str(BENCHMARKS / "silent"))
+
+
+def test_the_default_is_replayed_on_recorded_features_and_acts_on_a_constant_cloud_at_once(evaluate):
+    rng = np.random.default_rng(0)
+    frames = rng.normal(size=(14, 64, 4))
+    frames[12] = 1.0  # every point the same: the constant sentinel acts, warm-up or not
+    steps = np.arange(14) * 10
+    values = {"loss": np.r_[math.nan, np.full(13, 1.0)], "grad_norm": np.full(14, math.nan)}
+    acted = evaluate.default_actions(frames, steps, values)
+    assert acted.tolist() == [0.0] * 12 + [1.0, 0.0]
+    healthy = evaluate.Run("vae_kl_bug", 0, "healthy", steps, {"default": np.r_[1.0, np.zeros(13)]})
+    assert evaluate.first_alarm(healthy, ("default",), "trailing", 4.5, 1) == (None, True)  # the warm-up counts
