@@ -358,6 +358,21 @@ def rescue_candidates() -> str:
     return str(suite("rescue", "candidates").table(stored("rescue_candidates.json"))).rstrip("\n")
 
 
+@block("rescue-heldout-status", "rescue_heldout.json")
+def rescue_heldout_status() -> str:
+    """The README's account of the frozen rule's held-out evaluation, in a paragraph."""
+    text = _fill(suite("rescue", "heldout").summary(stored("rescue_heldout.json")), "> ")
+    return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in text.splitlines())
+
+
+@block("rescue-heldout", "rescue_heldout.json")
+def rescue_heldout() -> str:
+    """The evidence page's held-out evaluation: the paragraph, every row and every target of the frozen rule."""
+    heldout, payload = suite("rescue", "heldout"), stored("rescue_heldout.json")
+    return "\n".join([_fill(heldout.summary(payload)), "", *heldout.rows_table(payload), "",
+                      *heldout.targets_table(payload)])  # fmt: skip
+
+
 # --- the first GPU figures (docs/costs.md) ---------------------------------------------------------------------
 
 

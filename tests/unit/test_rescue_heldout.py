@@ -158,3 +158,29 @@ def test_the_analysis_counts_harmed_runs_only_and_judges_each_target_by_its_row(
     assert met["never below the unprotected twin"] is True
     assert met["healthy twins acted on <= 1 of 10"] is True
     assert all(t["met"] for t in result["targets"] if t["target"].startswith("more rescues"))
+
+
+def test_the_summary_counts_runs_far_below_their_unprotected_twin_and_the_targets_met(heldout):
+    records = []
+    for seed in range(6):
+        for arm in (*heldout.ROWS, "none+none"):
+            ours = arm == heldout.FROZEN
+            # Seeds 0-2 of the rule end 50 % worse than the unprotected twin (a loss of 1.65 against 1.1); seed 3
+            # 1 % worse (below, but not by more than 2 %); the rest as the unprotected twin.
+            final = {0: 1.65, 1: 1.65, 2: 1.65, 3: 1.111}.get(seed, 1.1) if ours else 1.1
+            records.append(record(arm, "structural", seed, rescued=False, final=final, unprotected=1.1,
+                                  shape="jump" if seed < 2 else "ramp"))  # fmt: skip
+            records.append(record(arm, "transient", seed, rescued=ours, final=1.0 if ours else 1.1, unprotected=1.1))
+            records.append(record(arm, "none", seed, rescued=None, final=1.0, unprotected=1.0))
+    for r in records:
+        r["stopped_at"] = 300 if r["seed"] == 0 else None
+    payload = {"records": records, **heldout.analyse(records)}
+    far = heldout.far_below(records)
+    assert (far["runs"], far["harmed"], far["shape_runs"], far["stopped"]) == (3, 3, 2, 1)
+    assert far["shape"] == "structural `jump`"
+    assert far["worst"] == pytest.approx(-0.5)
+    text = heldout.summary(payload)
+    assert "rescued 6/6 (100 %, 61-100) harmed transient runs and 0/6 (0 %, 0-39) harmed structural ones" in text
+    assert "3 faulted runs ended more than 2 % below their unprotected twin (worst -50 %; 2 of them" in text
+    met = sum(t["met"] for t in payload["targets"])
+    assert f"Targets met: {met} of {len(payload['targets'])}" in text
