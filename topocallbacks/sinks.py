@@ -7,7 +7,9 @@ The names every logger receives (the callbacks' loggers too), under ``topo`` (or
 - each check: ``topo/index``, ``topo/ci`` and its components, ``topo/betti0`` ..., the costs (``topo/check_ms``,
   ``topo/overhead`` ...), and the rule's view of it: ``topo/score/<channel>`` (the score of each watched channel,
   ``index``, ``loss`` or ``grad_norm``, once it has one) and ``topo/threshold/<channel>`` (what that score is
-  compared with; the rule holds on a channel when its score reaches its threshold);
+  compared with; the rule holds on a channel when its score reaches its threshold), and the absolute sentinels'
+  values (``topo/sentinel/spread``, ``topo/sentinel/top_share``) with ``topo/sentinel``: 1 at a check where one
+  holds (so a sentinel's action has a curve at its step, as a score's has), else 0;
 - each intervention, at its step: ``topo/intervention``, the action's code (`ACTION_CODES`: 1 warn,
   2 lower_lr, 3 rollback, 4 stop), and where the logger takes text, the reason and what was done
   (`intervention_text`) under ``topo/intervention``.
@@ -89,6 +91,9 @@ def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
     scores = decision.scores if decision.scores is not None else {"index": decision.score}
     scalars |= {f"score/{name}": value for name, value in scores.items() if value is not None}
     scalars |= {f"threshold/{name}": value for name, value in (decision.thresholds or {}).items()}
+    if record.sentinels is not None:
+        scalars |= {"sentinel/spread": record.sentinels.spread, "sentinel/top_share": record.sentinels.top_share,
+                    "sentinel": float(bool(record.sentinels.holding))}  # fmt: skip
     return {f"{prefix}/{key}": float(value) for key, value in scalars.items()}
 
 
