@@ -361,8 +361,7 @@ def rescue_candidates() -> str:
 @block("rescue-heldout-status", "rescue_heldout.json")
 def rescue_heldout_status() -> str:
     """The README's account of the frozen rule's held-out evaluation, in a paragraph."""
-    text = _fill(suite("rescue", "heldout").summary(stored("rescue_heldout.json")), "> ")
-    return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in text.splitlines())
+    return _quoted(suite("rescue", "heldout").summary(stored("rescue_heldout.json")))
 
 
 @block("rescue-heldout", "rescue_heldout.json")
@@ -371,6 +370,27 @@ def rescue_heldout() -> str:
     heldout, payload = suite("rescue", "heldout"), stored("rescue_heldout.json")
     return "\n".join([_fill(heldout.summary(payload)), "", *heldout.rows_table(payload), "",
                       *heldout.targets_table(payload)])  # fmt: skip
+
+
+# --- the silent-collapse suite (README.md, docs/evidence.md) --------------------------------------------------
+
+
+def _quoted(text: str) -> str:
+    """``text`` wrapped as a Markdown quote (every line starts with ``> ``)."""
+    lines = _fill(text, "> ").splitlines()
+    return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in lines)
+
+
+@block("silent-status", "silent_design.json")
+def silent_status() -> str:
+    """The README's lead: the silent suite's design split in a paragraph (``silent_pages.status``)."""
+    return _quoted(suite("silent", "silent_pages").status(stored("silent_design.json")))
+
+
+@block("silent-design", "silent_design.json")
+def silent_design() -> str:
+    """The evidence page's account of the silent suite's design split (``silent_pages.page``)."""
+    return str(suite("silent", "silent_pages").page(stored("silent_design.json"))).rstrip("\n")
 
 
 # --- the first GPU figures (docs/costs.md) ---------------------------------------------------------------------

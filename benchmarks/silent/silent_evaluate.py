@@ -354,13 +354,15 @@ def record_missing(scenarios: list[str], directory: Path, jobs: int) -> None:
 
 
 def _commit() -> str:
-    """The commit the evaluation ran at (with ``+dirty`` when the work tree had changes)."""
+    """The commit the evaluation runs at (with ``+dirty`` when the library or the suites it uses had changes)."""
     import subprocess
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, check=False).stdout.strip()
 
-    return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--", ".") else "")
+    root = HERE.parents[1]
+    paths = [str(root / "topocallbacks"), str(HERE), str(HERE.parent / "collapse")]
+    return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--", *paths) else "")
 
 
 def write_markdown(payload: dict[str, Any], path: Path) -> None:
@@ -387,13 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [s for c in classes for s in CLASSES.get(c, ())] + [TRAPS[t] for t in traps]
     if args.split == "held_out" and STAGE_2 not in PREREGISTRATION.read_text():
         parser.error("the held-out split is recorded and evaluated only after stage 2 of PREREGISTERED.md")
+    commit = _commit()  # before the work: the code that runs
     if args.record:
         record_missing(scenarios, args.recordings, args.jobs)
     runs = load_runs(args.recordings, scenarios, EVALUATION_SEEDS)
     found = report(runs, classes)
     silence = silence_checks(args.recordings, scenarios, EVALUATION_SEEDS)
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": _commit(),
+    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": commit,
                "silence": silence, **found}  # fmt: skip
     (args.out / f"silent_{args.split}.json").write_text(json.dumps(payload, indent=1) + "\n")
     write_markdown(payload, args.out / f"silent_{args.split}.md")

@@ -30,6 +30,10 @@ def _rate(successes: int, n: int, low: float, high: float) -> str:
 
 def _candidate(row: dict[str, Any]) -> str:
     c = row["candidate"]
+    if c.get("combination") == "default":
+        return "`MonitorSettings()`"
+    if c.get("combination") == "loss_rule":
+        return "`Policy` on the loss alone, its defaults"
     if "score" not in c:
         return str(c.get("combination", "-"))
     return f"{c['combination']}, {c['score']}, k {c['k']:g}, p {c['p']}"
@@ -127,3 +131,49 @@ def page(payload: dict[str, Any]) -> str:
         _row("loss-only rule", loss),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _caught(row: dict[str, Any] | None) -> list[str]:
+    """The scenarios a row catches on at least 5 of 6 seeds, by their short names."""
+    seeds = {} if row is None else row["seeds_caught"]
+    return [SHORT.get(name, name).split(" ", 1)[0] for name, n in seeds.items() if n >= 5]
+
+
+def status(payload: dict[str, Any], held_out: dict[str, Any] | None = None) -> str:
+    """The README's lead: what the default catches that the loss does not, on the design split (and the held-out
+    one once it has run), in a paragraph."""
+    default, loss = payload["default"], payload["loss_rule"]
+    silence = payload["silence"]
+    passing = [SHORT.get(name, name).split(" ", 1)[0] for name, found in silence.items() if found["passes"]]
+    failing = {SHORT.get(name, name).split(" ", 1)[0] for name, found in silence.items() if not found["passes"]}
+    anchors = []
+    for name, row in payload["anchors"].items():
+        caught = [
+            c + (", a scenario failing the silence check" if c in failing else "") for c in _caught(row["at_zero"])
+        ]
+        if caught:
+            anchors.append(f"{name} ({'; '.join(caught)})")
+    chosen = payload["chosen"]
+    verdict = (
+        "none caught a class (5 of its 6 seeds) before its harm without alarming on a healthy run, so **the "
+        "default has no silent path**"
+        if chosen is None
+        else f"the pre-registered choice caught {chosen['classes_caught']} classes with no healthy run alarmed"
+    )
+    anchor_text = (
+        f"Among the anchors at that budget only {'; '.join(anchors)} caught a scenario"
+        if anchors
+        else "No anchor caught a scenario at that budget"
+    )
+    held = "The held-out classes have not been run." if held_out is None else ""
+    return (
+        f"**Silent collapse, what the loss does not show, is not caught yet.** In the pre-registered silent-collapse "
+        f"suite's {payload['split']} split ({len(silence)} scenarios of {len(payload['classes'])} classes, 6 seeds "
+        f"each, every faulted run beside its healthy twin, and a transfer fine-tune as a trap: "
+        f"{default['healthy_runs']} healthy runs), of {len(payload['results'])} candidate signals and rules "
+        f"(geometry, spectrum, drift against a reference, sentinels) {verdict}. {anchor_text}; only "
+        f"{len(passing)} of the {len(silence)} scenarios ({', '.join(passing)}) passed the silence check on their "
+        f"evaluation seeds. The default as shipped caught {default['runs_caught']}/{default['runs']} faulted runs "
+        f"before their harm and touched {default['healthy_alarmed']}/{default['healthy_runs']} healthy runs; the "
+        f"loss-only rule at the library's defaults caught {loss['runs_caught']}/{loss['runs']}. {held}"
+    ).rstrip()

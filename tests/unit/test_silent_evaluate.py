@@ -146,8 +146,14 @@ def test_the_page_says_when_no_candidate_is_eligible_and_shows_every_silence_che
     assert "commit `0123456789ab`" in text
     assert "| spectrum (family) | spectrum, " in text
     assert "| 5/6 (44-97 %) |" in text
+    assert "the pre-registered choice caught 1 classes" in pages.status(payload)
     payload["chosen"] = None
     assert "**No candidate was eligible.**" in pages.page(payload)
+    lead = pages.status(payload)
+    assert "**the default has no silent path**" in lead
+    assert "only 1 of the 1 scenarios (S5) passed the silence check" in lead
+    assert lead.endswith("The held-out classes have not been run.")
+    assert not pages.status(payload, held_out={}).endswith("have not been run.")
 
 
 def benchmark_pages():
