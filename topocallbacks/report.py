@@ -107,15 +107,11 @@ _REMEDIES: dict[str, tuple[str, ...]] = {
         "lower the learning rate (a cut such as the policy's lower_lr) and see whether the anisotropy comes back down",
         "add or lengthen learning-rate warm-up: large early steps are a common cause of dimensional collapse",
         "use moderate weight decay (too much can itself shrink directions)",
-        "in self-supervised learning: keep the stop-gradient and the predictor (SimSiam, BYOL), or add a "
-        "variance/covariance term (VICReg, Barlow Twins)",
         "normalisation layers (BatchNorm in the projector, LayerNorm) keep the feature scales in check",
     ),
     "entropy": (
         "check the task metric first: clusters forming is what a classifier is meant to do",
         "if the metric got worse: lower the learning rate, or add warm-up",
-        "in contrastive or self-supervised learning, a temperature that is too low or a missing stop-gradient "
-        "makes points pile up",
         "label smoothing or mixup keep class clusters from shrinking to points",
     ),
     "betti": (
@@ -135,6 +131,55 @@ _REMEDIES: dict[str, tuple[str, ...]] = {
         "resume from the last good checkpoint (a stop saves one by default)",
     ),
 }
+
+#: Hints for self-supervised and contrastive training, given only where the training loss kept falling while the
+#: features concentrated (their collapse lowers their loss; a supervised model's collapse seldom does).
+_SELF_SUPERVISED_REMEDIES: tuple[str, ...] = (
+    "if this is self-supervised or contrastive training, a falling loss while the features concentrate is the "
+    "signature of collapse: keep the stop-gradient and the predictor (SimSiam, BYOL), add a variance/covariance term "
+    "(VICReg, Barlow Twins), or check that the negatives and the temperature are what you meant",
+)
+
+#: What an absolute sentinel's finding means, and the hints for it (`topocallbacks.functional.sentinels`).
+_SENTINEL_MEANING: dict[str, str] = {
+    "constant": (
+        "An absolute sentinel found the features constant: every probe input gives the same features, so the "
+        "watched layer's units are dead (they no longer respond to their input). Common causes: ReLUs that died after "
+        "a step too large (every pre-activation pushed below zero), a layer whose weights became zero (weight decay, "
+        "a bug, a bad load), or a layer that ignores its input."
+    ),
+    "one_direction": (
+        "An absolute sentinel found the features on one line: every probe input maps to a multiple of one vector, "
+        "so the watched layer's output has collapsed to rank one (a weight matrix squeezed to one direction, or "
+        "units that all compute the same thing)."
+    ),
+    "one_point": (
+        "An absolute sentinel found every pair of features within ε, the monitor's scale: at that scale the probe "
+        "inputs have become one point (they shrank towards one location)."
+    ),
+}
+_SENTINEL_REMEDIES: dict[str, tuple[str, ...]] = {
+    "constant": (
+        "resume from the last healthy state (the default rule's rollback, or a stop that restores its snapshot)",
+        "lower the learning rate or add warm-up: one large step can kill every unit of a layer",
+        "use LeakyReLU or GELU, or initialise biases at zero or slightly positive, so units can come back",
+        "check that the watched layer is the one you meant (`layer=`) and that its weights are finite and not zero "
+        "after loading",
+    ),
+    "one_direction": (
+        "resume from the last healthy state (the default rule's rollback, or a stop that restores its snapshot)",
+        "lower the learning rate or add warm-up, and use moderate weight decay",
+        "look at the layer's weight matrix: its singular values show whether it was squeezed to rank one",
+    ),
+    "one_point": (
+        "resume from the last healthy state (the default rule's rollback, or a stop that restores its snapshot)",
+        "lower the learning rate or add warm-up",
+        "check the features' scale over the run: normalisation layers keep it from shrinking to nothing",
+    ),
+}
+
+#: At most this many hints per diagnosis, the most specific first.
+MAX_HINTS = 5
 
 #: Remedies chosen by what the training loss did at the check (its mean since the check before against the median
 #: of the checks before): it jumped with the features, or it kept falling (a reorganisation of healthy learning).
@@ -283,6 +328,13 @@ class _Event:
     components: tuple[_Move, ...] = ()
     layers: tuple[_Move, ...] = ()
     loss: _Move | None = None
+
+    @property
+    def sentinel(self) -> str | None:
+        """The absolute sentinel that held at the event's check (``"constant"``, ``"one_direction"`` or
+        ``"one_point"``), or None."""
+        found = None if self.check is None else self.check.sentinels
+        return found.holding[0] if found is not None and found.holding else None
 
     @property
     def top(self) -> str:
@@ -773,11 +825,14 @@ def _also_moved(event: _Event) -> list[_Move]:
 
 
 def _remedies(event: _Event) -> list[str]:
-    """The hints that fit the finding: what the loss did first, then the top mover's, then the other movers'.
+    """The hints that fit the finding, at most `MAX_HINTS`, the most specific first: a sentinel's own; else what the
+    loss did, then the top mover's, then the other movers'.
 
-    A loss that kept falling replaces the generic hints of a drift (nothing points at a fault); a loss that jumped
-    puts the hints for a spike first.
+    A loss that kept falling replaces the generic hints of a drift (nothing points at a fault) and, where the
+    features concentrated, adds the self-supervised hint; a loss that jumped puts the hints for a spike first.
     """
+    if event.sentinel is not None and event.top != "diverged":
+        return list(_SENTINEL_REMEDIES[event.sentinel][:MAX_HINTS])
     keys = list(dict.fromkeys([event.top, *(m.name for m in _also_moved(event))]))
     loss, hints = event.loss, list[str]()
     if loss is not None and event.top != "diverged":
@@ -785,8 +840,10 @@ def _remedies(event: _Event) -> list[str]:
             hints += _LOSS_REMEDIES["loss_jumped"]
         elif loss.after < loss.before:
             hints += _LOSS_REMEDIES["loss_fell"]
+            if {"anisotropy", "entropy"} & set(keys):
+                hints += _SELF_SUPERVISED_REMEDIES
             keys = [k for k in keys if k != "drift"]
-    return list(dict.fromkeys([*hints, *(r for key in keys for r in _REMEDIES[key])]))
+    return list(dict.fromkeys([*hints, *(r for key in keys for r in _REMEDIES[key])]))[:MAX_HINTS]
 
 
 def _diagnosis_html(event: _Event) -> str:
@@ -808,6 +865,8 @@ def _diagnosis_html(event: _Event) -> str:
     history = event.components[0].history if event.components else 0
     if top == "diverged":
         parts.append(f"<p><b>What moved:</b> {_e(_MEANING_DIVERGED)}</p>")
+    elif event.sentinel is not None:
+        parts.append(f"<p><b>Sentinel ({_e(event.sentinel)}):</b> {_e(_SENTINEL_MEANING[event.sentinel])}</p>")
     elif event.components and history == 0:
         parts.append("<p><b>What moved:</b> this is the layer's first check: there is nothing to compare with.</p>")
     elif event.components:
@@ -841,7 +900,7 @@ def _diagnosis_html(event: _Event) -> str:
             f"<p><b>The training loss:</b> {_fmt(loss.after)} against a median of {_fmt(loss.before)} over the "
             f"{loss.history} checks before ({_e(_fmt_z(loss.z))}).</p>"
         )
-    if top == "diverged" or history:
+    if top == "diverged" or history or event.sentinel is not None:
         items = "".join(f"<li>{_e(r)}</li>" for r in _remedies(event))
         parts.append(f"<p><b>What people often try</b> (hints, not prescriptions):</p><ul>{items}</ul>")
     css = "diverged" if top == "diverged" else event.action

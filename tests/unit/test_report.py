@@ -213,7 +213,8 @@ def test_the_diagnosis_names_the_component_that_moved(single):
     assert "dimensional collapse" in block
     assert "What was done:</b> learning rate -&gt; 0.05" in block
     assert "warm-up" in block
-    assert "stop-gradient" in block
+    assert "stop-gradient" not in block  # no loss fell here: nothing says the model is self-supervised
+    assert block.count("<li>") <= 5  # the most specific hints, not every one
     diverged = text[text.index("Step 55: diverged check") :]
     assert "NaN or Inf" in diverged
     assert "clip gradients" in diverged
@@ -436,6 +437,23 @@ def test_the_loss_the_rule_saw_is_in_the_records_and_drawn_with_the_intervention
     assert "loss.png" in parse(path).images
 
 
+def test_a_sentinel_is_named_with_dead_units_and_its_own_hints(tmp_path):
+    probe = _digits_probe(80, 0)
+    monitor = TopoMonitor(check_every=1, summary=False, policy={"action": "warn", "channels": ["index"], "require": 1})
+    for i in range(5):
+        monitor.process(probe + 0.05 * np.random.default_rng(i).normal(size=probe.shape), i * 5)
+    monitor.process(np.full_like(probe, 0.3), 25)  # every unit constant: a dead layer
+    (alarm,) = [r for r in monitor.history if isinstance(r, CheckRecord) and r.decision.fired]
+    assert alarm.sentinels.holding == ("constant",)
+    text = diagnoses(write_report(monitor.history, tmp_path))
+    block = text[text.index("Step 25: decision") :]
+    assert "<b>Sentinel (constant):</b>" in block
+    assert "units are dead" in block
+    assert "LeakyReLU" in block
+    assert "stop-gradient" not in block
+    assert "moved the most" not in block  # the components of a constant cloud say nothing
+
+
 def test_the_hints_follow_what_the_loss_did_at_the_alarm(tmp_path):
     # The same drift alarm twice: once with the loss jumping 5x with it, once with the loss still falling.
     probe = _digits_probe(80, 0)
@@ -456,3 +474,6 @@ def test_the_hints_follow_what_the_loss_did_at_the_alarm(tmp_path):
     assert "the loss kept falling" not in pages["jumped"]
     assert "the loss kept falling at this check" in pages["fell"]
     assert "the loss jumped" not in pages["fell"]
+    # The features concentrated while the loss fell: the self-supervised hint, there only.
+    assert "stop-gradient" in pages["fell"]
+    assert "stop-gradient" not in pages["jumped"]
