@@ -331,8 +331,10 @@ class _Event:
 
     @property
     def sentinel(self) -> str | None:
-        """The absolute sentinel that held at the event's check (``"constant"``, ``"one_direction"`` or
-        ``"one_point"``), or None."""
+        """The absolute sentinel that held at the event's check, or None.
+
+        One of ``"constant"``, ``"one_direction"`` or ``"one_point"`` (`SentinelValues.holding`).
+        """
         found = None if self.check is None else self.check.sentinels
         return found.holding[0] if found is not None and found.holding else None
 
@@ -825,11 +827,11 @@ def _also_moved(event: _Event) -> list[_Move]:
 
 
 def _remedies(event: _Event) -> list[str]:
-    """The hints that fit the finding, at most `MAX_HINTS`, the most specific first: a sentinel's own; else what the
-    loss did, then the top mover's, then the other movers'.
+    """The hints that fit the finding, at most `MAX_HINTS`, the most specific first.
 
-    A loss that kept falling replaces the generic hints of a drift (nothing points at a fault) and, where the
-    features concentrated, adds the self-supervised hint; a loss that jumped puts the hints for a spike first.
+    A sentinel's own hints; else what the loss did, then the top mover's, then the other movers'. A loss that kept
+    falling replaces the generic hints of a drift (nothing points at a fault) and, where the features concentrated,
+    adds the self-supervised hint; a loss that jumped puts the hints for a spike first.
     """
     if event.sentinel is not None and event.top != "diverged":
         return list(_SENTINEL_REMEDIES[event.sentinel][:MAX_HINTS])
