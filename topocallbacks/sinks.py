@@ -8,8 +8,11 @@ The names every logger receives (the callbacks' loggers too), under ``topo`` (or
   ``topo/overhead`` ...), and the rule's view of it: ``topo/score/<channel>`` (the score of each watched channel,
   ``index``, ``loss`` or ``grad_norm``, once it has one) and ``topo/threshold/<channel>`` (what that score is
   compared with; the rule holds on a channel when its score reaches its threshold), and the absolute sentinels'
-  values (``topo/sentinel/spread``, ``topo/sentinel/top_share``) with ``topo/sentinel``: 1 at a check where one
+  values (``topo/sentinel/spread``, ``topo/sentinel/top_share``) with ``topo/sentinel/holds``: 1 at a check where one
   holds (so a sentinel's action has a curve at its step, as a score's has), else 0;
+- once, when training starts: the monitor's settings as hyperparameters (`hyperparameters`: ``topo/<section>/
+  <field>``, the rule in effect under ``topo/policy``): Lightning's ``log_hyperparams`` of every logger (TensorBoard
+  hparams, MLflow params, W&B config), and the Hugging Face ``report_to`` loggers' own;
 - each intervention, at its step: ``topo/intervention``, the action's code (`ACTION_CODES`: 1 warn,
   2 lower_lr, 3 rollback, 4 stop), and where the logger takes text, the reason and what was done
   (`intervention_text`) under ``topo/intervention``.
@@ -17,6 +20,7 @@ The names every logger receives (the callbacks' loggers too), under ``topo`` (or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -27,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .check import CheckRecord, InterventionRecord
-from .settings import OutputSettings
+from .settings import MonitorSettings, OutputSettings
 
 __all__ = [
     "ACTION_CODES",
@@ -35,6 +39,7 @@ __all__ = [
     "Sinks",
     "TensorBoardSink",
     "distinct_prefixes",
+    "hyperparameters",
     "intervention_scalars",
     "intervention_text",
     "prefix_of",
@@ -93,8 +98,40 @@ def scalars_of(record: CheckRecord, prefix: str = "topo") -> dict[str, float]:
     scalars |= {f"threshold/{name}": value for name, value in (decision.thresholds or {}).items()}
     if record.sentinels is not None:
         scalars |= {"sentinel/spread": record.sentinels.spread, "sentinel/top_share": record.sentinels.top_share,
-                    "sentinel": float(bool(record.sentinels.holding))}  # fmt: skip
+                    "sentinel/holds": float(bool(record.sentinels.holding))}  # fmt: skip
     return {f"{prefix}/{key}": float(value) for key, value in scalars.items()}
+
+
+def hyperparameters(settings: MonitorSettings, prefix: str = "topo") -> dict[str, str | int | float | bool]:
+    """The monitor's settings as flat hyperparameters, ``{"<prefix>/<section>/<field>": value}``.
+
+    Under ``<prefix>/policy`` the rule in effect (`MonitorSettings.rule`: the index's default rule when ``policy`` is
+    None). None becomes ``"None"``, a list or tuple its JSON, so every value is one a logger takes as a
+    hyperparameter (TensorBoard hparams, MLflow params, W&B config).
+
+    Examples:
+        >>> params = hyperparameters(MonitorSettings())
+        >>> params["topo/policy/rollback_order"], params["topo/policy/channels"]
+        ('cut_if_refired', '["index", "loss"]')
+    """
+    nested = settings.as_dict()
+    nested["policy"] = dataclasses.asdict(settings.rule)
+    flat: dict[str, str | int | float | bool] = {}
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, Mapping) and value:
+            for key, inner in value.items():
+                walk(f"{path}/{key}", inner)
+        elif value is None:
+            flat[path] = "None"
+        elif isinstance(value, (bool, int, float, str)):
+            flat[path] = value
+        else:
+            flat[path] = json.dumps(value, default=list)
+
+    for section, value in nested.items():
+        walk(f"{prefix}/{section}", value)
+    return flat
 
 
 def intervention_scalars(record: InterventionRecord, prefix: str = "topo") -> dict[str, float]:

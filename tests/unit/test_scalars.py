@@ -15,9 +15,9 @@ def test_a_sentinel_that_acts_has_its_curve_at_that_step():
     collapsed = monitor.process(line, step=10)
     assert collapsed.decision.fired
     values = scalars_of(collapsed)
-    assert values["topo/sentinel"] == 1.0
+    assert values["topo/sentinel/holds"] == 1.0
     assert values["topo/sentinel/top_share"] == pytest.approx(1.0)
     calm = scalars_of(healthy)
-    assert calm["topo/sentinel"] == 0.0
+    assert calm["topo/sentinel/holds"] == 0.0
     assert calm["topo/sentinel/top_share"] < 0.5
     assert 0.5 < calm["topo/sentinel/spread"] <= 1.0

@@ -20,9 +20,9 @@ from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture, autocast_for
 from ..settings import MonitorSettings
-from ..sinks import intervention_scalars, scalars_of
+from ..sinks import hyperparameters, intervention_scalars, scalars_of
 from . import hf_glue as glue
-from .reporting import Guard, write_text
+from .reporting import Guard, write_settings, write_text
 
 __all__ = ["TopoCollapseTrainerCallback"]
 
@@ -96,6 +96,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         self._restored: Mapping[str, Any] | None = None  # set by the Trainer on a rebuilt callback
         self._guard = Guard()  # a reporter that fails is said once and never stops training
         self._unreported: dict[str, float] = {}  # values for report_to and the console, at their step
+        self._settings_written = False  # the settings, as the report_to loggers' hyperparameters (once)
         self._trainer: Trainer | None = None  # found at on_init_end, or attach()'s
         self._taps: list[glue.Tap] = []  # on the Trainer while it trains: its loss and gradient norm come here
         self._step = OptimizerStep()
@@ -216,10 +217,22 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         At the end of the step of their check, or, for the start check, at the first step's beginning, once the
         reporters have started (their step is still 0 then): never through a Trainer log of the loss.
         """
+        if not self._settings_written and state.is_world_process_zero:
+            self._write_settings()
         logs, self._unreported = self._unreported, {}
         console = self.monitor.settings.output.console
         for reporter in glue.reporters(self._trainer, console=console) if logs else []:
             self._guard(reporter, "a check's values", reporter.on_log, args, state, control, logs=dict(logs), **kw)
+
+    def _write_settings(self) -> None:
+        """The settings as hyperparameters of the ``report_to`` loggers that have started (once)."""
+        targets = glue.text_targets(self._trainer)
+        if not targets:
+            return
+        self._settings_written = True
+        params = hyperparameters(self.monitor.settings, self.prefix)
+        for reporter, kind, target in targets:
+            self._guard(reporter, "the settings", write_settings, kind, target, params)
 
     def _bind(self, args: TrainingArguments) -> None:
         """A callback the Trainer rebuilt from ``state()`` becomes another name for the resumed Trainer's own."""

@@ -20,7 +20,7 @@ from ..monitor import TopoMonitor
 from ..presets import resolve_settings
 from ..probe import StreamCapture
 from ..settings import MonitorSettings
-from ..sinks import intervention_scalars, scalars_of
+from ..sinks import hyperparameters, intervention_scalars, scalars_of
 from . import lightning_glue as glue
 from .reporting import Guard, write_text
 
@@ -141,6 +141,9 @@ class TopoCollapseCallback(Callback):
         if self.monitor.settings.probe.precision == "auto":
             self.monitor.autocast = trainer.strategy.precision_plugin.forward_context  # the trainer's precision
         self._sharded_root = glue.probe_root(trainer, pl_module)
+        params = hyperparameters(self.monitor.settings, self.prefix)
+        for logger in trainer.loggers if trainer.is_global_zero else []:  # the settings, as hyperparameters
+            self._guard(logger, "the settings", logger.log_hyperparams, params)
         self._step.reset()
         self._seen_step = trainer.global_step
         # A first check before any update calibrates ε and starts the warm-up on the initial features.

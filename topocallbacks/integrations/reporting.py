@@ -14,7 +14,7 @@ from typing import Any
 from ..check import InterventionRecord
 from ..sinks import intervention_text
 
-__all__ = ["Guard", "write_text"]
+__all__ = ["Guard", "write_settings", "write_text"]
 
 
 class Guard:
@@ -64,8 +64,31 @@ def write_text(kind: str, target: Any, record: InterventionRecord, prefix: str, 
         else:
             target.log_text(run_id, text, artifact)
     elif kind == "wandb":
-        import wandb  # type: ignore[import-not-found]
+        import wandb
 
         row = [record.step, record.action, record.reason, record.detail]
         table = wandb.Table(columns=["step", "action", "reason", "detail"], data=[row])
         target.log({f"{prefix}/interventions": table}, commit=False)
+
+
+def write_settings(kind: str, target: Any, params: dict[str, Any]) -> None:
+    """Write the monitor's settings (`topocallbacks.sinks.hyperparameters`) as ``target``'s hyperparameters.
+
+    Args:
+        kind: ``"tensorboard"`` (a ``SummaryWriter``: the hparams plugin's summaries, as Lightning writes them),
+            ``"mlflow"`` (the ``mlflow`` module with an active run: its params) or ``"wandb"`` (the ``wandb`` module
+            with a run: its config).
+        target: that object.
+        params: the flat hyperparameters.
+    """
+    if kind == "tensorboard":
+        from torch.utils.tensorboard.summary import hparams
+
+        writer = target._get_file_writer()
+        for summary in hparams(params, {}):  # type: ignore[no-untyped-call]
+            writer.add_summary(summary)
+        target.flush()
+    elif kind == "mlflow":
+        target.log_params(params)
+    elif kind == "wandb":
+        target.config.update(params, allow_val_change=True)
