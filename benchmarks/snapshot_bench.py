@@ -25,8 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from topocallbacks.interventions import capture_state, restore_state, state_nbytes  # noqa: E402
-from topocallbacks.rollback import SnapshotStore  # noqa: E402
+from topocallbacks.snapshots import SnapshotStore, capture_state, restore_state, state_nbytes  # noqa: E402
 
 #: (input width, width, hidden layers): the digits MLP of budget_bench.py, then about 0.5 M, 6 M and 42 M parameters.
 SIZES = {"digits MLP": (64, 512, 1), "small": (512, 1024, 1), "medium": (1024, 2048, 2), "large": (2048, 4096, 3)}

@@ -1,8 +1,10 @@
-"""Applying decisions, and learning-rate cuts that survive the scheduler.
+"""The means of acting: the `Actuator` interface, its actuators, rate cuts that survive the scheduler, the skip.
 
-`apply` carries out a [`Decision`][topocallbacks.policy.Decision] through an `Actuator`, the small
-interface each training adapter implements with its framework's own means (save a checkpoint, scale the learning
-rate, request a stop). No training framework is imported here.
+An `Actuator` is the small interface each training adapter implements with its framework's own means (save a
+checkpoint, scale the learning rate, request a stop, take and restore a snapshot, skip updates); the rescuer
+([`Rescuer`][topocallbacks.rescue.Rescuer]) carries a [`Decision`][topocallbacks.policy.Decision] out through it. What
+a snapshot copies lives in [`topocallbacks.snapshots`][topocallbacks.snapshots]. No training framework is imported
+here.
 
 A learning-rate cut must survive the scheduler. ``LambdaLR``-family schedulers recompute the rate from
 ``base_lrs`` at every step, ``OneCycleLR`` from ``initial_lr``/``max_lr``/``min_lr`` stored in the param groups,
@@ -12,33 +14,21 @@ current rate. Scaling all of these together keeps the cut in effect at every lat
 
 from __future__ import annotations
 
-import copy
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from ._validation import check_int, check_number
-from .distributed import rank_and_world
 from .exceptions import InputError, SnapshotUnsupported
-from .policy import Decision
-from .settings import Action, InterventionSettings
+from .snapshots import capture_state, live_state_nbytes, restore_state, save_on_rank_zero
 
 __all__ = [
     "Actuator",
     "LoopActuator",
     "StateActuator",
-    "apply",
-    "capture_state",
     "current_learning_rates",
-    "has_sharded_state",
-    "host_memory_available",
-    "live_state_nbytes",
-    "restore_state",
-    "save_on_rank_zero",
     "scale_learning_rate",
     "skip_updates",
-    "state_nbytes",
     "updates_left_to_skip",
 ]
 
@@ -197,39 +187,6 @@ class LoopActuator:
         return 0 if self.model is None else live_state_nbytes(self.model, self.optimizers)
 
 
-def live_state_nbytes(model: Any, optimizers: Iterable[Any]) -> int:
-    """About the bytes `capture_state` will copy on this rank, read from the live state without copying it.
-
-    The model's ``state_dict`` plus each optimizer's state; an optimizer with no state yet (before its first step)
-    counts as twice the trainable parameters (Adam's two moments), so the estimate is not low at step 0. A sharded
-    model counts this rank's shards (the parameters' local shards; FSDP1's sharded state dict).
-    """
-    if has_sharded_state(model):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        model_bytes = state_nbytes(get_model_state_dict(model, options=_dcp_options()))
-    else:
-        model_bytes = state_nbytes(model.state_dict())
-    total = model_bytes
-    for optimizer in optimizers:
-        held = state_nbytes(optimizer.state_dict()["state"])
-        params = sum(state_nbytes(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
-        total += max(held, 2 * params)
-    return total
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory available to new allocations (Linux ``MemAvailable``), or None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def skip_updates(optimizers: Iterable[Any], count: int) -> str:
     """Make each optimizer's next ``count`` ``step()`` calls skip the update; what was done, in words.
 
@@ -331,287 +288,6 @@ class StateActuator:
     def skip_updates(self, count: int) -> str:
         """`skip_updates` of the optimizers."""
         return skip_updates(self._parts()[1], count)
-
-
-def save_on_rank_zero(payload: Any, directory: str | os.PathLike[str], name: str) -> str:
-    """``torch.save(payload, <directory>/<name>)`` on rank 0 (the directory made if needed); where, in words.
-
-    Every rank gets the same answer, so the history says the same everywhere.
-    """
-    path = os.path.join(directory, name)
-    if rank_and_world()[0] == 0:
-        import torch
-
-        os.makedirs(directory, exist_ok=True)
-        torch.save(payload, path)
-    return f"saved to {path}"
-
-
-def _host_copy(tree: Any, pinned: bool = False) -> Any:
-    """A deep copy of a state dict with every tensor copied to host memory.
-
-    A sharded tensor stays sharded: a DTensor (FSDP2, tensor parallelism) is copied as its local shard with the same
-    mesh and placements, a ``ShardedTensor`` (FSDP1's sharded state dict) shard by shard; no rank gathers anything.
-    ``pinned``: GPU tensors go to pinned host memory with non-blocking copies (`_to_host`).
-    """
-    import torch
-
-    if _is_dtensor(tree):
-        from torch.distributed.tensor import DTensor
-
-        local = _to_host(tree.to_local().detach(), pinned)  # `DTensor.to(copy=True)` would alias on the host
-        return DTensor.from_local(
-            local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride()
-        )
-    if _is_sharded_tensor(tree):
-        return tree.to("cpu") if tree.device.type != "cpu" else copy.deepcopy(tree)
-    if isinstance(tree, torch.Tensor):
-        return _to_host(tree.detach(), pinned)
-    if isinstance(tree, dict):
-        return {key: _host_copy(value, pinned) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_host_copy(value, pinned) for value in tree)
-    return copy.deepcopy(tree)
-
-
-def _to_host(tensor: Any, pinned: bool) -> Any:
-    """A host copy of ``tensor``; from a CUDA device with ``pinned``, a non-blocking copy into pinned memory.
-
-    The copy is queued on the current stream, so the training's later in-place updates on that stream come after it;
-    only a reader of the host copy must wait for it (`capture_state`'s ``ready`` event).
-    """
-    if pinned and tensor.device.type == "cuda":
-        import torch
-
-        out = torch.empty_like(tensor, device="cpu", pin_memory=True)
-        out.copy_(tensor, non_blocking=True)
-        return out
-    return tensor.to("cpu", copy=True)
-
-
-def _is_dtensor(value: Any) -> bool:
-    return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
-
-
-def _is_sharded_tensor(value: Any) -> bool:
-    return type(value).__name__ == "ShardedTensor" and hasattr(value, "local_shards")
-
-
-def has_sharded_state(model: Any) -> bool:
-    """Whether ``model``'s state is sharded across ranks: FSDP1, FSDP2 (``fully_shard``) or DTensor parameters.
-
-    Its state is then read and written through ``torch.distributed.checkpoint``'s state-dict helpers, each rank its
-    own shard (`capture_state`).
-
-    Raises:
-        SnapshotUnsupported: a DeepSpeed engine (its ZeRO partitions are not read or written exactly here).
-    """
-    from .probe.hooks import is_sharded
-
-    if any(type(m).__name__ == "DeepSpeedEngine" for m in model.modules()):
-        raise SnapshotUnsupported(DEEPSPEED_REFUSAL)
-    return is_sharded(model) or any(_is_dtensor(p) for p in model.parameters())
-
-
-#: Why DeepSpeed gets no rollback, and what to do instead (raised at set-up by the adapters).
-DEEPSPEED_REFUSAL = (
-    "`rollback` (and the restore before a `stop`) does not support DeepSpeed: its ZeRO partitions of the parameters "
-    "and optimizer states have no in-memory state-dict API that restores them exactly in place. Use FSDP "
-    "(`fully_shard`, Lightning's FSDPStrategy or ModelParallelStrategy, accelerate's FSDP), where rollback is exact, "
-    "or a rule that only warns or cuts the learning rate: policy={'action': 'lower_lr', "
-    "'after_max_lr_cuts': 'warn', 'on_diverged': 'lower_lr'}"
-)
-
-
-def _dcp_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=False)  # each rank its own shard: nothing gathered, nothing broadcast
-
-
-def capture_state(
-    model: Any, optimizers: Iterable[Any], schedulers: Iterable[Any], scaler: Any = None
-) -> dict[str, Any]:
-    """A copy of the training state in host memory: what ``rollback`` restores.
-
-    The model's ``state_dict`` (parameters and buffers, e.g. batch-norm statistics), each optimizer's and
-    scheduler's ``state_dict`` and the grad scaler's, every tensor copied to the host (the training goes on
-    changing the originals in place). From a GPU the copies go to pinned host memory without blocking the loop,
-    and ``"ready"`` holds a CUDA event recorded after them: wait on it (``ready.synchronize()``) before reading the
-    host tensors (`SnapshotStore` does). A sharded model (`has_sharded_state`) is
-    read through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``,
-    sharded): each rank copies its own shard, with no collective beyond what those helpers need.
-
-    Examples:
-        >>> import torch
-        >>> model = torch.nn.Linear(2, 1)
-        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> sorted(capture_state(model, [optimizer], []))
-        ['model', 'optimizers', 'scaler', 'schedulers', 'sharded']
-    """
-    optimizers = list(optimizers)
-    sharded = has_sharded_state(model)
-    if sharded:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        options = _dcp_options()
-        model_state = get_model_state_dict(model, options=options)
-        optimizer_states = [
-            get_optimizer_state_dict(model, o, options=options) if o.state else _stateless(o) for o in optimizers
-        ]
-    else:
-        model_state, optimizer_states = model.state_dict(), [o.state_dict() for o in optimizers]
-    state = {
-        "model": _host_copy(model_state, pinned=True),
-        "optimizers": [_host_copy(state, pinned=True) for state in optimizer_states],
-        "schedulers": [_host_copy(scheduler.state_dict()) for scheduler in schedulers],
-        "scaler": None if scaler is None else _host_copy(scaler.state_dict()),
-        "sharded": sharded,
-    }
-    if _on_cuda(model):
-        import torch
-
-        state["ready"] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        state["ready"].record()  # after the queued copies: the one point a reader waits for
-    return state
-
-
-def _on_cuda(model: Any) -> bool:
-    return any(p.device.type == "cuda" for p in model.parameters())
-
-
-def _stateless(optimizer: Any) -> dict[str, Any]:
-    """An optimizer without state yet (before its first update), as its hyper-parameters.
-
-    ``get_optimizer_state_dict`` would create the state with a step of zero gradients, which counts as a step
-    (Adam's bias correction) and so would change the training it watches.
-    """
-    groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-    return {"stateless": True, "param_groups": copy.deepcopy(groups)}
-
-
-def restore_state(
-    snapshot: dict[str, Any], model: Any, optimizers: Iterable[Any], schedulers: Iterable[Any], scaler: Any = None
-) -> None:
-    """Load `capture_state`'s copy back in place: the parameters are the same objects afterwards.
-
-    Copies are loaded (``load_state_dict`` keeps a host tensor it is given as the optimizer's state, and the
-    snapshot must stay intact for a later rollback). A sharded snapshot goes back through
-    ``set_model_state_dict`` / ``set_optimizer_state_dict``, each rank its own shard.
-
-    Raises:
-        InputError: the snapshot holds another number of optimizers or schedulers than given, or was taken of a
-            sharded model and the model is not (or the other way round).
-    """
-    optimizers, schedulers = list(optimizers), list(schedulers)
-    if len(snapshot["optimizers"]) != len(optimizers) or len(snapshot["schedulers"]) != len(schedulers):
-        raise InputError(
-            f"the snapshot holds {len(snapshot['optimizers'])} optimizer(s) and {len(snapshot['schedulers'])} "
-            f"scheduler(s); the training has {len(optimizers)} and {len(schedulers)}"
-        )
-    sharded = has_sharded_state(model)
-    if bool(snapshot.get("sharded", False)) != sharded:
-        raise InputError(
-            f"the snapshot was taken of a {'sharded' if snapshot.get('sharded') else 'whole'} model; this model is "
-            f"{'sharded' if sharded else 'whole'}"
-        )
-    if sharded:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        options = _dcp_options()
-        set_model_state_dict(model, _host_copy(snapshot["model"]), options=options)
-        for optimizer, state in zip(optimizers, snapshot["optimizers"], strict=True):
-            if state.get("stateless"):
-                optimizer.state.clear()
-                for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
-                    group.update(copy.deepcopy(saved))
-            else:
-                set_optimizer_state_dict(model, optimizer, _host_copy(state), options=options)
-    else:
-        model.load_state_dict(snapshot["model"])
-        for optimizer, state in zip(optimizers, snapshot["optimizers"], strict=True):
-            optimizer.load_state_dict(_host_copy(state))
-    for scheduler, state in zip(schedulers, snapshot["schedulers"], strict=True):
-        scheduler.load_state_dict(_host_copy(state))
-    if scaler is not None and snapshot.get("scaler") is not None:
-        scaler.load_state_dict(_host_copy(snapshot["scaler"]))
-
-
-def state_nbytes(tree: Any) -> int:
-    """Bytes held by the tensors of a (nested) state on this rank (a sharded tensor's local shards only)."""
-    if _is_dtensor(tree):
-        return state_nbytes(tree.to_local())
-    if _is_sharded_tensor(tree):
-        return sum(state_nbytes(shard.tensor) for shard in tree.local_shards())
-    if hasattr(tree, "element_size") and hasattr(tree, "nelement"):
-        return int(tree.element_size() * tree.nelement())
-    if isinstance(tree, dict):
-        return sum(state_nbytes(value) for value in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(state_nbytes(value) for value in tree)
-    return 0
-
-
-def apply(
-    decision: Decision,
-    actuator: Actuator,
-    settings: InterventionSettings,
-    record: Callable[[str], None],
-    *,
-    step: int | None = None,
-    rollback: Callable[[], str] | None = None,
-    keep: Callable[[], str] | None = None,
-) -> str:
-    """Carry out ``decision`` through ``actuator`` and return what was done, in words.
-
-    The order keeps nothing lost: the action is applied (a warning on rank 0, the learning-rate cut, the rollback
-    and its cut, the stop request), then ``record(detail)`` writes the intervention to the history, and only then
-    is the rescue checkpoint saved (when the decision asks for one, or before a stop with ``checkpoint_on_stop``),
-    so the checkpoint holds the cut learning rate, the intervention and its reason.
-
-    Args:
-        decision: a decision that fired.
-        actuator: the framework's means.
-        settings: the intervention settings (``checkpoint_on_stop``).
-        record: called once with the detail, before the checkpoint is saved.
-        step: the step at which it is carried out (default: the decision's, that of the check's features).
-        rollback: restores the snapshot a ``rollback`` goes back to and says what it did (the monitor's, which
-            holds the snapshots); required for ``rollback``. Given with a ``stop``, it restores the last healthy
-            state before the stop is requested.
-        keep: for a stop, writes the newest healthy snapshot to a file and says where (the monitor's, when it
-            keeps snapshots), so a stop never drops the last good state.
-    """
-    step = decision.step if step is None else step
-    done: list[str] = []
-    if decision.action is Action.WARN:
-        if rank_and_world()[0] == 0:
-            checked = "" if step == decision.step else f" (a check of step {decision.step}'s features)"
-            message = f"topocallbacks at step {step}{checked}: {decision.reason}"
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        done.append("warned")
-    elif decision.action is Action.LOWER_LR and decision.lr_factor is not None:
-        done.append(actuator.scale_learning_rate(decision.lr_factor))
-    elif decision.action is Action.ROLLBACK:
-        if rollback is None:
-            raise InputError("a rollback decision needs `rollback`: the monitor's snapshot restore")
-        done.append(rollback())
-        if decision.lr_factor is not None:
-            done.append(actuator.scale_learning_rate(decision.lr_factor))
-    elif decision.action is Action.STOP:
-        if rollback is not None:  # the last healthy state first: a stop never leaves the weights of the fault
-            done.append(rollback())
-        done.append(actuator.request_stop())
-        if keep is not None:
-            done.append(keep())
-    save = decision.checkpoint or (decision.action is Action.STOP and settings.checkpoint_on_stop)
-    tag = f"topo-{decision.action.value}-step{step}"
-    if save:
-        done.append(f"checkpoint {actuator.checkpoint_location(tag)}")
-    detail = "; ".join(done)
-    record(detail)
-    if save:
-        actuator.save_checkpoint(tag)
-    return detail
 
 
 # Param-group keys that schedulers read learning rates back from (OneCycleLR, and LRScheduler's initial_lr).

@@ -8,17 +8,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._state import StateFields, Stateful
 from .check import CheckRecord, InterventionRecord
 from .distributed import all_gather_object, broadcast_object, rank_and_world
 from .exceptions import InputError, SnapshotUnsupported
-from .interventions import Actuator, apply, host_memory_available
+from .interventions import Actuator
 from .policy import Decision
-from .rollback import Snapshot, SnapshotStore, _size
 from .settings import Action, MonitorSettings
+from .snapshots import Snapshot, SnapshotStore, host_memory_available, size_text
 
 __all__ = ["Checks", "Rescuer"]
 
@@ -112,30 +111,71 @@ class Rescuer(Stateful):
         if decision.action in (Action.ROLLBACK, Action.STOP):
             target = self._target(decision, record, step)
         decision, target = self._settled(decision, target)
+        return self._carry_out(decision, actuator, step, target, checks, confirmed)
+
+    def _carry_out(
+        self,
+        decision: Decision,
+        actuator: Actuator,
+        step: int,
+        target: Snapshot | None,
+        checks: Checks,
+        confirmed: bool,
+    ) -> InterventionRecord:
+        """Carry ``decision`` out at ``step`` through ``actuator``; the intervention.
+
+        The order keeps nothing lost: the action is applied (a warning on rank 0, the learning-rate cut, the rollback
+        and its cut, the stop with the last healthy state restored first and written to a file), then the
+        intervention goes to the history, and only then is the rescue checkpoint saved (when the decision asks for
+        one, or before a stop with ``checkpoint_on_stop``), so the checkpoint holds the cut learning rate, the
+        intervention and its reason.
+        """
         undone = None if target is None else self._undone(target, step)
-        done: list[InterventionRecord] = []
-
-        def write(detail: str) -> None:
-            if decision.lr_factor is not None and decision.action in (Action.LOWER_LR, Action.ROLLBACK):
-                self.lr_factor_ *= decision.lr_factor
-            since = None if target is None else target.step
-            entry = InterventionRecord(step, decision.action.value, decision.reason, detail, self.lr_factor_, since,
-                                       undone)  # fmt: skip
-            done.append(entry)
-            checks.emit(entry)
-
-        apply(
-            decision,
-            actuator,
-            self.settings.interventions,
-            write,
-            step=step,
-            rollback=None
-            if target is None
-            else lambda: self._roll_back(actuator, target, step, decision, checks, confirmed),
-            keep=self._keeper(actuator, target),
+        done: list[str] = []
+        if decision.action is Action.WARN:
+            if rank_and_world()[0] == 0:
+                checked = "" if step == decision.step else f" (a check of step {decision.step}'s features)"
+                warnings.warn(f"topocallbacks at step {step}{checked}: {decision.reason}", RuntimeWarning, stacklevel=4)
+            done.append("warned")
+        elif decision.action is Action.LOWER_LR and decision.lr_factor is not None:
+            done.append(actuator.scale_learning_rate(decision.lr_factor))
+        elif decision.action is Action.ROLLBACK:
+            if target is None:  # pragma: no cover - `_settled` turns a rollback with no snapshot into another action
+                raise RuntimeError("a rollback decision reached the rescuer without a snapshot to go back to")
+            done.append(self._roll_back(actuator, target, step, decision, checks, confirmed))
+            if decision.lr_factor is not None:
+                done.append(actuator.scale_learning_rate(decision.lr_factor))
+        elif decision.action is Action.STOP:
+            if target is not None:  # the last healthy state first: a stop never leaves the weights of the fault
+                done.append(self._roll_back(actuator, target, step, decision, checks, confirmed))
+            done.append(actuator.request_stop())
+            kept = target
+            if kept is None and self.snapshots.snapshots:
+                kept = self.snapshots.snapshots[-1]
+            if kept is not None:  # the last healthy state to a file too
+                where = actuator.save_snapshot(kept.load(), f"topo-last-healthy-step{kept.step}")
+                done.append(f"last healthy state (step {kept.step}) {where}")
+        save = decision.checkpoint or (
+            decision.action is Action.STOP and self.settings.interventions.checkpoint_on_stop
         )
-        return done[0]
+        tag = f"topo-{decision.action.value}-step{step}"
+        if save:
+            done.append(f"checkpoint {actuator.checkpoint_location(tag)}")
+        if decision.lr_factor is not None and decision.action in (Action.LOWER_LR, Action.ROLLBACK):
+            self.lr_factor_ *= decision.lr_factor
+        entry = InterventionRecord(
+            step=step,
+            action=decision.action.value,
+            reason=decision.reason,
+            detail="; ".join(done),
+            lr_factor=self.lr_factor_,
+            snapshot_step=None if target is None else target.step,
+            steps_lost=undone,
+        )
+        checks.emit(entry)
+        if save:
+            actuator.save_checkpoint(tag)
+        return entry
 
     # --- the decision's target ------------------------------------------------------------------------------
 
@@ -210,16 +250,6 @@ class Rescuer(Stateful):
         last = self.last_rollback_step_
         return step - (target.step if last is None or last < target.step else last)
 
-    def _keeper(self, actuator: Actuator, target: Snapshot | None) -> Callable[[], str] | None:
-        """What a stop writes to a file: the state it restored (the last healthy one), else the newest snapshot."""
-        kept = target if target is not None else (self.snapshots.snapshots[-1] if self.snapshots.snapshots else None)
-        if kept is None:
-            return None
-        return lambda: (
-            f"last healthy state (step {kept.step}) "
-            + actuator.save_snapshot(kept.load(), f"topo-last-healthy-step{kept.step}")
-        )
-
     # --- restoring ------------------------------------------------------------------------------------------
 
     def _roll_back(
@@ -265,10 +295,13 @@ class Rescuer(Stateful):
         """The skip a rollback left waiting, made now that the loss flagged again: the burst goes on."""
         skip = self.settings.rollback_skip
         entry = InterventionRecord(
-            step, "skip", f"the training loss flagged again at the check after the rollback: the burst goes on, so "
-            f"the rollback's skip of {skip} updates is made now (rollback_order 'skip_if_confirmed')",
-            _skip_updates(actuator, skip), self.lr_factor_,
-        )  # fmt: skip
+            step=step,
+            action="skip",
+            reason=f"the training loss flagged again at the check after the rollback: the burst goes on, so the "
+            f"rollback's skip of {skip} updates is made now (rollback_order 'skip_if_confirmed')",
+            detail=_skip_updates(actuator, skip),
+            lr_factor=self.lr_factor_,
+        )
         checks.emit(entry)
         return entry
 
@@ -324,10 +357,10 @@ class Rescuer(Stateful):
             free = host_memory_available()
             if free is not None and need > free / 2:
                 verdict = (
-                    f"{self.snapshots.keep} snapshots of about {_size(size)} each (plus one in flight"
+                    f"{self.snapshots.keep} snapshots of about {size_text(size)} each (plus one in flight"
                     + (f", on each of {world} ranks" if world > 1 else "")
-                    + f") need {_size(need)} of host memory, more than half of the {_size(free)} available; set "
-                    "`interventions.snapshot_dir` to keep them on disk, or fewer `interventions.snapshots`"
+                    + f") need {size_text(need)} of host memory, more than half of the {size_text(free)} available; "
+                    "set `interventions.snapshot_dir` to keep them on disk, or fewer `interventions.snapshots`"
                 )
         verdict = broadcast_object(verdict)
         if verdict is not None:

@@ -16,7 +16,7 @@ import numpy as np
 from faults import StepChange
 
 from topocallbacks.policy import Reference, trailing_zscore
-from topocallbacks.rollback import SnapshotStore
+from topocallbacks.snapshots import SnapshotStore
 
 
 class StepDetector:

@@ -49,7 +49,7 @@ from scenarios import (  # noqa: E402
 )
 
 from topocallbacks.functional import gradient_norm  # noqa: E402
-from topocallbacks.interventions import capture_state, restore_state  # noqa: E402
+from topocallbacks.snapshots import capture_state, restore_state  # noqa: E402
 
 KINDS = ("healthy", "transient", "structural")
 FAULTS = ("transient", "structural")
@@ -323,7 +323,7 @@ class RescueTrainee:
 
     ``step(p)`` trains on the batch of position ``p`` (corrupted when the fault says so); the learning rate is
     the ``LambdaLR`` schedule's, times ``spike`` at corrupted positions. ``state()``/``restore()`` are the
-    library's :func:`~topocallbacks.interventions.capture_state` / ``restore_state`` of the model, the optimiser
+    library's :func:`~topocallbacks.snapshots.capture_state` / ``restore_state`` of the model, the optimiser
     and the scheduler, so a :class:`~topocallbacks.interventions.LoopActuator` built on this trainee's
     ``optimizer``, ``scheduler`` and ``model`` rolls it back exactly.
     """

@@ -17,16 +17,9 @@ from topocallbacks import TopoMonitor
 from topocallbacks.check import CheckRecord, InterventionRecord
 from topocallbacks.exceptions import InputError, SnapshotUnsupported
 from topocallbacks.functional.indices import diagram_distance
-from topocallbacks.interventions import (
-    LoopActuator,
-    capture_state,
-    current_learning_rates,
-    live_state_nbytes,
-    skip_updates,
-    state_nbytes,
-)
+from topocallbacks.interventions import LoopActuator, current_learning_rates, skip_updates
 from topocallbacks.policy import Action, Decision, Policy
-from topocallbacks.rollback import SnapshotStore
+from topocallbacks.snapshots import SnapshotStore, capture_state, live_state_nbytes, state_nbytes
 
 DIGITS = load_digits()
 X = torch.tensor(DIGITS.data / 16.0, dtype=torch.float32)

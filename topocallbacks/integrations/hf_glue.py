@@ -19,16 +19,11 @@ from transformers.trainer_callback import CallbackHandler, PrinterCallback, Prog
 
 from ..exceptions import ConfigError, InputError, SnapshotUnsupported
 from ..intake import OptimizerStep
-from ..interventions import (
-    DEEPSPEED_REFUSAL,
-    StateActuator,
-    current_learning_rates,
-    save_on_rank_zero,
-    scale_learning_rate,
-)
+from ..interventions import StateActuator, current_learning_rates, scale_learning_rate
 from ..monitor import TopoMonitor
 from ..settings import MonitorSettings
 from ..sinks import distinct_prefixes
+from ..snapshots import DEEPSPEED_REFUSAL, save_on_rank_zero
 
 _LABEL_KEYS = ("labels", "label", "label_ids")
 REPORTERS = tuple(INTEGRATION_TO_CALLBACK.values())  # the callbacks `report_to` adds

@@ -16,15 +16,10 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 
 from ..check import CheckRecord
 from ..exceptions import ConfigError, InputError, SnapshotUnsupported
-from ..interventions import (
-    DEEPSPEED_REFUSAL,
-    StateActuator,
-    current_learning_rates,
-    save_on_rank_zero,
-    scale_learning_rate,
-)
+from ..interventions import StateActuator, current_learning_rates, scale_learning_rate
 from ..probe import is_fsdp1_wrapper, resolve_layer
 from ..sinks import distinct_prefixes, prefix_of, scalars_of
+from ..snapshots import DEEPSPEED_REFUSAL, save_on_rank_zero
 
 
 class LightningActuator(StateActuator):

@@ -1,7 +1,7 @@
 """When to act on the watched channels: rules over their history that return a [`Decision`][topocallbacks.Decision].
 
 The policy only decides; applying a decision (warning, cutting the learning rate, rolling back, stopping, saving a
-rescue checkpoint) is [`topocallbacks.interventions.apply`][topocallbacks.interventions.apply]'s job, so the same
+rescue checkpoint) is the rescuer's job ([`Rescuer`][topocallbacks.rescue.Rescuer]), so the same
 policy drives Lightning, Hugging Face and plain loops. A decision is made in three steps, each its own part:
 
 1. *score* (`channels`, with the pure functions of `scores`): each channel's value becomes the score
