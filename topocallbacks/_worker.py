@@ -9,10 +9,8 @@ pipes and reads one reply per request but ``"stop"``, in order:
 
 * ``("init", settings_dict, state_or_None)``: create the pipeline (from a saved state when resuming), answered
   with ``("ready",)``;
-* ``("evaluate", step, features, dynamics)``: a probe check (``features``: an array, or ``{layer: array}`` when
-  several layers are watched); ``("window", step, batches, dynamics)``: push
-  streaming batches, then check the window (``dynamics``: the training loss and gradient norm since the last
-  check, or None); each answered with ``("ok", record_dict_or_None, shared_state, figures_or_None,
+* a [`CheckRequest`][topocallbacks.pipeline.CheckRequest] (a probe check, or a streaming window's batches to push
+  and check), answered with ``("ok", record_dict_or_None, shared_state, figures_or_None,
   other_layers_record_dicts)`` or
   ``("error", traceback_text)``;
 * ``("stop",)``, or the pipes closing: exit.
@@ -43,26 +41,16 @@ _STOP_GRACE = 5.0
 START_TIMEOUT = 120.0
 
 
-def _evaluate(pipeline: Any, message: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The answer to an ``"evaluate"`` or ``"window"`` request."""
-    from .pipeline import CheckPipeline
-
-    kind, step, payload = message[:3]
-    dynamics = message[3] if len(message) > 3 else None
-    if kind == "evaluate":
-        evaluation = pipeline.evaluate(payload, step, dynamics)
-    elif kind == "window" and isinstance(pipeline, CheckPipeline):
-        pipeline.push(payload)
-        evaluation = pipeline.evaluate_window(step, dynamics)
-    else:
-        raise RuntimeError(f"unknown request {kind!r}")
+def _evaluate(pipeline: Any, request: Any) -> tuple[Any, ...]:
+    """The answer to a check request (`topocallbacks.pipeline.CheckRequest`)."""
+    evaluation = request.run(pipeline)
     record = None if evaluation.record is None else evaluation.record.as_dict()
     return ("ok", record, evaluation.shared, evaluation.figures, [r.as_dict() for r in evaluation.others])
 
 
 def _serve(receive: Connection, send: Connection) -> int:
     from .functional._jit import core_kernel
-    from .pipeline import CheckPipeline, LayeredPipeline, make_pipeline
+    from .pipeline import CheckPipeline, CheckRequest, LayeredPipeline, make_pipeline
     from .settings import MonitorSettings
 
     core_kernel()  # numba's import and the cached machine code: now, not in the first check
@@ -74,7 +62,7 @@ def _serve(receive: Connection, send: Connection) -> int:
             message = receive.recv()
         except EOFError:
             return 0
-        kind = message[0]
+        kind = "check" if isinstance(message, CheckRequest) else message[0]
         if kind == "stop":
             return 0
         try:
@@ -187,7 +175,7 @@ class WorkerProcess:
         # Requests go out from a thread of their own: writing a probe's features into the pipe waits for the worker
         # to read them, which the training loop need not do (the thread releases the interpreter lock while it
         # writes). One thread keeps them in order.
-        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # a CheckRequest or a control tuple
         self._send_error: OSError | None = None
         self._ready = False  # the worker answered its first "init"
         self._early: tuple[Any, ...] | None = None  # a first answer that was not "ready" (an init that failed)
@@ -204,7 +192,7 @@ class WorkerProcess:
                 self._send_error = exc
                 return
 
-    def request(self, message: tuple[Any, ...]) -> None:
+    def request(self, message: Any) -> None:
         """Queue one request (sent beside the loop; answered later, in order, by `reply`).
 
         Raises:

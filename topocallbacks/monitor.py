@@ -35,12 +35,12 @@ from .distributed import rank_and_world
 from .exceptions import InputError
 from .intake import Intake
 from .interventions import Actuator
-from .pipeline import CheckPipeline, LayeredPipeline, make_pipeline
+from .pipeline import CheckPipeline, CheckRequest, LayeredPipeline, make_pipeline
 from .presets import resolve_settings
 from .probe import AutocastFactory
 from .probing import ProbePass
 from .rescue import Rescuer
-from .runner import Request, Runner
+from .runner import Runner
 from .schedule import Schedule
 from .settings import MonitorSettings
 from .sinks import Sinks
@@ -211,7 +211,7 @@ class TopoMonitor(Stateful):
             features = {primary[0]: features[primary[0]], **features}  # the primary layer first
         self.schedule.checked(step)
         self.record_dynamics(loss, grad_norm)
-        self._submit(("evaluate", step, features, self._dynamics()), step, lag=0)
+        self._submit(CheckRequest("evaluate", step, features, self._dynamics()), step, lag=0)
         return self._collect(step)[-1]  # submitted with lag 0: applied at once
 
     @_timed
@@ -314,16 +314,17 @@ class TopoMonitor(Stateful):
         layered = self.pipeline if isinstance(self.pipeline, LayeredPipeline) else None
         features, probe_ms = self.probing.take(model, step, layered, self.autocast)
         self.schedule.checked(step)
-        self._submit(("evaluate", step, features, self._dynamics()), step, lag, probe_ms)
+        self._submit(CheckRequest("evaluate", step, features, self._dynamics()), step, lag, probe_ms)
 
     def _submit_window(self, step: int, features: Any, lag: int | None = None) -> None:
         self.schedule.settle_background(features)
         self.schedule.checked(step)
         start = time.perf_counter()
         host = self.intake.take_batches() if rank_and_world()[0] == 0 else []
-        self._submit(("window", step, host, self._dynamics()), step, lag, (time.perf_counter() - start) * 1e3)
+        taken_ms = (time.perf_counter() - start) * 1e3
+        self._submit(CheckRequest("window", step, host, self._dynamics()), step, lag, taken_ms)
 
-    def _submit(self, request: Request, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
+    def _submit(self, request: CheckRequest, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
         self.budget.scheduled(step, lag is None)  # only checks the schedule called are planned for
         at, background = self.schedule.apply_at(step, lag), self.schedule.background
         self.runner.submit(request, at, background=background, probe_ms=probe_ms, prestart=self.budget.may_move)

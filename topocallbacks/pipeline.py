@@ -28,7 +28,7 @@ from .policy import Decision, Policy
 from .settings import MonitorSettings
 from .transform import FeatureTransform
 
-__all__ = ["CheckPipeline", "Evaluation", "LayeredPipeline", "make_pipeline"]
+__all__ = ["CheckPipeline", "CheckRequest", "Evaluation", "LayeredPipeline", "make_pipeline"]
 
 Diagrams = list[NDArray[np.float64]]
 
@@ -77,6 +77,39 @@ class Evaluation:
         self.shared = shared
         self.figures = figures
         self.others = list(others)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckRequest:
+    """What a check asks of a pipeline, in the training process or the background worker.
+
+    Attributes:
+        kind: ``"evaluate"`` (the probe's features, ``(n, d)``, or ``{layer: (n, d)}`` for several layers) or
+            ``"window"`` (streaming: ``[(step, (b, d)), ...]`` batches to push, then the window is checked).
+        step: the training step of the check.
+        payload: the features or the batches.
+        dynamics: the training channels since the last check (``{"loss": ..., "grad_norm": ...}``), or None.
+    """
+
+    kind: str
+    step: int
+    payload: Any
+    dynamics: Mapping[str, float | None] | None = None
+
+    def run(self, pipeline: CheckPipeline | LayeredPipeline) -> Evaluation:
+        """Evaluate this check on ``pipeline``.
+
+        Raises:
+            InputError: a streaming window for several layers (streaming watches one), or an unknown ``kind``.
+        """
+        if self.kind == "evaluate":
+            return pipeline.evaluate(self.payload, self.step, self.dynamics)
+        if self.kind != "window":
+            raise InputError(f"a check request's `kind` must be 'evaluate' or 'window', got {self.kind!r}")
+        if isinstance(pipeline, LayeredPipeline):
+            raise InputError("streaming watches one layer: `layers` works in probe mode only")
+        pipeline.push(self.payload)
+        return pipeline.evaluate_window(self.step, self.dynamics)
 
 
 class CheckPipeline(Stateful):

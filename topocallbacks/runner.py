@@ -19,14 +19,9 @@ from ._state import StateFields, Stateful
 from ._worker import WorkerFailed, WorkerProcess
 from .check import CheckRecord
 from .distributed import broadcast_object, rank_and_world
-from .exceptions import InputError
-from .pipeline import CheckPipeline, Evaluation, LayeredPipeline
+from .pipeline import CheckPipeline, CheckRequest, Evaluation, LayeredPipeline
 
-__all__ = ["Request", "Runner"]
-
-#: What a check asks for: ``("evaluate", step, features, dynamics)`` (probe) or ``("window", step, batches,
-#: dynamics)`` (streaming: push the batches, then check the window).
-Request = tuple[str, int, Any, Any]
+__all__ = ["Runner"]
 
 
 @dataclasses.dataclass
@@ -143,13 +138,13 @@ class Runner(Stateful):
                 self.close()
 
     def submit(
-        self, request: Request, apply_at: int, *, background: bool, probe_ms: float = 0.0, prestart: bool = False
+        self, request: CheckRequest, apply_at: int, *, background: bool, probe_ms: float = 0.0, prestart: bool = False
     ) -> None:
         """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker.
 
         ``prestart``: start a worker beside the loop even for a check evaluated here (`prestart`).
         """
-        pending = _Pending(request[1], apply_at, probe_ms)
+        pending = _Pending(request.step, apply_at, probe_ms)
         self._pending.append(pending)
         if rank_and_world()[0] != 0:
             return
@@ -168,17 +163,10 @@ class Runner(Stateful):
         else:
             self._evaluate(pending, request)
 
-    def _evaluate(self, pending: _Pending, request: Request) -> None:
+    def _evaluate(self, pending: _Pending, request: CheckRequest) -> None:
         """Evaluate a check in the training loop (the time it takes is the loop's)."""
-        kind, step, payload, dynamics = request
         start = time.perf_counter()
-        if kind == "evaluate":
-            pending.evaluation = self.pipeline.evaluate(payload, step, dynamics)
-        elif isinstance(self.pipeline, LayeredPipeline):  # pragma: no cover - settings refuse it
-            raise InputError("streaming watches one layer: `layers` works in probe mode only")
-        else:
-            self.pipeline.push(payload)
-            pending.evaluation = self.pipeline.evaluate_window(step, dynamics)
+        pending.evaluation = request.run(self.pipeline)
         pending.request = None
         pending.eval_ms += (time.perf_counter() - start) * 1e3
         self._synced = self._worker is None

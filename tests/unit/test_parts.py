@@ -11,7 +11,7 @@ from topocallbacks import InputError, TopoMonitor
 from topocallbacks.budget import Plan
 from topocallbacks.intake import Intake, OptimizerStep
 from topocallbacks.interventions import LoopActuator
-from topocallbacks.pipeline import CheckPipeline
+from topocallbacks.pipeline import CheckPipeline, CheckRequest
 from topocallbacks.probing import ProbePass
 from topocallbacks.rescue import Rescuer
 from topocallbacks.runner import Runner
@@ -58,7 +58,7 @@ def test_the_runner_round_trips_its_pending_checks():
     pipeline = CheckPipeline(settings)
     runner = Runner(settings.as_dict(), pipeline)
     cloud = np.random.default_rng(0).normal(size=(40, 4))
-    runner.submit(("evaluate", 7, cloud, None), apply_at=10, background=False)
+    runner.submit(CheckRequest("evaluate", 7, cloud), apply_at=10, background=False)
     assert runner.collect(9) == []  # not yet: its step comes at 10
     fresh = Runner(settings.as_dict(), CheckPipeline(settings))
     fresh.pipeline.load_state_dict(pipeline.state_dict())
@@ -150,3 +150,15 @@ def test_the_monitors_state_is_the_sum_of_its_parts():
     old = {**state, "version": 6}
     with pytest.raises(InputError, match="version"):
         TopoMonitor().load_state_dict(old)
+
+
+def test_a_check_request_evaluates_the_probe_or_a_window_and_refuses_what_it_cannot():
+    rng = np.random.default_rng(0)
+    probe = CheckRequest("evaluate", 5, rng.normal(size=(40, 4)), {"loss": 1.0, "grad_norm": None})
+    record = probe.run(CheckPipeline(MonitorSettings())).record
+    assert (record.step, record.loss) == (5, 1.0)
+    stream = CheckPipeline(MonitorSettings().merged({"mode": "stream"}))
+    window = CheckRequest("window", 9, [(8, rng.normal(size=(32, 4))), (9, rng.normal(size=(32, 4)))])
+    assert window.run(stream).record.n_points == 64
+    with pytest.raises(InputError, match="'evaluate' or 'window', got 'push'"):
+        CheckRequest("push", 1, None).run(stream)

@@ -263,9 +263,15 @@ def _short_cut(
             if broken and not diverged
             else "the features diverged (NaN or Inf)"
         )
-        return Action(settings.on_diverged), Alarm(step, None, None, "diverged", what, ("diverged",), step)
+        alarm = Alarm(
+            step=step, value=None, score=None, rule="diverged", reason=what, flagged=("diverged",), onset=step
+        )
+        return Action(settings.on_diverged), alarm
     if collapsed and settings.sentinels:
-        return Action(settings.action), Alarm(step, value, None, "sentinel", collapsed, ("collapse",), step)
+        alarm = Alarm(
+            step=step, value=value, score=None, rule="sentinel", reason=collapsed, flagged=("collapse",), onset=step
+        )
+        return Action(settings.action), alarm
     return None
 
 

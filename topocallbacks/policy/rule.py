@@ -75,7 +75,10 @@ class ChannelRule:
         holding = holding + carried
         onset = min((o for o in onsets.values() if o is not None), default=step)
         rule = holding[0][1] if len({r for _, r, _ in holding}) == 1 else "+".join(r for _, r, _ in holding)
-        return Alarm(step, value, score, rule, "; ".join(r for _, _, r in holding), flagged, onset, shown)
+        reason = "; ".join(r for _, _, r in holding)
+        return Alarm(
+            step=step, value=value, score=score, rule=rule, reason=reason, flagged=flagged, onset=onset, scores=shown
+        )
 
     def _holds(
         self, step: int, observed: Mapping[str, float | None], scores: Mapping[str, float | None], check: int
