@@ -319,10 +319,9 @@ class TopoMonitor(Stateful):
     def _submit_window(self, step: int, features: Any, lag: int | None = None) -> None:
         self.schedule.settle_background(features)
         self.schedule.checked(step)
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         host = self.intake.take_batches() if rank_and_world()[0] == 0 else []
-        taken_ms = (time.perf_counter() - start) * 1e3
-        self._submit(CheckRequest("window", step, host, self._dynamics()), step, lag, taken_ms)
+        self._submit(CheckRequest("window", step, host, self._dynamics()), step, lag, (time.perf_counter() - t0) * 1e3)
 
     def _submit(self, request: CheckRequest, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
         self.budget.scheduled(step, lag is None)  # only checks the schedule called are planned for

@@ -1,6 +1,7 @@
 """The rescuer: carries a check's decision out, keeping the snapshots of healthy states a rollback goes back to.
 
-Rollback with a skip and compounding cuts, the last healthy state restored before a stop, the snapshot memory rule.
+Rollback with a skip and compounding cuts, the last healthy state restored before a stop; what a snapshot holds and
+where it is kept is [`topocallbacks.snapshots`][topocallbacks.snapshots]'s.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from typing import Any, Protocol
 
 from ._state import StateFields, Stateful
 from .check import CheckRecord, InterventionRecord
-from .distributed import all_gather_object, broadcast_object, rank_and_world
+from .distributed import all_gather_object, rank_and_world
 from .exceptions import InputError, SnapshotUnsupported
 from .interventions import Actuator
 from .policy import Decision
 from .settings import Action, MonitorSettings
-from .snapshots import Snapshot, SnapshotStore, host_memory_available, size_text
+from .snapshots import Snapshot, SnapshotStore
 
 __all__ = ["Checks", "Rescuer"]
 
@@ -68,7 +69,6 @@ class Rescuer(Stateful):
         #: Why no snapshots are kept although the rule can use them (a sharded strategy, too little host memory, an
         #: actuator without snapshots), or None. Its rollback decisions then warn, and say why.
         self.snapshots_off: str | None = None
-        self._room_checked = False
         self.lr_factor_ = 1.0  # the cumulative learning-rate factor of the interventions so far
         self.last_rollback_step_: int | None = None  # the latest rollback's step (the next one undoes updates since)
         self.rollback_cut_ = 1.0  # the product of the rollbacks' learning-rate cuts (they compound)
@@ -122,13 +122,10 @@ class Rescuer(Stateful):
         checks: Checks,
         confirmed: bool,
     ) -> InterventionRecord:
-        """Carry ``decision`` out at ``step`` through ``actuator``; the intervention.
+        """Carry ``decision`` out at ``step``; the intervention.
 
-        The order keeps nothing lost: the action is applied (a warning on rank 0, the learning-rate cut, the rollback
-        and its cut, the stop with the last healthy state restored first and written to a file), then the
-        intervention goes to the history, and only then is the rescue checkpoint saved (when the decision asks for
-        one, or before a stop with ``checkpoint_on_stop``), so the checkpoint holds the cut learning rate, the
-        intervention and its reason.
+        Nothing is lost: the action first (a stop restores and writes the last healthy state), then the history, then
+        the rescue checkpoint, which so holds both.
         """
         undone = None if target is None else self._undone(target, step)
         done: list[str] = []
@@ -149,15 +146,12 @@ class Rescuer(Stateful):
             if target is not None:  # the last healthy state first: a stop never leaves the weights of the fault
                 done.append(self._roll_back(actuator, target, step, decision, checks, confirmed))
             done.append(actuator.request_stop())
-            kept = target
-            if kept is None and self.snapshots.snapshots:
-                kept = self.snapshots.snapshots[-1]
+            kept = target or (self.snapshots.snapshots[-1] if self.snapshots.snapshots else None)
             if kept is not None:  # the last healthy state to a file too
                 where = actuator.save_snapshot(kept.load(), f"topo-last-healthy-step{kept.step}")
                 done.append(f"last healthy state (step {kept.step}) {where}")
-        save = decision.checkpoint or (
-            decision.action is Action.STOP and self.settings.interventions.checkpoint_on_stop
-        )
+        stop = decision.action is Action.STOP
+        save = decision.checkpoint or (stop and self.settings.interventions.checkpoint_on_stop)
         tag = f"topo-{decision.action.value}-step{step}"
         if save:
             done.append(f"checkpoint {actuator.checkpoint_location(tag)}")
@@ -308,7 +302,7 @@ class Rescuer(Stateful):
     def _keep_snapshot(self, actuator: Actuator, step: int, diagrams: Any, loss: float | None = None) -> None:
         """Keep this healthy state as a snapshot, unless it cannot be kept here (then say so once, and keep none)."""
         try:
-            self._check_room(actuator)  # errors other than a refusal propagate: every rank must reach its collective
+            self.snapshots.check_room(actuator)  # errors but a refusal propagate: every rank reaches its collective
         except SnapshotUnsupported as error:
             self._turn_off(error)
             return
@@ -338,33 +332,6 @@ class Rescuer(Stateful):
                 RuntimeWarning,
                 stacklevel=5,
             )
-
-    def _check_room(self, actuator: Actuator) -> None:
-        """Before the first snapshot in host memory: refuse snapshots that would take most of the memory left.
-
-        ``snapshots + 1`` copies (one more is taken before the oldest is dropped) of every rank's state, on one
-        host in the worst case, must fit in half of the memory available; rank 0 decides for every rank.
-        """
-        if self._room_checked or self.snapshots.directory is not None:
-            return
-        self._room_checked = True
-        estimate = getattr(actuator, "snapshot_nbytes", None)
-        verdict = None
-        if estimate is not None:
-            size = int(estimate())
-            world = rank_and_world()[1]
-            need = size * (self.snapshots.keep + 1) * world
-            free = host_memory_available()
-            if free is not None and need > free / 2:
-                verdict = (
-                    f"{self.snapshots.keep} snapshots of about {size_text(size)} each (plus one in flight"
-                    + (f", on each of {world} ranks" if world > 1 else "")
-                    + f") need {size_text(need)} of host memory, more than half of the {size_text(free)} available; "
-                    "set `interventions.snapshot_dir` to keep them on disk, or fewer `interventions.snapshots`"
-                )
-        verdict = broadcast_object(verdict)
-        if verdict is not None:
-            raise SnapshotUnsupported(verdict)
 
     def __getstate__(self) -> dict[str, Any]:
         # Snapshots are not pickled (ddp_spawn pickles callbacks): each process keeps its own from its next check.

@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from .distributed import rank_and_world
+from .distributed import broadcast_object, rank_and_world
 from .exceptions import InputError, SnapshotUnsupported
 
 __all__ = [
@@ -109,6 +109,38 @@ class SnapshotStore:
         self.keep = keep
         self.directory = directory
         self.snapshots: list[Snapshot] = []
+        self._room_checked = False
+
+    def check_room(self, actuator: Any) -> None:
+        """Before the first snapshot in host memory: refuse snapshots that would take most of the memory left.
+
+        ``keep + 1`` copies (one more is taken before the oldest is dropped) of every rank's state
+        (``actuator.snapshot_nbytes()``, when it has it), on one host in the worst case, must fit in half of the memory
+        available; rank 0 decides for every rank (a collective: every rank calls it).
+
+        Raises:
+            SnapshotUnsupported: they would not fit (the message says what to do instead).
+        """
+        if self._room_checked or self.directory is not None:
+            return
+        self._room_checked = True
+        estimate = getattr(actuator, "snapshot_nbytes", None)
+        verdict = None
+        if estimate is not None:
+            size = int(estimate())
+            world = rank_and_world()[1]
+            need = size * (self.keep + 1) * world
+            free = host_memory_available()
+            if free is not None and need > free / 2:
+                verdict = (
+                    f"{self.keep} snapshots of about {size_text(size)} each (plus one in flight"
+                    + (f", on each of {world} ranks" if world > 1 else "")
+                    + f") need {size_text(need)} of host memory, more than half of the {size_text(free)} available; "
+                    "set `interventions.snapshot_dir` to keep them on disk, or fewer `interventions.snapshots`"
+                )
+        verdict = broadcast_object(verdict)
+        if verdict is not None:
+            raise SnapshotUnsupported(verdict)
 
     def add(self, step: int, payload: Any, diagrams: Any) -> Snapshot:
         """Keep a new snapshot (dropping the oldest beyond ``keep``); returns it.

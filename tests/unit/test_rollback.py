@@ -693,7 +693,7 @@ def test_live_state_nbytes_reads_the_state_without_copying_and_is_not_low_before
 
 
 def test_snapshots_too_big_for_host_memory_are_refused_once_and_a_rollback_warns_why(monkeypatch):
-    monkeypatch.setattr("topocallbacks.rescue.host_memory_available", lambda: 2**16)  # 64 KiB left
+    monkeypatch.setattr("topocallbacks.snapshots.host_memory_available", lambda: 2**16)  # 64 KiB left
     monitor = rollback_monitor()
     loop = Loop(monitor)  # the digits MLP: 2,410 floats, with SGD's momentum counted as two moments: 28.2 KiB
     with pytest.warns(RuntimeWarning, match="keeps no rollback snapshots: 2 snapshots of about") as caught:
@@ -721,7 +721,7 @@ def test_a_training_setup_that_cannot_snapshot_degrades_to_warnings(tmp_path):
 
 
 def test_snapshots_on_disk_skip_the_memory_check(monkeypatch, tmp_path):
-    monkeypatch.setattr("topocallbacks.rescue.host_memory_available", lambda: 2**16)
+    monkeypatch.setattr("topocallbacks.snapshots.host_memory_available", lambda: 2**16)
     monitor = TopoMonitor(
         check_every=CHECK_EVERY, policy=old_rule(action="rollback", warmup=3), snapshot_dir=str(tmp_path), summary=False
     )
