@@ -34,3 +34,14 @@ def test_a_recording_keeps_the_views_of_every_check(cases, record, tmp_path):
     for kind in ("collapse", "healthy"):
         assert data[f"{kind}/views"].shape == (4, cases.LIDAR_SAMPLES, cases.LIDAR_VIEWS, 2)  # checks 0-30
         assert data[f"{kind}/check_steps"].tolist() == [0, 10, 20, 30]
+
+
+def test_the_pairs_negatives_fade_out_after_the_fault_and_stay_in_the_twin(cases):
+    from types import SimpleNamespace
+
+    def weight(step, kind="collapse", fade=300):
+        return cases.PairContrastive._schedule_of(SimpleNamespace(fade=fade), step, kind, 300)["negatives"]
+
+    assert [weight(s) for s in (0, 299, 300, 450, 600, 900)] == [1.0, 1.0, 1.0, 0.5, 0.0, 0.0]
+    assert weight(450, kind="healthy") == 1.0
+    assert [weight(s, fade=0) for s in (299, 300)] == [1.0, 0.0]  # abrupt
