@@ -5,15 +5,10 @@ the training loop's interpreter lock. The training process starts it with ``pyth
 READ_FD WRITE_FD`` (a fresh interpreter that imports no torch and never re-runs the user's script); the worker
 loads the compiled kernels (numba, when installed) and scipy's assignment solver (the diagram distance's) before it
 reads a request, so that its first checks do not pay for them. The training process sends it requests over two
-pipes and reads one reply per request but ``"stop"``, in order:
-
-* ``("init", settings_dict, state_or_None)``: create the pipeline (from a saved state when resuming), answered
-  with ``("ready",)``;
-* a [`CheckRequest`][topocallbacks.pipeline.CheckRequest] (a probe check, or a streaming window's batches to push
-  and check), answered with ``("ok", record_dict_or_None, shared_state, figures_or_None,
-  other_layers_record_dicts)`` or
-  ``("error", traceback_text)``;
-* ``("stop",)``, or the pipes closing: exit.
+pipes and reads one reply per request, in order (`topocallbacks._messages`): a ``Start`` (create the pipeline,
+from a saved state when resuming) is answered with ``Ready``; a [`CheckRequest`][topocallbacks.pipeline.CheckRequest]
+(a probe check, or a streaming window's batches to push and check) with an ``Answer`` or a ``Failure`` (its
+traceback). The pipes closing stops it.
 """
 
 from __future__ import annotations
@@ -32,6 +27,8 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ._messages import Answer, Failure, Ready, Start
+
 __all__ = ["WorkerFailed", "WorkerProcess", "main"]
 
 #: Seconds a stopping worker gets to exit before it is killed.
@@ -41,11 +38,11 @@ _STOP_GRACE = 5.0
 START_TIMEOUT = 120.0
 
 
-def _evaluate(pipeline: Any, request: Any) -> tuple[Any, ...]:
+def _evaluate(pipeline: Any, request: Any) -> Answer:
     """The answer to a check request (`topocallbacks.pipeline.CheckRequest`)."""
     evaluation = request.run(pipeline)
     record = None if evaluation.record is None else evaluation.record.as_dict()
-    return ("ok", record, evaluation.shared, evaluation.figures, [r.as_dict() for r in evaluation.others])
+    return Answer(record, evaluation.shared, evaluation.figures, [r.as_dict() for r in evaluation.others])
 
 
 def _serve(receive: Connection, send: Connection) -> int:
@@ -62,21 +59,21 @@ def _serve(receive: Connection, send: Connection) -> int:
             message = receive.recv()
         except EOFError:
             return 0
-        kind = "check" if isinstance(message, CheckRequest) else message[0]
-        if kind == "stop":
-            return 0
+        reply: Ready | Answer | Failure
         try:
-            if kind == "init":
-                pipeline = make_pipeline(MonitorSettings.from_dict(message[1]))
-                if message[2] is not None:
-                    pipeline.load_state_dict(message[2])
-                reply: tuple[Any, ...] = ("ready",)
+            if isinstance(message, Start):
+                pipeline = make_pipeline(MonitorSettings.from_dict(message.settings))
+                if message.state is not None:
+                    pipeline.load_state_dict(message.state)
+                reply = Ready()
+            elif not isinstance(message, CheckRequest):
+                raise RuntimeError(f"the worker got an unknown message: {type(message).__name__}")
             elif pipeline is None:
-                raise RuntimeError(f"the worker got {kind!r} before 'init'")
+                raise RuntimeError("the worker got a check request before its Start")
             else:
                 reply = _evaluate(pipeline, message)
         except Exception:  # any failure goes back to the training process, with its traceback
-            reply = ("error", traceback.format_exc())
+            reply = Failure(traceback.format_exc())
         try:
             send.send(reply)
         except OSError:  # the training process closed the pipes (it stopped us, or it ended): nothing to answer
@@ -175,14 +172,14 @@ class WorkerProcess:
         # Requests go out from a thread of their own: writing a probe's features into the pipe waits for the worker
         # to read them, which the training loop need not do (the thread releases the interpreter lock while it
         # writes). One thread keeps them in order.
-        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # a CheckRequest or a control tuple
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # a Start or a CheckRequest; None ends it
         self._send_error: OSError | None = None
-        self._ready = False  # the worker answered its first "init"
-        self._early: tuple[Any, ...] | None = None  # a first answer that was not "ready" (an init that failed)
+        self._ready = False  # the worker answered its Start
+        self._early: Answer | Failure | None = None  # a first answer that was not Ready (a Start that failed)
         self._sender = threading.Thread(target=self._send_all, name="topocallbacks-requests", daemon=True)
         self._sender.start()
         self._finalizer = weakref.finalize(self, _shutdown, self.process, self.send, self.receive, self._outbox)
-        self._outbox.put(("init", settings, state))
+        self._outbox.put(Start(settings, state))
 
     def _send_all(self) -> None:
         while (message := self._outbox.get()) is not None:
@@ -209,14 +206,14 @@ class WorkerProcess:
             with contextlib.suppress(EOFError, OSError):
                 if self.receive.poll(0):
                     answer = self.receive.recv()
-                    if answer[0] == "ready":
+                    if isinstance(answer, Ready):
                         self._ready = True
                     else:
                         self._early = answer
         return self._ready
 
-    def _next(self, timeout: float | None) -> tuple[Any, ...]:
-        """The next answer that is not ``("ready",)``, waiting at most ``timeout`` seconds once the worker is ready.
+    def _next(self, timeout: float | None) -> Answer | Failure:
+        """The next answer that is not `Ready`, waiting at most ``timeout`` seconds once the worker is ready.
 
         A worker still starting gets up to `START_TIMEOUT` seconds (or ``timeout`` if longer) to say it is
         ready, and ``timeout`` from then on: a slow start on a busy machine is not a stuck check.
@@ -236,21 +233,14 @@ class WorkerProcess:
                 what = f"did not answer within {timeout:g} s" if self._ready else (
                     f"did not start within {max(timeout or 0.0, START_TIMEOUT):g} s")  # fmt: skip
                 raise WorkerFailed(f"the background check worker (pid {self.process.pid}) {what}")
-            answer: tuple[Any, ...] = self.receive.recv()
-            if answer[0] != "ready":
+            answer: Ready | Answer | Failure = self.receive.recv()
+            if not isinstance(answer, Ready):
                 return answer
             self._ready = True
             deadline = limit()  # the check's own timeout, from the worker's start on
 
-    def reply(
-        self, timeout: float | None = None
-    ) -> tuple[dict[str, Any] | None, dict[str, Any], Any, float, list[dict[str, Any]]]:
-        """The next reply, waiting for it if needed (at most ``timeout`` seconds).
-
-        Returns:
-            The record (as a dict, or None), the pipeline's shared state, the figure diagrams, the seconds spent
-            waiting, and the other layers' records when several layers are watched (the record is the primary
-            layer's).
+    def reply(self, timeout: float | None = None) -> tuple[Answer, float]:
+        """The next answer, waiting for it if needed (at most ``timeout`` seconds), and the seconds spent waiting.
 
         Raises:
             WorkerFailed: the evaluation failed in the worker (with its traceback), the worker died, or it did not
@@ -262,10 +252,10 @@ class WorkerProcess:
         except (EOFError, OSError) as exc:
             raise self._died() from exc
         waited = time.perf_counter() - start
-        if answer[0] == "error":
-            message = f"a check failed in the background worker (pid {self.process.pid}):\n{answer[1]}"
+        if isinstance(answer, Failure):
+            message = f"a check failed in the background worker (pid {self.process.pid}):\n{answer.traceback}"
             raise WorkerFailed(message, in_check=True)
-        return answer[1], answer[2], answer[3], waited, answer[4]
+        return answer, waited
 
     def close(self) -> None:
         """Stop the worker (it finishes the request in hand, if any; killed after a grace period), without waiting."""

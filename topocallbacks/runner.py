@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ._messages import Start
 from ._state import StateFields, Stateful
 from ._worker import WorkerFailed, WorkerProcess
 from .check import CheckRecord
@@ -155,7 +156,7 @@ class Runner(Stateful):
             try:
                 worker = self._start_worker()
                 if not self._synced:  # checks were evaluated here since it started: it starts from the mirror
-                    worker.request(("init", self.settings_dict, self.pipeline.state_dict()))
+                    worker.request(Start(self.settings_dict, self.pipeline.state_dict()))
                     self._synced = True
                 worker.request(request)
             except WorkerFailed as failure:
@@ -264,18 +265,18 @@ class Runner(Stateful):
             if self._worker is None:  # pragma: no cover - an unanswered check always has a worker
                 raise RuntimeError("a background check is pending without a worker")
             try:
-                record, shared, figures, seconds, others = self._worker.reply(self.timeout)
+                answer, seconds = self._worker.reply(self.timeout)
             except WorkerFailed as failure:
                 start = time.perf_counter()
                 self._recover(failure)
                 waited += time.perf_counter() - start
                 continue
-            self.pipeline.receive(shared)  # the mirror follows the worker at once
+            self.pipeline.receive(answer.shared)  # the mirror follows the worker at once
             item.evaluation = Evaluation(
-                None if record is None else CheckRecord.from_dict(record),
-                shared,
-                figures,
-                [CheckRecord.from_dict(r) for r in others],
+                None if answer.record is None else CheckRecord.from_dict(answer.record),
+                answer.shared,
+                answer.figures,
+                [CheckRecord.from_dict(r) for r in answer.others],
             )
             item.request = None
             if item is pending:
