@@ -86,7 +86,7 @@ def monitor_said(callback: TopoCollapseCallback) -> dict:
     """The monitor's own account (its time over the training's, summed over the intervals), checks, plans."""
     checks = [r for r in callback.monitor.history if r.kind == "check"]
     measured = overhead_of(checks)
-    plans = [r.plan for r in checks if r.plan is not None]
+    plans = [r.plan.as_dict() for r in checks if r.plan is not None]
     return {
         "logged_overhead": None if measured is None else measured[0],
         "median_interval": None if measured is None else statistics.median(measured[1]),

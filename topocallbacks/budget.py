@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .check import CheckRecord
+from .check import CheckRecord, Plan
 
 __all__ = [
-    "FLOOR_INTERVALS", "LAG_MARGIN", "MIN_PROBE", "Budget", "Costs", "Footprint", "Meter", "Plan", "plan", "replan",
+    "FLOOR_INTERVALS", "LAG_MARGIN", "MIN_PROBE", "Budget", "Costs", "Footprint", "Meter", "plan", "replan",
 ]  # fmt: skip
 
 #: The safety floor: a check at least every this many configured intervals (``check_every``), whatever the budget.
@@ -55,32 +55,6 @@ class Costs:
     eval_ms: float
     other_ms: float
     n: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Where and how often to check, and on how many probe samples.
-
-    Attributes:
-        intervals: configured intervals (``check_every`` steps) between checks, 1 to `FLOOR_INTERVALS`.
-        background: evaluate in the background worker.
-        lag: steps between a background check and the step its decision is applied at (None: the settings'
-            ``lag``); never more than the steps to the next check.
-        probe_size: probe samples (None: the probe as given).
-        predicted: the predicted share of the step time the monitor costs under this plan.
-        met: whether the prediction is within the budget.
-    """
-
-    intervals: int = 1
-    background: bool = False
-    probe_size: int | None = None
-    predicted: float = 0.0
-    met: bool = True
-    lag: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return dataclasses.asdict(self)
 
 
 class Footprint:
@@ -361,4 +335,4 @@ class Budget:
         self._settle = not same
         if not same:
             self._previous = None  # under a new plan, two new intervals
-        return dataclasses.replace(record, overhead=share, step_ms=step_ms, plan=None if same else chosen.as_dict())
+        return dataclasses.replace(record, overhead=share, step_ms=step_ms, plan=None if same else chosen)

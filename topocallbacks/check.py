@@ -28,6 +28,7 @@ __all__ = [
     "CheckRecord",
     "InterventionRecord",
     "Measurement",
+    "Plan",
     "measure",
     "record_from_dict",
 ]
@@ -115,6 +116,33 @@ def measure(
 
 
 @dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where and how often to check, and on how many probe samples.
+
+    Attributes:
+        intervals: configured intervals (``check_every`` steps) between checks, 1 to the budget's safety floor
+            (`topocallbacks.budget.FLOOR_INTERVALS`).
+        background: evaluate in the background worker.
+        lag: steps between a background check and the step its decision is applied at (None: the settings'
+            ``lag``); never more than the steps to the next check.
+        probe_size: probe samples (None: the probe as given).
+        predicted: the predicted share of the step time the monitor costs under this plan.
+        met: whether the prediction is within the budget.
+    """
+
+    intervals: int = 1
+    background: bool = False
+    probe_size: int | None = None
+    predicted: float = 0.0
+    met: bool = True
+    lag: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckRecord:
     """Everything one check found and decided.
 
@@ -141,7 +169,7 @@ class CheckRecord:
         overhead: the share of the training step time the monitor cost the loop since the check before (None at
             the first check, before any step was timed).
         step_ms: a training step's own time over that interval (the monitor's time left out).
-        plan: the overhead budget's plan from this check on (`Plan` as a dict), when
+        plan: the overhead budget's plan from this check on (a `Plan`), when
             it changed at this check.
         loss: the mean training loss since the check before, as the rule saw it (None: none was passed).
         grad_norm: the mean gradient norm (before clipping) since the check before (None: none was passed).
@@ -167,7 +195,7 @@ class CheckRecord:
     sentinels: SentinelValues | None = None
     overhead: float | None = None
     step_ms: float | None = None
-    plan: dict[str, Any] | None = None
+    plan: Plan | None = None
     loss: float | None = None
     grad_norm: float | None = None
 
@@ -195,7 +223,7 @@ class CheckRecord:
             "sentinels": None if self.sentinels is None else self.sentinels.as_dict(),
             "overhead": self.overhead,
             "step_ms": self.step_ms,
-            "plan": self.plan,
+            "plan": None if self.plan is None else self.plan.as_dict(),
             "loss": self.loss,
             "grad_norm": self.grad_norm,
             "decision": self.decision.as_dict(),
@@ -211,7 +239,8 @@ class CheckRecord:
         fields.setdefault("density", None)
         fields.setdefault("overhead", None)
         fields.setdefault("step_ms", None)
-        fields.setdefault("plan", None)
+        saved_plan = fields.get("plan")
+        fields["plan"] = None if saved_plan is None else Plan(**saved_plan)
         fields.setdefault("loss", None)  # files written before the history kept the training channels
         fields.setdefault("grad_norm", None)
         saved = fields.get("sentinels")

@@ -29,8 +29,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from ._state import StateFields, Stateful
 from ._validation import check_int
-from .budget import Budget, Plan
-from .check import CheckRecord, InterventionRecord, record_from_dict
+from .budget import Budget
+from .check import CheckRecord, InterventionRecord, Plan, record_from_dict
 from .distributed import rank_and_world
 from .exceptions import InputError
 from .intake import Intake
@@ -332,7 +332,7 @@ class TopoMonitor(Stateful):
         records = self.runner.collect(step, annotate=self._annotate, emit=self.emit)
         for record in records:  # the same on every rank: rank 0 measured and planned, the others adopted it
             if record.plan is not None:
-                self._follow(Plan(**record.plan))
+                self._follow(record.plan)
         return records
 
     def _annotate(self, records: list[CheckRecord]) -> CheckRecord:

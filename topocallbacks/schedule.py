@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ._state import StateFields, Stateful
-from .budget import Plan
+from .check import Plan
 from .settings import ScheduleSettings
 
 __all__ = ["Schedule"]

@@ -20,11 +20,10 @@ from topocallbacks.budget import (
     Costs,
     Footprint,
     Meter,
-    Plan,
     plan,
     replan,
 )  # fmt: skip
-from topocallbacks.check import CheckRecord, Decision
+from topocallbacks.check import CheckRecord, Decision, Plan
 from topocallbacks.schedule import Schedule
 from topocallbacks.settings import MonitorSettings, ScheduleSettings
 
@@ -214,8 +213,8 @@ def test_a_check_that_costs_far_more_than_the_budget_slows_the_cadence_to_the_fl
     assert "cannot be met" in str(budget_warnings[0].message)
     planned = [r.plan for r in checks if r.plan is not None]
     assert planned
-    assert planned[-1]["intervals"] == FLOOR_INTERVALS
-    assert not planned[-1]["met"]
+    assert planned[-1].intervals == FLOOR_INTERVALS
+    assert not planned[-1].met
     gaps = [b.step - a.step for a, b in itertools.pairwise(checks)]
     assert gaps[-1] == FLOOR_INTERVALS * 5  # the floor: never fewer checks than one every 4 intervals
     assert max(gaps) == FLOOR_INTERVALS * 5
@@ -258,24 +257,24 @@ def test_a_background_monitor_takes_the_planned_lag_and_probe_size_in_the_same_w
     monitor.close()
     assert len(workers) == 1
     checks = [r for r in monitor.history if r.kind == "check"]
-    resized = [r for r in checks if r.plan is not None and r.plan["probe_size"] is not None]
-    assert resized[0].plan["probe_size"] == MIN_PROBE
+    resized = [r for r in checks if r.plan is not None and r.plan.probe_size is not None]
+    assert resized[0].plan.probe_size == MIN_PROBE
     later = [r for r in checks if r.step > resized[0].applied_step]  # submitted after the new size took effect
     assert later
     assert all(r.n_points == MIN_PROBE for r in later)
-    lags = [r.plan["lag"] for r in checks if r.plan is not None]
+    lags = [r.plan.lag for r in checks if r.plan is not None]
     assert lags
     assert lags[0] > monitor.settings.schedule.apply_lag  # longer than the configured lag, to hide the evaluation
     configured = monitor.settings.schedule.apply_lag
     # A plan is followed from the step its record is applied at, for the checks submitted after it (a check of that
     # very step was submitted before it).
     plans = [(r.applied_step, r.plan) for r in checks if r.plan is not None]
-    assert all(p["lag"] <= p["intervals"] * 5 for _, p in plans)  # never past the next check
+    assert all(p.lag <= p.intervals * 5 for _, p in plans)  # never past the next check
     applied = [r for r in checks if r.applied_step is not None]
     assert len(applied) >= 6
     for record in applied:
         in_force = [p for at, p in plans if at < record.step]
-        lag = in_force[-1]["lag"] if in_force and in_force[-1]["lag"] is not None else configured
+        lag = in_force[-1].lag if in_force and in_force[-1].lag is not None else configured
         assert record.applied_step - record.step == lag
 
 
@@ -300,7 +299,7 @@ def test_a_budget_that_may_move_the_checks_starts_the_worker_at_the_first_check_
                 assert [r.step for r in records] == [0]
                 assert wait_until(lambda: monitor.runner.worker == "ready"), "the worker did not start"
             pids.add(monitor.runner._worker.process.pid)
-            if any(r.plan is not None and r.plan["background"] for r in records):
+            if any(r.plan is not None and r.plan.background for r in records):
                 status_at_move = monitor.runner.worker
                 break
         monitor.finish()
@@ -333,7 +332,7 @@ def plans_of(worker, intervals=6, on_accelerator=False):
             budget.scheduled(10 * k, True)
             plan = budget.measure(record_at(10 * k, 40.0), schedule, checks=k, worker=worker).plan
             if plan is not None:
-                schedule.follow(Plan(**plan))
+                schedule.follow(plan)
                 made.append(plan)
     return schedule.plan, made, [str(w.message) for w in caught if "overhead budget" in str(w.message)]
 
@@ -350,7 +349,7 @@ def test_the_budget_moves_the_checks_only_to_a_ready_worker_and_warns_after_two_
     )
     assert warned == []  # ...but a miss while the worker starts is not warned of: the checks will move
     final, made, warned = plans_of("ready")
-    assert made[0]["background"]  # moved at the first plan, where the lag hides the evaluation
+    assert made[0].background  # moved at the first plan, where the lag hides the evaluation
     assert (final.background, final.met, warned) == (True, True, [])
     final, made, warned = plans_of("failed")
     assert len(made) == 1  # the same plan again: not a new one
@@ -362,7 +361,7 @@ def test_the_budget_moves_the_checks_only_to_a_ready_worker_and_warns_after_two_
     for worker in ("failed", "starting"):
         final, made, _ = plans_of(worker, on_accelerator=True)
         assert made
-        assert all(p["background"] for p in made)
+        assert all(p.background for p in made)
         assert final.background
 
 

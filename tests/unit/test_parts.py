@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from topocallbacks import InputError, TopoMonitor
-from topocallbacks.budget import Plan
+from topocallbacks.check import Plan
 from topocallbacks.intake import Intake, OptimizerStep
 from topocallbacks.interventions import LoopActuator
 from topocallbacks.pipeline import CheckPipeline, CheckRequest
