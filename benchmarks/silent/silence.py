@@ -85,6 +85,9 @@ def check(path: Path) -> dict[str, Any]:
     return {
         "scenario": name,
         "seed": int(data["seed"]),
+        "fault_step": fault,
+        # The checks a signal has to warn before the harm: those after the fault and before the 5 % point.
+        "checks_before_harm": None if point is None else int(sum(fault < s < point for s in steps)),
         "five_percent_point": point,
         "loss_alarms_after_fault": alarms,
         "quiet": not before,

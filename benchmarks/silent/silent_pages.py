@@ -7,6 +7,7 @@ The same text is ``benchmarks/results/silent_<split>.md`` and, for the design sp
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 #: How the tables name the scenarios, in the pre-registration's order.
@@ -65,15 +66,18 @@ HEADER = (
 def silence_table(payload: dict[str, Any]) -> str:
     """The silence check re-run on the evaluation seeds, per scenario."""
     lines = [
-        "| scenario | seeds passing (of 6) | 5 % point reached | loss-only rule quiet until it | passes |",
-        "|---|---|---|---|---|",
+        "| scenario | seeds passing (of 6) | 5 % point reached | loss-only rule quiet until it | checks between the "
+        "fault and the 5 % point (median; range) | passes |",
+        "|---|---|---|---|---|---|",
     ]
     for name, found in payload["silence"].items():
         seeds = found["per_seed"]
         reached = sum(s["reached"] for s in seeds)
         quiet = sum(s["quiet"] and s["reached"] for s in seeds)
         verdict = "yes" if found["passes"] else "**no**"
-        lines.append(f"| {SHORT.get(name, name)} | {found['passed']} | {reached} | {quiet} | {verdict} |")
+        room = sorted(s["checks_before_harm"] for s in seeds if s.get("checks_before_harm") is not None)
+        window = f"{statistics.median(room):g}; {room[0]}-{room[-1]}" if room else "-"
+        lines.append(f"| {SHORT.get(name, name)} | {found['passed']} | {reached} | {quiet} | {window} | {verdict} |")
     return "\n".join(lines)
 
 

@@ -29,6 +29,7 @@ def recording(path, seed, loss_jump=False, harm=True, scenario="vae_kl_bug"):
 def test_a_seed_passes_when_the_loss_rule_is_quiet_until_the_harm_and_the_harm_comes(silence, tmp_path):
     found = silence.check(recording(tmp_path, 0))
     assert found["five_percent_point"] == 400
+    assert found["checks_before_harm"] == 9  # 310 ... 390: the checks a signal has to warn before the harm
     assert (found["passed"], found["quiet"], found["reached"]) == (True, True, True)
     loud = silence.check(recording(tmp_path, 1, loss_jump=True))
     assert loud["loss_alarms_after_fault"][0] == 350  # the check at 350 averages steps 340-349: the jump begins
