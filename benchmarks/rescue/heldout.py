@@ -219,7 +219,8 @@ def far_below(records: list[dict[str, Any]], arm: str = FROZEN) -> dict[str, Any
             and (not finite(r["change_vs_unprotected"]) or r["change_vs_unprotected"] < -RESCUE_MARGIN)]  # fmt: skip
     shapes: dict[str, int] = {}
     for r in runs:
-        shapes[f"{r['fault']} `{r['shape']}`"] = shapes.get(f"{r['fault']} `{r['shape']}`", 0) + 1
+        key = f"{r['fault']} `{r['shape']}`"
+        shapes[key] = shapes.get(key, 0) + 1
     top = max(shapes.items(), key=lambda kv: kv[1], default=(None, 0))
     worst = min((r["change_vs_unprotected"] for r in runs if finite(r["change_vs_unprotected"])), default=math.nan)
     return {"runs": len(runs), "harmed": sum(harmed(r) for r in runs), "shape": top[0], "shape_runs": top[1],

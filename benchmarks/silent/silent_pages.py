@@ -23,6 +23,11 @@ SHORT = {
 }
 
 
+def _short(name: str) -> str:
+    """A scenario's class label alone (``S4a``)."""
+    return SHORT.get(name, name).split(" ", 1)[0]
+
+
 def _rate(successes: int, n: int, low: float, high: float) -> str:
     if not n:
         return "-"
@@ -41,7 +46,7 @@ def _candidate(row: dict[str, Any]) -> str:
 
 
 def _seeds(row: dict[str, Any]) -> str:
-    return ", ".join(f"{SHORT.get(name, name).split(' ', 1)[0]} {n}" for name, n in row["seeds_caught"].items())
+    return ", ".join(f"{_short(name)} {n}" for name, n in row["seeds_caught"].items())
 
 
 def _lead(row: dict[str, Any]) -> str:
@@ -140,7 +145,7 @@ def page(payload: dict[str, Any]) -> str:
 def _caught(row: dict[str, Any] | None) -> list[str]:
     """The scenarios a row catches on at least 5 of 6 seeds, by their short names."""
     seeds = {} if row is None else row["seeds_caught"]
-    return [SHORT.get(name, name).split(" ", 1)[0] for name, n in seeds.items() if n >= 5]
+    return [_short(name) for name, n in seeds.items() if n >= 5]
 
 
 def status(payload: dict[str, Any], held_out: dict[str, Any] | None = None) -> str:
@@ -148,8 +153,8 @@ def status(payload: dict[str, Any], held_out: dict[str, Any] | None = None) -> s
     one once it has run), in a paragraph."""
     default, loss = payload["default"], payload["loss_rule"]
     silence = payload["silence"]
-    passing = [SHORT.get(name, name).split(" ", 1)[0] for name, found in silence.items() if found["passes"]]
-    failing = {SHORT.get(name, name).split(" ", 1)[0] for name, found in silence.items() if not found["passes"]}
+    passing = [_short(name) for name, found in silence.items() if found["passes"]]
+    failing = {_short(name) for name, found in silence.items() if not found["passes"]}
     anchors = []
     for name, row in payload["anchors"].items():
         caught = [

@@ -225,11 +225,12 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
             self._guard(reporter, "a check's values", reporter.on_log, args, state, control, logs=dict(logs), **kw)
 
     def _write_settings(self) -> None:
-        """The settings as hyperparameters of the ``report_to`` loggers that have started (once)."""
-        targets = glue.text_targets(self._trainer)
-        if not targets:
-            return
+        """The settings as hyperparameters of the ``report_to`` loggers, once.
+
+        Tried at the first report, which comes after every callback's ``on_train_begin``, where those loggers start.
+        """
         self._settings_written = True
+        targets = glue.text_targets(self._trainer)
         params = hyperparameters(self.monitor.settings, self.prefix)
         for reporter, kind, target in targets:
             self._guard(reporter, "the settings", write_settings, kind, target, params)
