@@ -281,12 +281,13 @@ def silence_checks(directory: Path, scenarios: list[str], seeds: tuple[int, ...]
     return out
 
 
-def report(runs: list[Run], classes: tuple[str, ...]) -> dict[str, Any]:
-    """The pre-registered report of one split: every candidate, the choice, each family's and anchor's line at the
-    same healthy budget (`family_row`), the loss-only rule, and per class the chosen candidate's seeds with exact
-    intervals."""
+def report(runs: list[Run], classes: tuple[str, ...], choosing: bool = True) -> dict[str, Any]:
+    """The pre-registered report of one split: every candidate, the choice (made on the design split only:
+    ``choosing=False`` for the held-out split, whose page reports the design split's choice), each family's and
+    anchor's line at the same healthy budget (`family_row`), the loss-only rule, and per class the chosen
+    candidate's seeds with exact intervals."""
     results = evaluate(runs, classes)
-    chosen = choose(results)
+    chosen = choose(results) if choosing else None
     families = {
         family: family_row([r for r in results if r["combination"] in (family, f"{family}+sentinels")])
         for family in ("geometry", "spectrum", "drift")
@@ -393,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         record_missing(scenarios, args.recordings, args.jobs)
     runs = load_runs(args.recordings, scenarios, EVALUATION_SEEDS)
-    found = report(runs, classes)
+    found = report(runs, classes, choosing=args.split == "design")  # the held-out split is never chosen on
     silence = silence_checks(args.recordings, scenarios, EVALUATION_SEEDS)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": commit,

@@ -87,8 +87,14 @@ def silence_table(payload: dict[str, Any]) -> str:
 
 
 def choice(payload: dict[str, Any]) -> str:
-    """The pre-registered choice's outcome, in a sentence."""
+    """The pre-registered choice's outcome, in a sentence (on the held-out split: that nothing is chosen there)."""
     healthy = payload["loss_rule"]["healthy_runs"]
+    if payload["split"] != "design":
+        return (
+            "**Nothing is chosen on this split.** The choice is made on the design split only, and there stage 2 "
+            "chose nothing, so the held-out split tests no chosen silent path: the rows below describe each family "
+            f"and anchor at the same healthy budget on these {healthy} healthy runs (a description, not a choice)."
+        )
     candidates = len(payload["results"])
     if payload["chosen"] is None:
         return (
@@ -142,10 +148,74 @@ def page(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _class(name: str) -> str:
+    """A scenario's class (``S4`` for both of S4's variants)."""
+    return _short(name).rstrip("ab")
+
+
+def classes_caught(row: dict[str, Any] | None) -> set[str]:
+    """The classes a row catches: every variant of the class on at least 5 of its 6 seeds."""
+    seeds = {} if row is None else row["seeds_caught"]
+    by_class: dict[str, bool] = {}
+    for name, n in seeds.items():
+        by_class[_class(name)] = by_class.get(_class(name), True) and n >= 5
+    return {c for c, caught in by_class.items() if caught}
+
+
+def targets(design: dict[str, Any], held_out: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """PREREGISTERED.md's targets ("Evaluation and targets"), held-out split first: (target, what was found, met)."""
+    held_caught = classes_caught(held_out["default"])
+    suite_caught = classes_caught(design["default"]) | held_caught
+    touched = design["default"]["healthy_alarmed"] + held_out["default"]["healthy_alarmed"]
+    healthy = design["default"]["healthy_runs"] + held_out["default"]["healthy_runs"]
+    loss_caught = classes_caught(design["loss_rule"]) | classes_caught(held_out["loss_rule"])
+    two_sided = set()
+    for payload in (design, held_out):
+        two_sided |= classes_caught(payload["anchors"]["loss_two_sided"]["at_zero"])
+    named = ", ".join(sorted(held_caught)) or "neither"
+    return [
+        ("the default catches both held-out classes (S2, S6)", f"{named} caught", {"S2", "S6"} <= held_caught),
+        ("the default catches >= 5 of the 6 classes (whole suite)", f"{len(suite_caught)} of 6",
+         len(suite_caught) >= 5),
+        ("<= 1 healthy run touched, over >= 48", f"{touched} of {healthy}", touched <= 1 and healthy >= 48),
+        ("the loss alone catches <= 1 class", f"{len(loss_caught)} (the two-sided loss anchor: {len(two_sided)})",
+         len(loss_caught) <= 1),
+        ("a class where only the topological signal fires", "none: no silent path was chosen, so there are no "
+         "chosen settings to compare at", False),
+        ("the rescue suite with the new default", "not run: the default did not change (stage 2 chose nothing), "
+         "so the rescue suite's held-out figures stand", False),
+    ]  # fmt: skip
+
+
+def targets_table(design: dict[str, Any], held_out: dict[str, Any]) -> str:
+    """The targets as a table."""
+    lines = ["| target (PREREGISTERED.md) | found | met |", "|---|---|---|"]
+    lines += [f"| {what} | {found} | {'yes' if met else '**no**'} |" for what, found, met in targets(design, held_out)]
+    return "\n".join(lines)
+
+
 def _caught(row: dict[str, Any] | None) -> list[str]:
     """The scenarios a row catches on at least 5 of 6 seeds, by their short names."""
     seeds = {} if row is None else row["seeds_caught"]
     return [_short(name) for name, n in seeds.items() if n >= 5]
+
+
+def held_out_lead(held_out: dict[str, Any] | None) -> str:
+    """The held-out split's figures in two sentences (reported first), or nothing before it has run."""
+    if held_out is None:
+        return ""
+    default, loss = held_out["default"], held_out["loss_rule"]
+    silence = held_out["silence"]
+    passing = [_short(name) for name, found in silence.items() if found["passes"]]
+    scenarios = ", ".join(SHORT.get(name, name) for name in silence)
+    return (
+        f"On the held-out split, run after the choice ({scenarios} and the trap {', '.join(held_out['traps'])}: "
+        f"{default['healthy_runs']} healthy runs), the default as shipped caught {default['runs_caught']}/"
+        f"{default['runs']} faulted runs before their harm and touched {default['healthy_alarmed']}/"
+        f"{default['healthy_runs']} healthy runs; the loss-only rule caught {loss['runs_caught']}/{loss['runs']}; "
+        f"{len(passing)} of the {len(silence)} held-out scenarios ({', '.join(passing) or 'none'}) passed the "
+        "silence check. "
+    )
 
 
 def status(payload: dict[str, Any], held_out: dict[str, Any] | None = None) -> str:
@@ -176,7 +246,8 @@ def status(payload: dict[str, Any], held_out: dict[str, Any] | None = None) -> s
     )
     held = "The held-out classes have not been run." if held_out is None else ""
     return (
-        f"**Silent collapse, what the loss does not show, is not caught yet.** In the pre-registered silent-collapse "
+        f"**Silent collapse, what the loss does not show, is not caught yet.** {held_out_lead(held_out)}In the "
+        f"pre-registered silent-collapse "
         f"suite's {payload['split']} split ({len(silence)} scenarios of {len(payload['classes'])} classes, 6 seeds "
         f"each, every faulted run beside its healthy twin, and a transfer fine-tune as a trap: "
         f"{default['healthy_runs']} healthy runs), of {len(payload['results'])} candidate signals and rules "

@@ -153,7 +153,6 @@ def test_the_page_says_when_no_candidate_is_eligible_and_shows_every_silence_che
     assert "**the default has no silent path**" in lead
     assert "only 1 of the 1 scenarios (S5) passed the silence check" in lead
     assert lead.endswith("The held-out classes have not been run.")
-    assert not pages.status(payload, held_out={}).endswith("have not been run.")
 
 
 def benchmark_pages():
@@ -179,3 +178,66 @@ def test_the_default_is_replayed_on_recorded_features_and_acts_on_a_constant_clo
     assert acted.tolist() == [0.0] * 12 + [1.0, 0.0]
     healthy = evaluate.Run("vae_kl_bug", 0, "healthy", steps, {"default": np.r_[1.0, np.zeros(13)]})
     assert evaluate.first_alarm(healthy, ("default",), "trailing", 4.5, 1) == (None, True)  # the warm-up counts
+
+
+def row(seeds_caught, healthy_alarmed=0, healthy_runs=24, classes=0):
+    runs = 6 * len(seeds_caught)
+    return {"seeds_caught": seeds_caught, "runs_caught": sum(seeds_caught.values()), "runs": runs,
+            "healthy_alarmed": healthy_alarmed, "healthy_runs": healthy_runs, "classes_caught": classes}  # fmt: skip
+
+
+def test_the_held_out_split_is_never_chosen_on_and_its_page_says_so(evaluate):
+    pages = benchmark_pages()
+    found = evaluate.report(silent_runs(evaluate), ("S5",), choosing=False)
+    assert found["chosen"] is None  # a spectrum drop is caught below, yet nothing is chosen
+    assert found["per_scenario"] == {}
+    assert found["families"]["spectrum"]["at_zero"]["classes_caught"] == 1
+    payload = {"split": "held_out", "classes": ["S5"], "traps": ["T1"], "commit": "0" * 40, "silence": {}, **found}
+    text = pages.page(payload)
+    assert "**Nothing is chosen on this split.**" in text
+    assert "No candidate was eligible" not in text
+
+
+def test_the_targets_are_judged_held_out_first_from_both_splits():
+    pages = benchmark_pages()
+    two_sided = {"at_zero": row({"vae_kl_bug": 6})}
+    design = {"default": row({"vae_kl_bug": 5, "generator_modes_grid": 6, "generator_modes_circle": 2},
+                             healthy_alarmed=1, healthy_runs=36),
+              "loss_rule": row({"vae_kl_bug": 0}), "anchors": {"loss_two_sided": two_sided}}  # fmt: skip
+    held_out = {"default": row({"contrastive_no_negatives": 5, "minilm_pairs_no_negatives": 6,
+                                "minilm_forgetting": 1}, healthy_alarmed=1),
+                "loss_rule": row({"minilm_forgetting": 5}),
+                "anchors": {"loss_two_sided": {"at_zero": None}}}  # fmt: skip
+    assert pages.classes_caught(design["default"]) == {"S5"}  # S4 needs both variants
+    found = {what: (text, met) for what, text, met in pages.targets(design, held_out)}
+    assert found["the default catches both held-out classes (S2, S6)"] == ("S2 caught", False)
+    assert found["the default catches >= 5 of the 6 classes (whole suite)"] == ("2 of 6", False)
+    assert found["<= 1 healthy run touched, over >= 48"] == ("2 of 60", False)
+    assert found["the loss alone catches <= 1 class"] == ("1 (the two-sided loss anchor: 1)", True)
+    held_out["default"]["seeds_caught"]["minilm_forgetting"] = 5
+    held_out["default"]["healthy_alarmed"] = 0
+    found = {what: (text, met) for what, text, met in pages.targets(design, held_out)}
+    assert found["the default catches both held-out classes (S2, S6)"] == ("S2, S6 caught", True)
+    assert found["<= 1 healthy run touched, over >= 48"] == ("1 of 60", True)
+    table = pages.targets_table(design, held_out)
+    assert table.count("\n") == 7
+    assert "| 1 of 60 | yes |" in table
+
+
+def test_the_status_reports_the_held_out_split_first(evaluate):
+    pages = benchmark_pages()
+    found = evaluate.report(silent_runs(evaluate), ("S5",))
+    seeds = [{"reached": True, "quiet": True, "passed": True, "checks_before_harm": 3} for _ in range(6)]
+    silence = {"vae_kl_bug": {"passed": 6, "seeds": 6, "passes": True, "per_seed": seeds}}
+    design = {"split": "design", "classes": ["S5"], "traps": ["T2"], "silence": silence, **found}
+    held_out = {"split": "held_out", "classes": ["S6"], "traps": ["T1"],
+                "silence": {"minilm_forgetting": {**silence["vae_kl_bug"], "passes": False}},
+                "default": row({"minilm_forgetting": 2}, healthy_alarmed=1),
+                "loss_rule": row({"minilm_forgetting": 0})}  # fmt: skip
+    lead = pages.status(design, held_out)
+    first, design_part = lead.index("On the held-out split"), lead.index("In the pre-registered")
+    assert first < design_part
+    assert "S6 MiniLM forgetting and the trap T1: 24 healthy runs" in lead
+    assert "caught 2/6 faulted runs before their harm and touched 1/24 healthy runs" in lead
+    assert "0 of the 1 held-out scenarios (none) passed the silence check" in lead
+    assert "have not been run" not in lead
