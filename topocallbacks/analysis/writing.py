@@ -15,12 +15,12 @@ from typing import Any
 
 from ..report import write_report_page
 from ..reporting_kit import Figures, Section, escape_html, format_number, series_figure
-from .checkpoints import _Checkpoint
+from .checkpoints import Checkpoint
 from .evaluating import QUANTITIES, Measured
 from .loading import Source
-from .summaries import _correlations, _flattening, _series, findings
+from .summaries import findings, flattening_steps, loss_correlations, quantity_series
 
-__all__ = ["write_outputs"]
+__all__ = ["analysis_sections", "write_outputs"]
 
 _KINDS = {"hf": "Hugging Face checkpoints", "lightning": "Lightning checkpoints", "features": "feature arrays"}
 
@@ -40,8 +40,8 @@ def write_outputs(
         ``index.html``.
     """
     rows, checkpoints, out = measured.rows, source.checkpoints, source.out
-    correlations, losses = _correlations(rows, checkpoints)
-    flattening = _flattening(rows)
+    correlations, losses = loss_correlations(rows, checkpoints)
+    flattening = flattening_steps(rows)
     leading = ["step", "layer", "source", "status", "checkpoint", *losses]
     present = {k for row in rows for k in row}
     columns = leading + [q for q in QUANTITIES if q in present and q not in leading]
@@ -73,7 +73,7 @@ def write_outputs(
     }
     json_path = out / "analysis.json"
     json_path.write_text(json.dumps(_json_ready(metadata), indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    sections = _sections(rows, correlations, losses, checkpoints, flattening, summary)
+    sections = analysis_sections(rows, correlations, losses, checkpoints, flattening, summary)
     report_path = write_report_page(
         measured.records,
         out,
@@ -129,16 +129,16 @@ def _or(value: Any, instead: str) -> Any:
 _Series = dict[tuple[str, str, str], list[tuple[int, float]]]
 
 
-def _sections(
+def analysis_sections(
     rows: Sequence[Mapping[str, Any]],
     correlations: Sequence[Mapping[str, Any]],
     losses: Sequence[str],
-    checkpoints: Sequence[_Checkpoint],
+    checkpoints: Sequence[Checkpoint],
     flattening: Sequence[Mapping[str, Any]],
     summary: Mapping[str, str],
 ) -> list[Section]:
     """The analysis's sections of the report: the overview (which goes first), the losses, geometry, weights."""
-    series = _series(rows)
+    series = quantity_series(rows)
     sections = [
         _overview_section(summary, findings(rows, correlations)),
         _loss_section(correlations, losses, checkpoints),
@@ -158,7 +158,7 @@ def _overview_section(summary: Mapping[str, str], found: Sequence[str]) -> Secti
 
 
 def _loss_section(
-    correlations: Sequence[Mapping[str, Any]], losses: Sequence[str], checkpoints: Sequence[_Checkpoint]
+    correlations: Sequence[Mapping[str, Any]], losses: Sequence[str], checkpoints: Sequence[Checkpoint]
 ) -> Section:
     """The losses the checkpoints carry, and the strongest correlations with them (or why there are none)."""
     loss_figures = Figures()
