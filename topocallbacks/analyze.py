@@ -63,18 +63,14 @@ from typing import Any
 
 import torch
 
-# The constants keep their place here, and so do the private names the tests reach (`X as X`: re-exported).
-from .analysis.checkpoints import _Checkpoint as _Checkpoint
+# The constants keep their place here (`X as X`: re-exported).
 from .analysis.evaluating import MAX_WEIGHT_ENTRIES as MAX_WEIGHT_ENTRIES
 from .analysis.evaluating import MAX_WEIGHT_ROWS as MAX_WEIGHT_ROWS
 from .analysis.evaluating import QUANTITIES as QUANTITIES
 from .analysis.evaluating import evaluate
 from .analysis.loading import load_source
 from .analysis.summaries import EXACT_UP_TO as EXACT_UP_TO
-from .analysis.summaries import _correlations as _correlations
-from .analysis.summaries import _flattening as _flattening
 from .analysis.summaries import findings
-from .analysis.writing import _sections as _sections
 from .analysis.writing import write_outputs
 from .settings import MonitorSettings
 

@@ -14,7 +14,6 @@ Command line: ``topocallbacks report HISTORY.jsonl --out DIR``.
 from __future__ import annotations
 
 import dataclasses
-import html
 import math
 import os
 import statistics
@@ -29,6 +28,19 @@ from .check import CheckRecord, InterventionRecord, record_from_dict
 from .exceptions import InputError
 from .functional.topology import _as_diagram
 from .policy import trailing_zscore
+from .reporting_kit import (
+    Figures,
+    Section,
+    add_legend,
+    escape_html,
+    figure_html,
+    format_number,
+    new_figure,
+    output_folder,
+    page_html,
+    save_figures,
+    sections_html,
+)
 from .settings import COMPONENTS
 from .sinks import JsonlSink
 
@@ -36,7 +48,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["write_report"]
+__all__ = ["Move", "format_zscore", "layer_moves", "write_report", "write_report_page"]
 
 Record = CheckRecord | InterventionRecord
 DiagramKey = tuple[int, str | None]
@@ -300,8 +312,16 @@ def _is_step(value: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Move:
-    """How far one quantity moved at an event against its recent history."""
+class Move:
+    """How far one quantity moved at an event against its recent history.
+
+    Attributes:
+        name: the quantity (a component, a layer, or ``"loss"``).
+        before: the median of its recent history (at most `RECENT` finite values; the value itself when none).
+        after: its value at the event.
+        history: how many values the median was taken over.
+        z: the robust z-score of ``after`` against them, or None with fewer than 3.
+    """
 
     name: str
     before: float
@@ -311,7 +331,20 @@ class _Move:
 
     @property
     def change(self) -> float:
+        """``after - before``."""
         return self.after - self.before
+
+
+def format_zscore(z: float | None) -> str:
+    """A `Move`'s robust z-score in words, e.g. ``"z = +3.2 robust SDs"``.
+
+    None says there was too little history for one; beyond 1000 in size it says the recent history was flat.
+    """
+    if z is None:
+        return "too little history for a z-score"
+    if abs(z) > 1000:
+        return f"z {'>' if z > 0 else '<'} {'' if z > 0 else '-'}1000: its recent history was flat"
+    return f"z = {z:+.1f} robust SDs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,9 +358,9 @@ class _Event:
     layer: str | None
     check: CheckRecord | None
     detail: str | None = None
-    components: tuple[_Move, ...] = ()
-    layers: tuple[_Move, ...] = ()
-    loss: _Move | None = None
+    components: tuple[Move, ...] = ()
+    layers: tuple[Move, ...] = ()
+    loss: Move | None = None
 
     @property
     def sentinel(self) -> str | None:
@@ -352,14 +385,14 @@ def _ok(checks: Sequence[CheckRecord]) -> list[CheckRecord]:
     return [c for c in checks if c.ok and c.report is not None]
 
 
-def _move(name: str, past: Sequence[float], value: float) -> _Move:
+def _move(name: str, past: Sequence[float], value: float) -> Move:
     recent = [v for v in past if math.isfinite(v)][-RECENT:]
     before = statistics.median(recent) if recent else value
     z = trailing_zscore(recent, value, direction=1, window=RECENT) if len(recent) >= 3 else None
-    return _Move(name, float(before), float(value), len(recent), z)
+    return Move(name, float(before), float(value), len(recent), z)
 
 
-def _component_moves(check: CheckRecord, checks: Sequence[CheckRecord]) -> tuple[_Move, ...]:
+def _component_moves(check: CheckRecord, checks: Sequence[CheckRecord]) -> tuple[Move, ...]:
     """Each component of ``check``'s layer against that layer's checks before it, largest change first."""
     if check.report is None:
         return ()
@@ -371,7 +404,7 @@ def _component_moves(check: CheckRecord, checks: Sequence[CheckRecord]) -> tuple
     return tuple(sorted(moves, key=lambda m: -abs(m.change)))
 
 
-def _layer_moves(step: int, checks: Sequence[CheckRecord]) -> tuple[_Move, ...]:
+def layer_moves(step: int, checks: Sequence[CheckRecord]) -> tuple[Move, ...]:
     """Each layer checked at ``step``: its watched index (its CI when the index has no value) against its past.
 
     Ordered by the robust z-score when every layer has one (indices of different layers have different scales),
@@ -409,7 +442,7 @@ def _related_check(intervention: InterventionRecord, checks: Sequence[CheckRecor
     return None
 
 
-def _loss_move(check: CheckRecord | None, checks: Sequence[CheckRecord]) -> _Move | None:
+def _loss_move(check: CheckRecord | None, checks: Sequence[CheckRecord]) -> Move | None:
     """The training loss at ``check`` against the checks of its layer before it, or None (no loss recorded)."""
     if check is None or check.loss is None or not math.isfinite(check.loss):
         return None
@@ -442,7 +475,7 @@ def _events(checks: Sequence[CheckRecord], interventions: Sequence[InterventionR
                 check=check,
                 detail=detail,
                 components=_component_moves(check, checks),
-                layers=_layer_moves(check.step, checks),
+                layers=layer_moves(check.step, checks),
                 loss=_loss_move(check, checks),
             )
         )
@@ -460,7 +493,7 @@ def _events(checks: Sequence[CheckRecord], interventions: Sequence[InterventionR
                 check=related,
                 detail=intervention.detail,
                 components=() if related is None else _component_moves(related, checks),
-                layers=() if related is None else _layer_moves(related.step, checks),
+                layers=() if related is None else layer_moves(related.step, checks),
                 loss=_loss_move(related, checks),
             )
         )
@@ -468,14 +501,6 @@ def _events(checks: Sequence[CheckRecord], interventions: Sequence[InterventionR
 
 
 # --- figures ------------------------------------------------------------------------------------------------------
-
-
-def _figure(width: float = 8.0, height: float = 3.6) -> Figure:
-    try:
-        from matplotlib.figure import Figure  # no pyplot: no global state, no display, Agg when saved
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("the report draws its figures with matplotlib: pip install matplotlib") from exc
-    return Figure(figsize=(width, height), layout="constrained")
 
 
 def _layers(checks: Sequence[CheckRecord]) -> list[str | None]:
@@ -516,20 +541,8 @@ def _mark_events(
                       linestyle="none", label=label(f"decision: {action}"))  # fmt: skip
 
 
-def _legend(axes: Axes) -> None:
-    """A legend beside the plot (never over the curves), when something is labelled; steps as integers."""
-    from matplotlib.ticker import MaxNLocator
-
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    entries = len(axes.get_legend_handles_labels()[0])
-    if entries:
-        size = "small" if entries <= 12 else "x-small"
-        axes.legend(fontsize=size, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
-                    ncol=math.ceil(entries / 24))  # fmt: skip
-
-
 def _index_figure(checks: Sequence[CheckRecord], interventions: Sequence[InterventionRecord]) -> Figure:
-    figure = _figure()
+    figure = new_figure()
     axes = figure.add_subplot()
     names = sorted({c.index for c in checks})
     layers = _layers(checks)
@@ -550,7 +563,7 @@ def _index_figure(checks: Sequence[CheckRecord], interventions: Sequence[Interve
     axes.set_title(f"Watched index: {', '.join(names)}")
     axes.set_xlabel("step")
     axes.set_ylabel(_INDEX_LABEL.get(names[0], names[0]) if len(names) == 1 else "index value")
-    _legend(axes)
+    add_legend(axes)
     return figure
 
 
@@ -572,7 +585,7 @@ def _score_figure(checks: Sequence[CheckRecord], interventions: Sequence[Interve
         thresholds.update(decision.thresholds or {})
     if not scored:
         return None
-    figure = _figure()
+    figure = new_figure()
     axes = figure.add_subplot()
     for channel, points in scored.items():
         steps, values = zip(*points, strict=True)
@@ -584,7 +597,7 @@ def _score_figure(checks: Sequence[CheckRecord], interventions: Sequence[Interve
     axes.set_title("The rule's scores and thresholds (a channel holds where its score reaches its threshold)")
     axes.set_xlabel("step")
     axes.set_ylabel("score")
-    _legend(axes)
+    add_legend(axes)
     return figure
 
 
@@ -594,7 +607,7 @@ def _loss_figure(checks: Sequence[CheckRecord], interventions: Sequence[Interven
     points = [(c.step, c.loss) for c in checks if c.layer == last and c.loss is not None and math.isfinite(c.loss)]
     if not points:
         return None
-    figure = _figure()
+    figure = new_figure()
     axes = figure.add_subplot()
     steps, values = zip(*points, strict=True)
     axes.plot(steps, values, marker=".", color="#444", label="training loss (mean since the check before)")
@@ -604,14 +617,14 @@ def _loss_figure(checks: Sequence[CheckRecord], interventions: Sequence[Interven
     axes.set_title("The training loss at the checks")
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
-    _legend(axes)
+    add_legend(axes)
     return figure
 
 
 def _composite_figure(
     checks: Sequence[CheckRecord], interventions: Sequence[InterventionRecord], layer: str | None
 ) -> Figure:
-    figure = _figure()
+    figure = new_figure()
     axes = figure.add_subplot()
     ok = [c for c in _ok(checks) if c.layer == layer]
     steps = [c.step for c in ok]
@@ -625,7 +638,7 @@ def _composite_figure(
     axes.set_title(f"Collapse Index and its components ({_layer_name(layer)})")
     axes.set_xlabel("step")
     axes.set_ylabel("value (0 = spread out, 1 = collapsed)")
-    _legend(axes)
+    add_legend(axes)
     return figure
 
 
@@ -641,7 +654,7 @@ def _heatmap_figure(checks: Sequence[CheckRecord], *, quantity: str) -> Figure:
         value = check.index_value if quantity == "index" else None if check.report is None else check.report.ci
         if value is not None and math.isfinite(value):
             grid[row[check.layer], column[check.step]] = value
-    figure = _figure(width=9.0, height=max(2.6, 0.9 + 0.32 * len(layers)))
+    figure = new_figure(width=9.0, height=max(2.6, 0.9 + 0.32 * len(layers)))
     axes = figure.add_subplot()
     colour_map = colormaps["viridis"].with_extremes(bad="#dddddd")
     image = axes.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=colour_map)
@@ -677,7 +690,7 @@ def _chosen_diagrams(diagrams: Diagrams, events: Sequence[_Event]) -> list[Diagr
 
 
 def _diagram_figure(diagrams: Diagrams, chosen: Sequence[DiagramKey]) -> Figure:
-    figure = _figure(width=3.3 * len(chosen) + 0.6, height=3.6)
+    figure = new_figure(width=3.3 * len(chosen) + 0.6, height=3.6)
     colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
     for i, key in enumerate(chosen):
         axes = figure.add_subplot(1, len(chosen), i + 1)
@@ -701,51 +714,14 @@ def _diagram_figure(diagrams: Diagrams, chosen: Sequence[DiagramKey]) -> Figure:
     return figure
 
 
-def _series_figure(
-    title: str,
-    ylabel: str,
-    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
-    *,
-    log: bool = False,
-) -> Figure:
-    """One line per named series ``(steps, values)`` (used by the offline analysis for its extra quantities)."""
-    figure = _figure()
-    axes = figure.add_subplot()
-    for name, (steps, values) in series.items():
-        axes.plot(list(steps), list(values), marker=".", label=name)
-    if log:
-        axes.set_yscale("symlog", linthresh=1e-3)
-    axes.set_title(title)
-    axes.set_xlabel("step")
-    axes.set_ylabel(ylabel)
-    _legend(axes)
-    return figure
-
-
-@dataclasses.dataclass
-class _Figures:
-    """The figures of a report, by file name, with their captions."""
-
-    items: list[tuple[str, Figure, str]] = dataclasses.field(default_factory=list)
-
-    def add(self, name: str, figure: Figure, caption: str) -> None:
-        self.items.append((name, figure, caption))
-
-    def get(self, name: str) -> Figure:
-        return next(figure for file, figure, _ in self.items if file == name)
-
-    def caption(self, name: str) -> str:
-        return next(caption for file, _, caption in self.items if file == name)
-
-
 def _figures(
     checks: Sequence[CheckRecord],
     interventions: Sequence[InterventionRecord],
     diagrams: Diagrams,
     events: Sequence[_Event],
-) -> _Figures:
+) -> Figures:
     """Every figure of the report (each with a title and labelled axes)."""
-    figures = _Figures()
+    figures = Figures()
     figures.add(
         "index.png",
         _index_figure(checks, interventions),
@@ -797,29 +773,7 @@ def _figures(
 # --- the page -----------------------------------------------------------------------------------------------------
 
 
-def _fmt(value: float | None) -> str:
-    if value is None:
-        return "–"
-    if not math.isfinite(value):
-        return str(value)
-    if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
-        return f"{value:.3g}"
-    return f"{value:.3f}"
-
-
-def _fmt_z(z: float | None) -> str:
-    if z is None:
-        return "too little history for a z-score"
-    if abs(z) > 1000:
-        return f"z {'>' if z > 0 else '<'} {'' if z > 0 else '-'}1000: its recent history was flat"
-    return f"z = {z:+.1f} robust SDs"
-
-
-def _e(text: Any) -> str:
-    return html.escape(str(text))
-
-
-def _also_moved(event: _Event) -> list[_Move]:
+def _also_moved(event: _Event) -> list[Move]:
     """Components besides the top one that moved by at least `ALSO_CHANGE`."""
     if event.top in ("drift", "diverged"):
         return []
@@ -850,63 +804,73 @@ def _remedies(event: _Event) -> list[str]:
 
 def _diagnosis_html(event: _Event) -> str:
     parts = []
-    where = "" if event.layer is None else f" on layer <code>{_e(event.layer)}</code>"
+    where = "" if event.layer is None else f" on layer <code>{escape_html(event.layer)}</code>"
     if event.kind == "intervention":
-        head = f"Step {event.step}: intervention <b>{_e(event.action)}</b>{where}"
+        head = f"Step {event.step}: intervention <b>{escape_html(event.action)}</b>{where}"
     elif event.kind == "diverged":
-        head = f"Step {event.step}: diverged check{where} (decision: <b>{_e(event.action)}</b>)"
+        head = f"Step {event.step}: diverged check{where} (decision: <b>{escape_html(event.action)}</b>)"
     else:
-        head = f"Step {event.step}: decision <b>{_e(event.action)}</b>{where}"
+        head = f"Step {event.step}: decision <b>{escape_html(event.action)}</b>{where}"
     parts.append(f"<h3>{head}</h3>")
-    parts.append(f"<p><b>Why:</b> {_e(event.reason)}</p>")
+    parts.append(f"<p><b>Why:</b> {escape_html(event.reason)}</p>")
     if event.detail:
-        parts.append(f"<p><b>What was done:</b> {_e(event.detail)}</p>")
+        parts.append(f"<p><b>What was done:</b> {escape_html(event.detail)}</p>")
     if event.kind == "intervention" and event.check is not None:
         parts.append(f"<p class='note'>Diagnosed from the check at step {event.check.step}.</p>")
     top = event.top
     history = event.components[0].history if event.components else 0
     if top == "diverged":
-        parts.append(f"<p><b>What moved:</b> {_e(_MEANING_DIVERGED)}</p>")
+        parts.append(f"<p><b>What moved:</b> {escape_html(_MEANING_DIVERGED)}</p>")
     elif event.sentinel is not None:
-        parts.append(f"<p><b>Sentinel ({_e(event.sentinel)}):</b> {_e(_SENTINEL_MEANING[event.sentinel])}</p>")
+        parts.append(
+            f"<p><b>Sentinel ({escape_html(event.sentinel)}):</b> {escape_html(_SENTINEL_MEANING[event.sentinel])}</p>"
+        )
     elif event.components and history == 0:
         parts.append("<p><b>What moved:</b> this is the layer's first check: there is nothing to compare with.</p>")
     elif event.components:
         first = event.components[0]
         moves = "; ".join(
-            f"{_e(_COMPONENT_LABEL[m.name])} {_fmt(m.after)} against a median of {_fmt(m.before)} "
-            f"({m.change:+.3f}; {_e(_fmt_z(m.z))})"
+            f"{escape_html(_COMPONENT_LABEL[m.name])} {format_number(m.after)} against a median of "
+            f"{format_number(m.before)} ({m.change:+.3f}; {escape_html(format_zscore(m.z))})"
             for m in event.components
         )
         if top == "drift":
             lead = f"no component moved by more than {SMALL_CHANGE} against the {history} checks before"
         else:
-            lead = f"<b>{_e(first.name)}</b> moved the most against the {history} checks before ({first.change:+.3f})"
+            lead = (
+                f"<b>{escape_html(first.name)}</b> moved the most against the {history} checks before "
+                f"({first.change:+.3f})"
+            )
         parts.append(f"<p><b>What moved:</b> {lead}. All components: {moves}.</p>")
         meaning = _MEANING_DRIFT if top == "drift" else _MEANING[(first.name, 1 if first.change > 0 else -1)]
-        parts.append(f"<p><b>What that often means:</b> {_e(meaning)}</p>")
+        parts.append(f"<p><b>What that often means:</b> {escape_html(meaning)}</p>")
         for other in _also_moved(event):
             text = _MEANING[(other.name, 1 if other.change > 0 else -1)]
-            parts.append(f"<p><b>Also {_e(other.name)}</b> ({other.change:+.3f}): {_e(text)}</p>")
+            parts.append(f"<p><b>Also {escape_html(other.name)}</b> ({other.change:+.3f}): {escape_html(text)}</p>")
     if event.layers:
         leader = event.layers[0]
-        others = ", ".join(f"<code>{_e(m.name)}</code> ({_e(_fmt_z(m.z))}, {m.change:+.3g})" for m in event.layers[1:])
+        others = ", ".join(
+            f"<code>{escape_html(m.name)}</code> ({escape_html(format_zscore(m.z))}, {m.change:+.3g})"
+            for m in event.layers[1:]
+        )
         parts.append(
-            f"<p><b>Which layer:</b> of the {len(event.layers)} layers checked at this step, <code>{_e(leader.name)}"
-            f"</code> moved the most: {_fmt(leader.after)} against a median of {_fmt(leader.before)} "
-            f"({leader.change:+.3g}; {_e(_fmt_z(leader.z))}). Then {others}.</p>"
+            f"<p><b>Which layer:</b> of the {len(event.layers)} layers checked at this step, "
+            f"<code>{escape_html(leader.name)}</code> moved the most: {format_number(leader.after)} against a median "
+            f"of {format_number(leader.before)} "
+            f"({leader.change:+.3g}; {escape_html(format_zscore(leader.z))}). Then {others}.</p>"
         )
     if event.loss is not None:
         loss = event.loss
         parts.append(
-            f"<p><b>The training loss:</b> {_fmt(loss.after)} against a median of {_fmt(loss.before)} over the "
-            f"{loss.history} checks before ({_e(_fmt_z(loss.z))}).</p>"
+            f"<p><b>The training loss:</b> {format_number(loss.after)} against a median of "
+            f"{format_number(loss.before)} over the {loss.history} checks before "
+            f"({escape_html(format_zscore(loss.z))}).</p>"
         )
     if top == "diverged" or history or event.sentinel is not None:
-        items = "".join(f"<li>{_e(r)}</li>" for r in _remedies(event))
+        items = "".join(f"<li>{escape_html(r)}</li>" for r in _remedies(event))
         parts.append(f"<p><b>What people often try</b> (hints, not prescriptions):</p><ul>{items}</ul>")
     css = "diverged" if top == "diverged" else event.action
-    return f"<div class='event {_e(css)}'>{''.join(parts)}</div>"
+    return f"<div class='event {escape_html(css)}'>{''.join(parts)}</div>"
 
 
 def _summary_html(checks: Sequence[CheckRecord], interventions: Sequence[InterventionRecord], source: str) -> str:
@@ -922,7 +886,7 @@ def _summary_html(checks: Sequence[CheckRecord], interventions: Sequence[Interve
         ("decisions that fired", ", ".join(f"{c.decision.action.value} at {c.step}" for c in fired[:20]) or "none"),
         ("interventions", ", ".join(f"{i.action} at {i.step}" for i in interventions[:20]) or "none"),
     ]
-    body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
+    body = "".join(f"<tr><th>{escape_html(k)}</th><td>{escape_html(v)}</td></tr>" for k, v in rows)
     return f"<table>{body}</table>"
 
 
@@ -935,62 +899,50 @@ def _checks_table(checks: Sequence[CheckRecord]) -> str:
             str(check.step),
             _layer_name(check.layer) if check.layer is not None else "–",
             check.status,
-            _fmt(check.index_value),
-            _fmt(None if report is None else report.ci),
-            *(_fmt(None if report is None else report.components[name]) for name in COMPONENTS),
+            format_number(check.index_value),
+            format_number(None if report is None else report.ci),
+            *(format_number(None if report is None else report.components[name]) for name in COMPONENTS),
             "–" if report is None else str(report.betti0),
             "–" if report is None else str(report.betti1),
             check.decision.action.value,
         ]
-        rows.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
+        rows.append("<tr>" + "".join(f"<td>{escape_html(c)}</td>" for c in cells) + "</tr>")
     more = len(checks) - MAX_TABLE_ROWS
     note = f"<p class='note'>{more} more checks are in the history file.</p>" if more > 0 else ""
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    head = "".join(f"<th>{escape_html(h)}</th>" for h in header)
     return f"<details><summary>All checks</summary><table><tr>{head}</tr>{''.join(rows)}</table>{note}</details>"
 
 
-@dataclasses.dataclass
-class _Section:
-    """An extra part of the page (the offline analysis adds its own): a heading, HTML, and figures."""
-
-    heading: str
-    body: str
-    figures: _Figures = dataclasses.field(default_factory=_Figures)
-
-
-def _figure_html(name: str, caption: str) -> str:
-    return f"<figure><img src='{_e(name)}' alt='{_e(caption)}'><figcaption>{_e(caption)}</figcaption></figure>"
-
-
-def _save(figures: _Figures, out: Path) -> None:
-    for name, figure, _ in figures.items:
-        figure.savefig(out / name, dpi=100)
-
-
-def _out_dir(out_dir: Any) -> Path:
-    if not isinstance(out_dir, (str, os.PathLike)):
-        raise InputError(f"`out_dir` must be a path, got {type(out_dir).__name__}")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"`out_dir` {str(out)!r} exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def _write(
+def write_report_page(
     records: Sequence[Record],
     out_dir: Any,
     *,
     source: str,
     diagrams: Diagrams,
     title: str | None,
-    sections: Sequence[_Section] = (),
-    lead: Sequence[_Section] = (),
+    sections: Sequence[Section] = (),
+    lead: Sequence[Section] = (),
 ) -> Path:
-    """Render the page and its figures; the path of ``index.html``."""
+    """Write the run report of ``records`` into ``out_dir`` with extra sections; the path of ``index.html``.
+
+    `write_report` after reading its arguments; the offline analysis adds its sections with it. ``lead`` goes
+    after the summary table, ``sections`` after the persistence diagrams; their figures are saved next to the page.
+
+    Args:
+        records: the history's check and intervention records, in any order.
+        out_dir: the folder to write into (created if needed).
+        source: where the records came from, as the summary table says it.
+        diagrams: the persistence diagrams to draw, by ``(step, layer)``.
+        title: the page's title (None: "topocallbacks report").
+        sections: sections after the report's own.
+        lead: sections right after the summary table.
+
+    Raises:
+        InputError: ``title`` is not a string, ``out_dir`` is a file, or no record is a check.
+    """
     if title is not None and not isinstance(title, str):
         raise InputError(f"`title` must be a string or None, got {type(title).__name__}")
-    out = _out_dir(out_dir)
+    out = output_folder(out_dir)
     checks = sorted((r for r in records if isinstance(r, CheckRecord)), key=lambda c: c.step)
     interventions = sorted((r for r in records if isinstance(r, InterventionRecord)), key=lambda i: i.step)
     if not checks:
@@ -999,49 +951,37 @@ def _write(
     figures = _figures(checks, interventions, diagrams, events)
     heading = title or "topocallbacks report"
     parts = [
-        f"<h1>{_e(heading)}</h1>",
+        f"<h1>{escape_html(heading)}</h1>",
         _summary_html(checks, interventions, source),
-        *_sections_html(lead),
+        *sections_html(lead),
         *_curves_html(checks, figures),
         *_events_html(events),
         *_diagrams_html(diagrams, figures),
-        *_sections_html(sections),
+        *sections_html(sections),
         "<h2>Checks</h2>",
         _checks_table(checks),
     ]
-    page = (
-        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{_e(heading)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
-    )
-    _save(figures, out)
+    page = page_html(heading, _CSS, parts)
+    save_figures(figures, out)
     for section in (*lead, *sections):
-        _save(section.figures, out)
+        save_figures(section.figures, out)
     path = out / "index.html"
     path.write_text(page, encoding="utf-8")
     return path
 
 
-def _sections_html(sections: Sequence[_Section]) -> list[str]:
-    """Each extra section: its heading, its body and its figures."""
-    parts = []
-    for section in sections:
-        parts.append(f"<h2>{_e(section.heading)}</h2>{section.body}")
-        parts.extend(_figure_html(name, caption) for name, _, caption in section.figures.items)
-    return parts
-
-
-def _curves_html(checks: Sequence[CheckRecord], figures: _Figures) -> list[str]:
+def _curves_html(checks: Sequence[CheckRecord], figures: Figures) -> list[str]:
     """The watched index, the composite of each layer and, with several layers, the heatmaps."""
     parts = [
         "<h2>The watched index</h2>",
-        _figure_html("index.png", figures.caption("index.png")),
+        figure_html("index.png", figures.caption("index.png")),
     ]
     for name, title in (("scores.png", "The rule's scores and thresholds"), ("loss.png", "The training loss")):
         if any(name == shown for shown, _, _ in figures.items):
-            parts += [f"<h2>{title}</h2>", _figure_html(name, figures.caption(name))]
+            parts += [f"<h2>{title}</h2>", figure_html(name, figures.caption(name))]
     parts.append("<h2>The Collapse Index and its components</h2>")
     composite = [(name, caption) for name, _, caption in figures.items if name.startswith("composite_")]
-    parts.extend(_figure_html(name, caption) for name, caption in composite)
+    parts.extend(figure_html(name, caption) for name, caption in composite)
     layers = _layers(checks)
     if len(layers) > MAX_COMPOSITE_FIGURES:
         parts.append(
@@ -1049,8 +989,8 @@ def _curves_html(checks: Sequence[CheckRecord], figures: _Figures) -> list[str]:
         )
     if len(layers) > 1:
         parts.append("<h2>Layers x steps</h2>")
-        parts.append(_figure_html("heatmap_index.png", figures.caption("heatmap_index.png")))
-        parts.append(_figure_html("heatmap_ci.png", figures.caption("heatmap_ci.png")))
+        parts.append(figure_html("heatmap_index.png", figures.caption("heatmap_index.png")))
+        parts.append(figure_html("heatmap_ci.png", figures.caption("heatmap_ci.png")))
     return parts
 
 
@@ -1058,7 +998,7 @@ def _events_html(events: Sequence[_Event]) -> list[str]:
     """The diagnosis of each event (up to `MAX_DIAGNOSED`), or a line saying that nothing happened."""
     parts = ["<h2>Warnings, interventions and diagnosis</h2>"]
     if events:
-        parts.append(f"<p class='note'>{_e(_CAVEAT)}</p>")
+        parts.append(f"<p class='note'>{escape_html(_CAVEAT)}</p>")
         parts.extend(_diagnosis_html(event) for event in events[:MAX_DIAGNOSED])
         if len(events) > MAX_DIAGNOSED:
             parts.append(f"<p class='note'>{len(events) - MAX_DIAGNOSED} more events are not diagnosed here.</p>")
@@ -1067,15 +1007,15 @@ def _events_html(events: Sequence[_Event]) -> list[str]:
     return parts
 
 
-def _diagrams_html(diagrams: Diagrams, figures: _Figures) -> list[str]:
+def _diagrams_html(diagrams: Diagrams, figures: Figures) -> list[str]:
     """The persistence diagrams' figure, or why there is none."""
     parts = ["<h2>Persistence diagrams</h2>"]
     if diagrams:
-        parts.append(_figure_html("diagrams.png", figures.caption("diagrams.png")))
+        parts.append(figure_html("diagrams.png", figures.caption("diagrams.png")))
     else:
         parts.append(
             "<p>"
-            + _e(
+            + escape_html(
                 "No persistence diagrams were given: a history file holds each check's summaries (the composite, "
                 "its components, the Betti numbers), not the diagrams themselves, so none are drawn here. Pass "
                 "`diagrams=` (a mapping step -> list of (k, 2) arrays) to write_report; `topocallbacks analyze` "
@@ -1132,4 +1072,4 @@ def write_report(
         ['composite_0.png', 'index.html', 'index.png']
     """
     records, source = _load_history(history)
-    return _write(records, out_dir, source=source, diagrams=_load_diagrams(diagrams), title=title)
+    return write_report_page(records, out_dir, source=source, diagrams=_load_diagrams(diagrams), title=title)

@@ -139,14 +139,14 @@ def with_layer_moves(past: Sequence[CheckRecord], records: list[CheckRecord]) ->
     decision = records[-1]
     if len(records) < 2 or not (decision.decision.fired or decision.decision.held_back is not None):
         return decision
-    from .report import _fmt_z, _layer_moves  # the report's diagnosis, not a second copy of it
+    from .report import format_zscore, layer_moves  # the report's diagnosis, not a second copy of it
 
-    moves = _layer_moves(decision.step, [*past, *records])
+    moves = layer_moves(decision.step, [*past, *records])
     if not moves:
         return decision
 
     def described(move: Any) -> str:
-        z = "" if move.z is None else f", {_fmt_z(move.z)}"
+        z = "" if move.z is None else f", {format_zscore(move.z)}"
         return f"{move.name} {move.before:.4g} -> {move.after:.4g} ({move.change:+.4g}{z})"
 
     text = f"; layer that moved first: {described(moves[0])}"

@@ -21,7 +21,10 @@ from tests.integration.models import TinyCNN, digits, digits_loader, quiet_train
 from tests.unit.test_report import assert_labelled
 from topocallbacks import InputError
 from topocallbacks import functional as F
-from topocallbacks.analyze import _Checkpoint, _correlations, _flattening, _sections, analyze
+from topocallbacks.analysis.checkpoints import Checkpoint
+from topocallbacks.analysis.summaries import flattening_steps, loss_correlations
+from topocallbacks.analysis.writing import analysis_sections
+from topocallbacks.analyze import analyze
 from topocallbacks.functional.collapse import calibrate_epsilon
 from topocallbacks.presets import load
 from topocallbacks.probe import FeatureExtractor, Probe
@@ -253,9 +256,11 @@ def test_the_analysis_figures_have_titles_and_labelled_axes(lightning_run, tmp_p
     folder, probe = lightning_run
     result = analyze(folder, probe=probe, out_dir=tmp_path / "out", layers=["avgpool"], factory=TinyCNN,
                      weights=True, progress=False)  # fmt: skip
-    checkpoints = [_Checkpoint(r["step"], folder, {"train_loss": r["train_loss"]}) for r in result.rows[::4]]
-    correlations, losses = _correlations(result.rows, checkpoints)
-    sections = _sections(result.rows, correlations, losses, checkpoints, _flattening(result.rows), {"x": "y"})
+    checkpoints = [Checkpoint(r["step"], folder, {"train_loss": r["train_loss"]}) for r in result.rows[::4]]
+    correlations, losses = loss_correlations(result.rows, checkpoints)
+    sections = analysis_sections(
+        result.rows, correlations, losses, checkpoints, flattening_steps(result.rows), {"x": "y"}
+    )
     names = [name for section in sections for name, _, _ in section.figures.items]
     assert names == ["losses.png", "geometry_rank.png", "geometry_decay.png", "persistence_total.png",
                      "persistence_wasserstein.png", "weights_np.png", "weights_tp.png"]  # fmt: skip

@@ -24,7 +24,9 @@ _METRIC_IN_NAME = re.compile(r"([A-Za-z][A-Za-z0-9_/]*)=(-?\d+(?:\.\d+)?(?:[eE][
 
 
 @dataclasses.dataclass
-class _Checkpoint:
+class Checkpoint:
+    """One checkpoint (or feature file) of the folder: its step, its path, and the losses found for it by name."""
+
     step: int
     path: Path
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -33,12 +35,13 @@ class _Checkpoint:
 # --- safe loading -------------------------------------------------------------------------------------------------
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
+    """An exception in one line for an error message: its type and the first line of its text (300 characters)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _torch_load(path: Path, trust: bool, what: str) -> Any:
+def load_torch_file(path: Path, trust: bool, what: str) -> Any:
     """``torch.load`` with ``weights_only=True``; a file needing arbitrary unpickling is refused unless trusted."""
 
     def load(weights_only: bool) -> Any:
@@ -53,9 +56,9 @@ def _torch_load(path: Path, trust: bool, what: str) -> Any:
         return load(True)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" not in str(exc):
-            raise InputError(f"cannot read the {what} {str(path)!r}: {_short(exc)}") from exc
+            raise InputError(f"cannot read the {what} {str(path)!r}: {short_error(exc)}") from exc
         found = re.search(r"WeightsUnpickler error:(.*?)(?:Check the documentation|$)", str(exc), re.DOTALL)
-        reason = " ".join(found.group(1).split()) if found else _short(exc)
+        reason = " ".join(found.group(1).split()) if found else short_error(exc)
         if not trust and "global" not in reason.lower():  # not a Python object: a damaged or foreign file
             raise InputError(
                 f"cannot read the {what} {str(path)!r}: torch.load(weights_only=True) failed ({reason}); if it is "
@@ -81,9 +84,9 @@ def _torch_load(path: Path, trust: bool, what: str) -> Any:
         try:
             return load(False)
         except Exception as again:  # torch.load raises assorted types on a damaged file
-            raise InputError(f"cannot read the {what} {str(path)!r}: {_short(again)}") from again
+            raise InputError(f"cannot read the {what} {str(path)!r}: {short_error(again)}") from again
     except Exception as exc:  # KeyError, RuntimeError, EOFError, OSError... on a damaged or foreign file
-        raise InputError(f"cannot read the {what} {str(path)!r}: {_short(exc)}") from exc
+        raise InputError(f"cannot read the {what} {str(path)!r}: {short_error(exc)}") from exc
 
 
 def _numbers(mapping: Any) -> dict[str, float]:
@@ -108,7 +111,8 @@ def _step_in_name(path: Path) -> int | None:
     return int(path.stem) if path.stem.isdigit() else None
 
 
-def _hf_weights(folder: Path) -> list[Path]:
+def hf_weight_files(folder: Path) -> list[Path]:
+    """The weight files of a Hugging Face checkpoint folder (safetensors first, the shards of an index), or none."""
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (folder / name).is_file():
             return [folder / name]
@@ -117,12 +121,12 @@ def _hf_weights(folder: Path) -> list[Path]:
             try:
                 shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
             except (OSError, ValueError, KeyError, AttributeError) as exc:
-                raise InputError(f"cannot read the shard index {str(index)!r}: {_short(exc)}") from exc
+                raise InputError(f"cannot read the shard index {str(index)!r}: {short_error(exc)}") from exc
             return [folder / shard for shard in shards]
     return []
 
 
-def _discover(root: Path, trust: bool) -> tuple[str, list[_Checkpoint]]:
+def discover_checkpoints(root: Path, trust: bool) -> tuple[str, list[Checkpoint]]:
     """The kind of folder (``"hf"``, ``"lightning"``, ``"features"``) and its checkpoints in step order."""
     if not root.exists():
         raise InputError(f"`path` {str(root)!r} does not exist")
@@ -151,10 +155,10 @@ def _discover(root: Path, trust: bool) -> tuple[str, list[_Checkpoint]]:
     )
 
 
-def _hf_checkpoints(root: Path, folders: list[Path]) -> list[_Checkpoint]:
+def _hf_checkpoints(root: Path, folders: list[Path]) -> list[Checkpoint]:
     checkpoints = []
     for folder in folders:
-        if not _hf_weights(folder):
+        if not hf_weight_files(folder):
             raise InputError(
                 f"cannot read the checkpoint {str(folder)!r}: no model.safetensors or pytorch_model.bin (or their "
                 "shard index) in it"
@@ -162,7 +166,7 @@ def _hf_checkpoints(root: Path, folders: list[Path]) -> list[_Checkpoint]:
         number = re.fullmatch(r"checkpoint-(\d+)", folder.name)
         state = _trainer_state(folder)
         step = int(number.group(1)) if number else int(state.get("global_step", 0))
-        checkpoints.append(_Checkpoint(step, folder))
+        checkpoints.append(Checkpoint(step, folder))
     checkpoints.sort(key=lambda c: c.step)
     # The last trainer_state.json holds the whole log history; each checkpoint takes the last value at its step.
     history: list[Any] = []
@@ -189,15 +193,15 @@ def _trainer_state(folder: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise InputError(f"cannot read {str(path)!r}: {_short(exc)}") from exc
+        raise InputError(f"cannot read {str(path)!r}: {short_error(exc)}") from exc
     return data if isinstance(data, dict) else {}
 
 
-def _lightning_checkpoints(paths: list[Path], trust: bool) -> list[_Checkpoint]:
-    by_step: dict[int, _Checkpoint] = {}
+def _lightning_checkpoints(paths: list[Path], trust: bool) -> list[Checkpoint]:
+    by_step: dict[int, Checkpoint] = {}
     for path in paths:
-        raw = _torch_load(path, trust, "checkpoint")
-        _state_dict(raw, path)  # fails early on a file without a model state
+        raw = load_torch_file(path, trust, "checkpoint")
+        checkpoint_state_dict(raw, path)  # fails early on a file without a model state
         step = raw.get("global_step") if isinstance(raw, Mapping) and "state_dict" in raw else None
         if not isinstance(step, int) or isinstance(step, bool):
             step = _step_in_name(path)
@@ -207,12 +211,12 @@ def _lightning_checkpoints(paths: list[Path], trust: bool) -> list[_Checkpoint]:
                 "`step=N`"
             )
         metrics = _lightning_metrics(raw, path)
-        checkpoint = _Checkpoint(step, path, metrics)
+        checkpoint = Checkpoint(step, path, metrics)
         if step in by_step:
             kept, dropped = sorted([by_step[step], checkpoint], key=lambda c: (c.path.stem.startswith("last"), c.path))
             warnings.warn(
                 f"{str(dropped.path)!r} is at the same step ({step}) as {str(kept.path)!r}; analysing the latter only",
-                stacklevel=6,  # analyze()'s caller: _discover <- _folder <- load_source <- analyze
+                stacklevel=6,  # analyze()'s caller: discover_checkpoints <- _folder <- load_source <- analyze
             )
             checkpoint = kept
         by_step[step] = checkpoint
@@ -237,7 +241,8 @@ def _lightning_metrics(raw: Any, path: Path) -> dict[str, float]:
     return metrics
 
 
-def _state_dict(raw: Any, path: Path) -> Mapping[str, Any]:
+def checkpoint_state_dict(raw: Any, path: Path) -> Mapping[str, Any]:
+    """The model state of a loaded Lightning checkpoint (its ``state_dict``, or the whole dict of tensors)."""
     if isinstance(raw, Mapping) and isinstance(raw.get("state_dict"), Mapping):
         state: Mapping[str, Any] = raw["state_dict"]
         return state
@@ -250,8 +255,8 @@ def _state_dict(raw: Any, path: Path) -> Mapping[str, Any]:
     )
 
 
-def _feature_files(paths: list[Path]) -> list[_Checkpoint]:
-    checkpoints: dict[int, _Checkpoint] = {}
+def _feature_files(paths: list[Path]) -> list[Checkpoint]:
+    checkpoints: dict[int, Checkpoint] = {}
     for path in paths:
         step = _step_in_name(path)
         if step is None:
@@ -261,11 +266,11 @@ def _feature_files(paths: list[Path]) -> list[_Checkpoint]:
             )
         if step in checkpoints:
             raise InputError(f"two feature files for step {step}: {str(checkpoints[step].path)!r} and {str(path)!r}")
-        checkpoints[step] = _Checkpoint(step, path)
+        checkpoints[step] = Checkpoint(step, path)
     return [checkpoints[step] for step in sorted(checkpoints)]
 
 
-def _feature_arrays(path: Path, trust: bool) -> dict[str, Any]:
+def load_feature_arrays(path: Path, trust: bool) -> dict[str, Any]:
     """The feature arrays of one step by layer name."""
     try:
         if path.suffix == ".npy":
@@ -274,8 +279,8 @@ def _feature_arrays(path: Path, trust: bool) -> dict[str, Any]:
             with np.load(path, allow_pickle=False) as archive:
                 return {name: archive[name] for name in archive.files}
     except (OSError, ValueError, EOFError) as exc:
-        raise InputError(f"cannot read the feature file {str(path)!r}: {_short(exc)}") from exc
-    loaded = _torch_load(path, trust, "feature file")
+        raise InputError(f"cannot read the feature file {str(path)!r}: {short_error(exc)}") from exc
+    loaded = load_torch_file(path, trust, "feature file")
     if isinstance(loaded, Mapping):
         return {str(k): v for k, v in loaded.items()}
     return {"features": loaded}

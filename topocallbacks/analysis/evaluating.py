@@ -27,10 +27,10 @@ from ..functional.weights import neural_persistence, weight_h0_total_persistence
 from ..policy import Policy
 from ..settings import MonitorSettings
 from ..transform import FeatureTransform
-from .checkpoints import _Checkpoint
+from .checkpoints import Checkpoint
 from .loading import Source, checkpoint_features
 
-__all__ = ["MAX_WEIGHT_ENTRIES", "MAX_WEIGHT_ROWS", "QUANTITIES", "Measured", "evaluate"]
+__all__ = ["MAX_WEIGHT_ENTRIES", "MAX_WEIGHT_ROWS", "NOT_CORRELATED", "QUANTITIES", "Measured", "evaluate"]
 
 #: What each column of ``analysis.csv`` holds (the quantities; ``step``, ``layer``, ``source``, ``status``,
 #: ``checkpoint`` and one column per loss found come first).
@@ -69,7 +69,7 @@ QUANTITIES: Mapping[str, str] = {
 _FEATURE_QUANTITIES = tuple(QUANTITIES)[:25]
 _WEIGHT_QUANTITIES = tuple(QUANTITIES)[25:]
 #: Quantities left out of the correlations (they do not change between checkpoints, or only count).
-_NOT_CORRELATED = ("epsilon", "n_points", "n_features", "weight_rows", "weight_columns")
+NOT_CORRELATED = ("epsilon", "n_points", "n_features", "weight_rows", "weight_columns")
 
 #: Weight matrices above this many entries get no neural persistence (its spanning tree sorts every entry).
 MAX_WEIGHT_ENTRIES = 2**22
@@ -145,7 +145,7 @@ def evaluate(source: Source, *, weights: bool, progress: bool) -> Measured:
     return measured
 
 
-def _progress(checkpoints: list[_Checkpoint], show: bool) -> Iterator[_Checkpoint]:
+def _progress(checkpoints: list[Checkpoint], show: bool) -> Iterator[Checkpoint]:
     """The checkpoints, with a tqdm bar on stderr when asked for (and tqdm is installed)."""
     if show:
         try:

@@ -18,8 +18,15 @@ import torch
 from ..exceptions import InputError
 from ..probe import FeatureExtractor, Probe, resolve_layer, resolve_layers
 from ..settings import MonitorSettings
-from .checkpoints import _Checkpoint, _discover, _feature_arrays, _short, _state_dict, _torch_load
-from .models import _build, _hf_model, _hf_state, _load_state, _resolve_factory
+from .checkpoints import (
+    Checkpoint,
+    checkpoint_state_dict,
+    discover_checkpoints,
+    load_feature_arrays,
+    load_torch_file,
+    short_error,
+)
+from .models import build_model, hf_model_from_config, hf_state_dict, load_state_into, resolve_factory
 
 __all__ = ["Source", "checkpoint_features", "load_source"]
 
@@ -51,7 +58,7 @@ class Source:
     root: Path
     out: Path
     kind: str
-    checkpoints: list[_Checkpoint]
+    checkpoints: list[Checkpoint]
     trust: bool
     settings: MonitorSettings
     layers: Sequence[str] | None
@@ -131,10 +138,10 @@ def _arguments(
     return base, layers
 
 
-def _folder(path: Any, out_dir: Any, trust: bool) -> tuple[Path, Path, str, list[_Checkpoint]]:
+def _folder(path: Any, out_dir: Any, trust: bool) -> tuple[Path, Path, str, list[Checkpoint]]:
     """The folder read, the folder to write, the kind of checkpoints and the checkpoints in step order."""
     root = Path(path)
-    kind, checkpoints = _discover(root, trust)
+    kind, checkpoints = discover_checkpoints(root, trust)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"`out_dir` {str(out)!r} exists and is not a folder")
@@ -142,7 +149,7 @@ def _folder(path: Any, out_dir: Any, trust: bool) -> tuple[Path, Path, str, list
 
 
 def _model(
-    kind: str, checkpoints: list[_Checkpoint], root: Path, *, probe: Any, factory: Any, weights: bool
+    kind: str, checkpoints: list[Checkpoint], root: Path, *, probe: Any, factory: Any, weights: bool
 ) -> tuple[torch.nn.Module | None, Callable[[], torch.nn.Module] | None]:
     """The model to load the checkpoints into and the factory that built it (neither for feature arrays)."""
     if kind == "features":
@@ -159,13 +166,13 @@ def _model(
         )
     build = None
     if factory is not None:
-        build = _resolve_factory(factory)
+        build = resolve_factory(factory)
     elif kind == "lightning":
         raise InputError(
             "`factory` is required for Lightning checkpoints: a 'module:function' returning the model (the "
             "LightningModule, or the network it wraps)"
         )
-    model = _build(build, "factory") if build is not None else _hf_model(checkpoints[0].path)
+    model = build_model(build, "factory") if build is not None else hf_model_from_config(checkpoints[0].path)
     return model, build
 
 
@@ -215,9 +222,9 @@ def _probe_source(probe: Any, trust: bool) -> Any:
             try:
                 value = np.load(path, allow_pickle=False)
             except (OSError, ValueError) as exc:
-                raise InputError(f"cannot read the probe {str(path)!r}: {_short(exc)}") from exc
+                raise InputError(f"cannot read the probe {str(path)!r}: {short_error(exc)}") from exc
         elif path.suffix in (".pt", ".pth"):
-            value = _torch_load(path, trust, "probe")
+            value = load_torch_file(path, trust, "probe")
         else:
             raise InputError(f"`probe` must be a .pt or .npy file, got {path.name!r}")
 
@@ -236,7 +243,7 @@ def _probe_source(probe: Any, trust: bool) -> Any:
     return value
 
 
-def checkpoint_features(source: Source, checkpoint: _Checkpoint) -> dict[str, Any]:
+def checkpoint_features(source: Source, checkpoint: Checkpoint) -> dict[str, Any]:
     """One checkpoint's features by layer: read from its feature file, or the probe run through the loaded model.
 
     A Hugging Face checkpoint whose ``config.json`` differs from the previous one's (another architecture) gets a
@@ -255,7 +262,7 @@ def checkpoint_features(source: Source, checkpoint: _Checkpoint) -> dict[str, An
     """
     where = str(checkpoint.path)
     if source.model is None:
-        arrays = _feature_arrays(checkpoint.path, source.trust)
+        arrays = load_feature_arrays(checkpoint.path, source.trust)
         wanted = list(arrays) if source.layers is None else list(source.layers)
         unknown = [name for name in wanted if name not in arrays]
         if unknown:
@@ -264,12 +271,14 @@ def checkpoint_features(source: Source, checkpoint: _Checkpoint) -> dict[str, An
     if source.kind == "hf" and source.build is None:
         config = (checkpoint.path / "config.json").read_text(encoding="utf-8")
         if config != source.config_text:  # a checkpoint with another architecture than the previous one
-            source.model, source.config_text = _hf_model(checkpoint.path), config
+            source.model, source.config_text = hf_model_from_config(checkpoint.path), config
     if source.kind == "hf":
-        _load_state(source.model, _hf_state(checkpoint.path, source.trust), where)
+        load_state_into(source.model, hf_state_dict(checkpoint.path, source.trust), where)
     else:
-        _load_state(
-            source.model, _state_dict(_torch_load(checkpoint.path, source.trust, "checkpoint"), checkpoint.path), where
+        load_state_into(
+            source.model,
+            checkpoint_state_dict(load_torch_file(checkpoint.path, source.trust, "checkpoint"), checkpoint.path),
+            where,
         )
     return _probe_pass(source.model, source, where)
 
@@ -285,7 +294,7 @@ def _probe_pass(model: torch.nn.Module, source: Source, where: str) -> dict[str,
             raise InputError(f"{exc} (checkpoint {where!r}, layer {name!r})") from exc
         except Exception as exc:  # the model's forward on the probe
             raise InputError(
-                f"the probe pass failed on the checkpoint {where!r} (layer {name!r}): {_short(exc)}; check "
+                f"the probe pass failed on the checkpoint {where!r} (layer {name!r}): {short_error(exc)}; check "
                 "that the probe holds inputs this model accepts"
             ) from exc
     return features

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from ..exceptions import InputError
-from .checkpoints import _hf_weights, _short, _torch_load
+from .checkpoints import hf_weight_files, load_torch_file, short_error
 
 _PREFIXES = ("model.", "module.", "net.", "_orig_mod.")
 
 
-def _resolve_factory(factory: Any) -> Callable[[], torch.nn.Module]:
+def resolve_factory(factory: Any) -> Callable[[], torch.nn.Module]:
+    """The model factory a callable, ``"module:function"`` or ``"file.py:function"`` names (no bytecode written)."""
     if callable(factory):
         return factory  # type: ignore[no-any-return]
     if not isinstance(factory, str) or ":" not in factory:
@@ -40,7 +41,7 @@ def _resolve_factory(factory: Any) -> Callable[[], torch.nn.Module]:
         else:
             module = importlib.import_module(where)
     except ImportError as exc:
-        raise InputError(f"`factory` {factory!r}: cannot import {where!r} ({_short(exc)})") from exc
+        raise InputError(f"`factory` {factory!r}: cannot import {where!r} ({short_error(exc)})") from exc
     finally:
         sys.dont_write_bytecode = dont_write
     function = getattr(module, name, None)
@@ -49,21 +50,22 @@ def _resolve_factory(factory: Any) -> Callable[[], torch.nn.Module]:
     return function  # type: ignore[no-any-return]
 
 
-def _build(factory: Callable[[], torch.nn.Module], where: str) -> torch.nn.Module:
+def build_model(factory: Callable[[], torch.nn.Module], where: str) -> torch.nn.Module:
+    """The model ``factory`` returns, checked to be a torch module (``where`` names the factory in the error)."""
     model = factory()
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"`factory` must return a torch.nn.Module, got {type(model).__name__} ({where})")
     return model
 
 
-def _hf_model(folder: Path) -> torch.nn.Module:
+def hf_model_from_config(folder: Path) -> torch.nn.Module:
     """The model a Hugging Face checkpoint folder's config.json describes, built offline with random weights."""
     import transformers
 
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"cannot read the model config of {str(folder)!r}: {_short(exc)}") from exc
+        raise InputError(f"cannot read the model config of {str(folder)!r}: {short_error(exc)}") from exc
     architectures = getattr(config, "architectures", None) or []
     kind = getattr(transformers, architectures[0], None) if architectures else None
     auto = transformers.AutoModel.from_config  # transformers leaves it unannotated
@@ -73,18 +75,19 @@ def _hf_model(folder: Path) -> torch.nn.Module:
     return model
 
 
-def _hf_state(folder: Path, trust: bool) -> dict[str, Any]:
+def hf_state_dict(folder: Path, trust: bool) -> dict[str, Any]:
+    """The weights of a Hugging Face checkpoint folder, every shard merged into one state dict."""
     state: dict[str, Any] = {}
-    for file in _hf_weights(folder):
+    for file in hf_weight_files(folder):
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             try:
                 state.update(load_file(str(file)))
             except Exception as exc:  # SafetensorError, OSError
-                raise InputError(f"cannot read the checkpoint {str(file)!r}: {_short(exc)}") from exc
+                raise InputError(f"cannot read the checkpoint {str(file)!r}: {short_error(exc)}") from exc
         else:
-            loaded = _torch_load(file, trust, "checkpoint")
+            loaded = load_torch_file(file, trust, "checkpoint")
             if not isinstance(loaded, Mapping):
                 raise InputError(f"cannot read the checkpoint {str(file)!r}: it holds a {type(loaded).__name__}")
             state.update(loaded)
@@ -107,7 +110,7 @@ def _matching_keys(state: Mapping[str, Any], expected: set[str]) -> dict[str, An
     return best
 
 
-def _load_state(model: torch.nn.Module, state: Mapping[str, Any], where: str) -> None:
+def load_state_into(model: torch.nn.Module, state: Mapping[str, Any], where: str) -> None:
     """Load ``state`` into ``model``, or explain exactly how they differ."""
     own = model.state_dict()
     state = _matching_keys(state, set(own))

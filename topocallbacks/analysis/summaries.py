@@ -15,13 +15,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..functional.weights import flattening_step
-from .checkpoints import _Checkpoint
-from .evaluating import _NOT_CORRELATED, QUANTITIES
+from .checkpoints import Checkpoint
+from .evaluating import NOT_CORRELATED, QUANTITIES
 
-__all__ = ["EXACT_UP_TO", "MOVED", "findings"]
+__all__ = ["EXACT_UP_TO", "MOVED", "findings", "flattening_steps", "loss_correlations", "quantity_series"]
 
 
-def _series(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
+def quantity_series(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
     """``(source, layer, quantity) -> [(step, value)]`` of the finite values."""
     result: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
     for row in rows:
@@ -59,15 +59,15 @@ def _spearman(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return rho, p_value
 
 
-def _correlations(
-    rows: Sequence[Mapping[str, Any]], checkpoints: Sequence[_Checkpoint]
+def loss_correlations(
+    rows: Sequence[Mapping[str, Any]], checkpoints: Sequence[Checkpoint]
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Spearman's rho of every quantity with every loss found, and the losses' names."""
     losses = sorted({name for c in checkpoints for name in c.metrics})
     by_step = {c.step: c.metrics for c in checkpoints}
     results = []
-    for (source, layer, quantity), points in _series(rows).items():
-        if quantity in _NOT_CORRELATED:
+    for (source, layer, quantity), points in quantity_series(rows).items():
+        if quantity in NOT_CORRELATED:
             continue
         for loss in losses:
             pairs = [(v, by_step[s][loss]) for s, v in points if math.isfinite(by_step.get(s, {}).get(loss, math.nan))]
@@ -87,10 +87,11 @@ def _correlations(
     return results, losses
 
 
-def _flattening(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def flattening_steps(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The step where each series of 3 or more values flattens (`flattening_step`; None: still changing)."""
     results = []
-    for (source, layer, quantity), points in _series(rows).items():
-        if quantity in _NOT_CORRELATED or len(points) < 3:
+    for (source, layer, quantity), points in quantity_series(rows).items():
+        if quantity in NOT_CORRELATED or len(points) < 3:
             continue
         steps, values = zip(*points, strict=True)
         step = flattening_step(list(steps), list(values))
@@ -122,7 +123,7 @@ def findings(rows: Sequence[Mapping[str, Any]], correlations: Sequence[Mapping[s
         The effective rank of h.0 went from 30 at step 0 to 5 at step 30 (-83 %).
         No loss was found in the checkpoints, so nothing is compared with one.
     """
-    series = _series(rows)
+    series = quantity_series(rows)
     layers = list(dict.fromkeys(layer for source, layer, _ in series if source == "features"))
     said: list[str] = []
     moves = []

@@ -13,13 +13,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..report import _e, _Figures, _fmt, _Section, _series_figure, _write
-from .checkpoints import _Checkpoint
+from ..report import write_report_page
+from ..reporting_kit import Figures, Section, escape_html, format_number, series_figure
+from .checkpoints import Checkpoint
 from .evaluating import QUANTITIES, Measured
 from .loading import Source
-from .summaries import _correlations, _flattening, _series, findings
+from .summaries import findings, flattening_steps, loss_correlations, quantity_series
 
-__all__ = ["write_outputs"]
+__all__ = ["analysis_sections", "write_outputs"]
 
 _KINDS = {"hf": "Hugging Face checkpoints", "lightning": "Lightning checkpoints", "features": "feature arrays"}
 
@@ -39,8 +40,8 @@ def write_outputs(
         ``index.html``.
     """
     rows, checkpoints, out = measured.rows, source.checkpoints, source.out
-    correlations, losses = _correlations(rows, checkpoints)
-    flattening = _flattening(rows)
+    correlations, losses = loss_correlations(rows, checkpoints)
+    flattening = flattening_steps(rows)
     leading = ["step", "layer", "source", "status", "checkpoint", *losses]
     present = {k for row in rows for k in row}
     columns = leading + [q for q in QUANTITIES if q in present and q not in leading]
@@ -72,8 +73,8 @@ def write_outputs(
     }
     json_path = out / "analysis.json"
     json_path.write_text(json.dumps(_json_ready(metadata), indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    sections = _sections(rows, correlations, losses, checkpoints, flattening, summary)
-    report_path = _write(
+    sections = analysis_sections(rows, correlations, losses, checkpoints, flattening, summary)
+    report_path = write_report_page(
         measured.records,
         out,
         source=f"{summary['kind']} in {source.root}",
@@ -96,7 +97,7 @@ def _summary(
         "checkpoints": f"{len(checkpoints)} (steps {', '.join(str(c.step) for c in checkpoints[:30])})",
         "layers": ", ".join(measured.layers) + (f" (the {source.preset} preset's)" if source.preset else ""),
         "probe": "–" if probe is None else f"{len(probe)} samples ({probe.spec.source})",
-        "ε per layer (first checkpoint)": ", ".join(f"{k}: {_fmt(v)}" for k, v in epsilons.items()),
+        "ε per layer (first checkpoint)": ", ".join(f"{k}: {format_number(v)}" for k, v in epsilons.items()),
         "losses found": ", ".join(losses) or "none",
     }
 
@@ -128,16 +129,16 @@ def _or(value: Any, instead: str) -> Any:
 _Series = dict[tuple[str, str, str], list[tuple[int, float]]]
 
 
-def _sections(
+def analysis_sections(
     rows: Sequence[Mapping[str, Any]],
     correlations: Sequence[Mapping[str, Any]],
     losses: Sequence[str],
-    checkpoints: Sequence[_Checkpoint],
+    checkpoints: Sequence[Checkpoint],
     flattening: Sequence[Mapping[str, Any]],
     summary: Mapping[str, str],
-) -> list[_Section]:
+) -> list[Section]:
     """The analysis's sections of the report: the overview (which goes first), the losses, geometry, weights."""
-    series = _series(rows)
+    series = quantity_series(rows)
     sections = [
         _overview_section(summary, findings(rows, correlations)),
         _loss_section(correlations, losses, checkpoints),
@@ -149,18 +150,18 @@ def _sections(
     return sections
 
 
-def _overview_section(summary: Mapping[str, str], found: Sequence[str]) -> _Section:
-    said = "".join(f"<p>{_e(sentence)}</p>" for sentence in found)
-    table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in summary.items())
+def _overview_section(summary: Mapping[str, str], found: Sequence[str]) -> Section:
+    said = "".join(f"<p>{escape_html(sentence)}</p>" for sentence in found)
+    table = "".join(f"<tr><th>{escape_html(k)}</th><td>{escape_html(v)}</td></tr>" for k, v in summary.items())
     links = "<p>The numbers: <a href='analysis.csv'>analysis.csv</a>, <a href='analysis.json'>analysis.json</a>.</p>"
-    return _Section("The offline analysis", f"{said}<table>{table}</table>{links}")
+    return Section("The offline analysis", f"{said}<table>{table}</table>{links}")
 
 
 def _loss_section(
-    correlations: Sequence[Mapping[str, Any]], losses: Sequence[str], checkpoints: Sequence[_Checkpoint]
-) -> _Section:
+    correlations: Sequence[Mapping[str, Any]], losses: Sequence[str], checkpoints: Sequence[Checkpoint]
+) -> Section:
     """The losses the checkpoints carry, and the strongest correlations with them (or why there are none)."""
-    loss_figures = _Figures()
+    loss_figures = Figures()
     if losses:
         curves = {
             name: (
@@ -170,7 +171,7 @@ def _loss_section(
             for name in losses
         }
         loss_figures.add(
-            "losses.png", _series_figure("Loss at each checkpoint", "loss", curves), "The losses the checkpoints carry."
+            "losses.png", series_figure("Loss at each checkpoint", "loss", curves), "The losses the checkpoints carry."
         )
         shown = [c for c in correlations if c["rho"] is not None][:25]
         body = (
@@ -180,8 +181,9 @@ def _loss_section(
             "loss.</p><table><tr><th>layer</th>"
             "<th>quantity</th><th>loss</th><th>ρ</th><th>p</th><th>n</th></tr>"
             + "".join(
-                f"<tr><td>{_e(c['layer'])}</td><td>{_e(c['quantity'])}</td><td>{_e(c['loss'])}</td>"
-                f"<td>{c['rho']:+.2f}</td><td>{_fmt(c['p_value'])}</td><td>{c['n']}</td></tr>"
+                f"<tr><td>{escape_html(c['layer'])}</td><td>{escape_html(c['quantity'])}</td>"
+                f"<td>{escape_html(c['loss'])}</td><td>{c['rho']:+.2f}</td><td>{format_number(c['p_value'])}</td>"
+                f"<td>{c['n']}</td></tr>"
                 for c in shown
             )
             + "</table>"
@@ -195,12 +197,12 @@ def _loss_section(
             "`metrics` mapping, or when the file name has name=value tokens; Hugging Face checkpoints when "
             "trainer_state.json logged `loss` or `eval_loss`; feature arrays never do.</p>"
         )
-    return _Section("Correlation with the loss", body, loss_figures)
+    return Section("Correlation with the loss", body, loss_figures)
 
 
-def _geometry_section(rows: Sequence[Mapping[str, Any]], series: _Series) -> _Section:
+def _geometry_section(rows: Sequence[Mapping[str, Any]], series: _Series) -> Section:
     """Effective rank, spectrum decay, total persistence and Wasserstein distances of each feature layer."""
-    geometry = _Figures()
+    geometry = Figures()
     feature_layers = list(dict.fromkeys(r["layer"] for r in rows if r["source"] == "features"))
     groups = [
         ("geometry_rank.png", "Effective rank and participation ratio", "dimensions",
@@ -221,8 +223,8 @@ def _geometry_section(rows: Sequence[Mapping[str, Any]], series: _Series) -> _Se
                     name = quantity if len(feature_layers) == 1 else f"{layer}: {quantity}"
                     curves[name] = ([p[0] for p in points], [p[1] for p in points])
         if curves:
-            geometry.add(file, _series_figure(title, label, curves), f"{title}, per layer, on the transformed cloud.")
-    return _Section(
+            geometry.add(file, series_figure(title, label, curves), f"{title}, per layer, on the transformed cloud.")
+    return Section(
         "Geometry and persistence statistics",
         "<p>Computed on each checkpoint's transformed cloud (the monitor's view: centred, unit RMS radius) and "
         "on the same diagrams as the drift.</p>",
@@ -232,12 +234,12 @@ def _geometry_section(rows: Sequence[Mapping[str, Any]], series: _Series) -> _Se
 
 def _weights_section(
     rows: Sequence[Mapping[str, Any]], series: _Series, flattening: Sequence[Mapping[str, Any]]
-) -> _Section | None:
+) -> Section | None:
     """Neural persistence and H0 total persistence of each weight matrix (None without weight rows)."""
     weight_layers = list(dict.fromkeys(r["layer"] for r in rows if r["source"] == "weights"))
     if not weight_layers:
         return None
-    weights = _Figures()
+    weights = Figures()
     for file, quantity, label in (
         ("weights_np.png", "neural_persistence_normalized", "normalised neural persistence"),
         ("weights_tp.png", "weight_h0_total_persistence", "H0 total persistence of the rows"),
@@ -248,7 +250,7 @@ def _weights_section(
             if (key := ("weights", layer, quantity)) in series
         }
         if curves:
-            weights.add(file, _series_figure(label.capitalize(), label, curves), f"{label} of each weight matrix.")
+            weights.add(file, series_figure(label.capitalize(), label, curves), f"{label} of each weight matrix.")
     flat = [f for f in flattening if f["source"] == "weights" and f["quantity"] == "neural_persistence_normalized"]
     body = (
         "<p>Neural persistence (Rieck et al., ICLR 2019) of every Linear/Conv weight matrix, normalised by "
@@ -257,8 +259,9 @@ def _weights_section(
         "(topocallbacks.functional.flattening_step; none: still changing).</p><table><tr><th>matrix</th>"
         "<th>flattening step of the normalised neural persistence</th></tr>"
         + "".join(
-            f"<tr><td>{_e(f['layer'])}</td><td>{_e(_or(f['flattening_step'], 'not yet'))}</td></tr>" for f in flat
+            f"<tr><td>{escape_html(f['layer'])}</td><td>{escape_html(_or(f['flattening_step'], 'not yet'))}</td></tr>"
+            for f in flat
         )
         + "</table>"
     )
-    return _Section("Weight space", body, weights)
+    return Section("Weight space", body, weights)
