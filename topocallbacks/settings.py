@@ -644,7 +644,8 @@ def _merged_policy(
 ) -> PolicySettings:
     """The rule in effect (``policy``; None: the default rule of ``index``) with ``values`` merged in, validated."""
     base = policy if policy is not None else DEFAULT_RULES[index]
-    return _build(PolicySettings, {**dataclasses.asdict(base), **values}, "policy.", origin)
+    merged: PolicySettings = _build(PolicySettings, {**dataclasses.asdict(base), **values}, "policy.", origin)
+    return merged
 
 
 def _where(origin: str | None) -> str:
