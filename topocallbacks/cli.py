@@ -83,8 +83,8 @@ def run_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``topocallbacks`` command."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the ``demo``, ``report`` and ``analyze`` commands and their options."""
     from . import __version__
 
     parser = argparse.ArgumentParser(
@@ -135,6 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     analyze.add_argument("--max-probe-samples", type=int, default=None, help="use at most this many probe samples")
     analyze.add_argument("--title", default=None, help="the report's title")
     analyze.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``topocallbacks`` command."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "report":
         return _reporting_errors(lambda: run_report(args.history, args.out, args.title))

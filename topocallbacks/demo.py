@@ -120,6 +120,13 @@ class DigitsMLP(nn.Module):
         self.features = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
         self.head = nn.Linear(64, 10)
 
+    @classmethod
+    def seeded(cls, seed: int) -> DigitsMLP:
+        """A model whose initial weights come from ``seed``; the caller's global random state is left as it was."""
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return cls()
+
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Class logits."""
         logits: torch.Tensor = self.head(self.features(inputs))
@@ -180,9 +187,7 @@ def train(
         check_every: steps between the monitor's checks.
         history_path: where the monitor writes its history (None: nowhere).
     """
-    with torch.random.fork_rng():  # the caller's global random state is left as it was
-        torch.manual_seed(seed)
-        model = DigitsMLP()
+    model = DigitsMLP.seeded(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     stream = torch.Generator().manual_seed(seed)  # the data position: it only moves forward, rollback or not
@@ -204,17 +209,8 @@ def train(
         warnings.simplefilter("always", RuntimeWarning)
         for step in range(steps):
             batch = torch.randint(len(data.train_y), (64,), generator=stream)
-            inputs, labels = data.train_x[batch], data.train_y[batch]
-            spike: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-            if fault is not None and fault.hits(step):
-                labels = fault.corrupt(labels, step, seed)
-                spike = fault.spiked(optimizer)
-            loss = nn.functional.cross_entropy(model(inputs), labels)
-            optimizer.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=math.inf)  # measured, not clipped
-            with spike:
-                optimizer.step()
+            faulty = fault if fault is not None and fault.hits(step) else None
+            loss, grad_norm = _sgd_step(model, optimizer, data.train_x[batch], data.train_y[batch], faulty, step, seed)
             scheduler.step()
 
             # The two lines the monitor needs: check when due, and act on every record (a healthy one leaves a
@@ -228,6 +224,32 @@ def train(
     monitor.close()
     warned = [str(w.message) for w in caught if str(w.message).startswith("topocallbacks")]
     return Run(name, accuracy, monitor, warned, step if actuator.stop_requested else None)
+
+
+def _sgd_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    fault: Fault | None,
+    step: int,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on a batch (``fault``: the fault hitting this step, or None); the loss and gradient norm.
+
+    The gradient norm is measured, not clipped.
+    """
+    spike: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if fault is not None:
+        labels = fault.corrupt(labels, step, seed)
+        spike = fault.spiked(optimizer)
+    loss = nn.functional.cross_entropy(model(inputs), labels)
+    optimizer.zero_grad()
+    loss.backward()  # type: ignore[no-untyped-call]
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=math.inf)
+    with spike:
+        optimizer.step()
+    return loss, grad_norm
 
 
 @torch.no_grad()
@@ -278,23 +300,9 @@ def run(
     ]
     healthy, unprotected, protected = runs
     print(_table(runs))
-    rescued = protected.final_accuracy >= healthy.final_accuracy - 0.02
-    lost = unprotected.final_accuracy < healthy.final_accuracy - 0.02
     if unprotected.warned:
         print(f"\nThe unprotected run's first warning: {unprotected.warned[0]}")
-    if rescued and lost:
-        verdict = (
-            f"The fault wrecked the unprotected run for good ({100 * unprotected.final_accuracy:.1f} % at the end; "
-            f"chance is 10 %). The protected run went back to its last healthy state at each alarm while the fault "
-            f"lasted ({len(protected.rollbacks)} rollbacks) and ended at {100 * protected.final_accuracy:.1f} %, "
-            f"the healthy run at {100 * healthy.final_accuracy:.1f} %."
-        )
-    else:
-        verdict = "Not the usual outcome:"
-        if not lost:
-            verdict += " the unprotected run ended within 2 points of the healthy one."
-        if not rescued:
-            verdict += " The protected run ended more than 2 points below the healthy one (see the summary below)."
+    verdict, usual = _verdict(healthy, unprotected, protected)
     print("\n" + textwrap.fill(verdict, width=110))
     print("\nThe protected monitor's summary:")
     print(protected.monitor.summary())
@@ -310,7 +318,31 @@ def run(
         report = protected.monitor.report(out / "report", title="topocallbacks demo: the protected run")
         print(f"picture: {picture}")
         print(f"report:  {report}")
-    return 0 if rescued and lost else 1
+    return 0 if usual else 1
+
+
+def _verdict(healthy: Run, unprotected: Run, protected: Run) -> tuple[str, bool]:
+    """What the three runs show, in words, and whether it is the usual outcome.
+
+    The usual outcome: the protected run ended within 2 points of the healthy one's accuracy and the unprotected one
+    did not.
+    """
+    rescued = protected.final_accuracy >= healthy.final_accuracy - 0.02
+    lost = unprotected.final_accuracy < healthy.final_accuracy - 0.02
+    if rescued and lost:
+        verdict = (
+            f"The fault wrecked the unprotected run for good ({100 * unprotected.final_accuracy:.1f} % at the end; "
+            f"chance is 10 %). The protected run went back to its last healthy state at each alarm while the fault "
+            f"lasted ({len(protected.rollbacks)} rollbacks) and ended at {100 * protected.final_accuracy:.1f} %, "
+            f"the healthy run at {100 * healthy.final_accuracy:.1f} %."
+        )
+        return verdict, True
+    verdict = "Not the usual outcome:"
+    if not lost:
+        verdict += " the unprotected run ended within 2 points of the healthy one."
+    if not rescued:
+        verdict += " The protected run ended more than 2 points below the healthy one (see the summary below)."
+    return verdict, False
 
 
 def _table(runs: list[Run]) -> str:

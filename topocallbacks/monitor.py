@@ -36,14 +36,16 @@ from .exceptions import InputError
 from .intake import Intake
 from .interventions import Actuator
 from .pipeline import CheckPipeline, CheckRequest, LayeredPipeline, make_pipeline
+from .policy import Policy
 from .presets import resolve_settings
-from .probe import AutocastFactory
+from .probe import AutocastFactory, Probe
 from .probing import ProbePass
 from .rescue import Rescuer
 from .runner import Runner
 from .schedule import Schedule
 from .settings import MonitorSettings
 from .sinks import Sinks
+from .snapshots import SnapshotStore
 from .summary import last_records_of, report_of, summary_text, with_layer_moves
 
 __all__ = ["TopoMonitor"]
@@ -53,26 +55,188 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _timed(method: Callable[P, R]) -> Callable[P, R]:
-    """A monitor entry point whose time counts as the monitor's own (the overhead budget's measure).
+def _step_validator(method: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], None]:
+    """The check of ``method``'s ``step`` argument (given by name or by position), from a call's arguments.
 
-    Its ``step`` argument, if it has one (given by name or by position), must be an integer >= 0: an InputError
-    naming it otherwise.
+    It raises an InputError naming ``step`` unless it is an integer >= 0; it does nothing for a method without one.
     """
     names = list(inspect.signature(method).parameters)
-    position = names.index("step") if "step" in names else None
+    if "step" not in names:
+        return lambda args, kwargs: None
+    position = names.index("step")
+
+    def validate(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        check_int(kwargs["step"] if "step" in kwargs else args[position], "step", minimum=0)
+
+    return validate
+
+
+def _entry_point(method: Callable[P, R]) -> Callable[P, R]:
+    """A monitor entry point: its ``step`` checked first (`_step_validator`), then its time counted as its own.
+
+    The monitor's own time is the overhead budget's measure (`Budget.meter`).
+    """
+    validate = _step_validator(method)
 
     @functools.wraps(method)
-    def timed(*args: P.args, **kwargs: P.kwargs) -> R:
-        if position is not None:
-            check_int(kwargs["step"] if "step" in kwargs else args[position], "step", minimum=0)
+    def entry_point(*args: P.args, **kwargs: P.kwargs) -> R:
+        validate(args, kwargs)
         with args[0].budget.meter.own():  # type: ignore[attr-defined]
             return method(*args, **kwargs)
 
-    return timed
+    return entry_point
 
 
-class TopoMonitor(Stateful):
+class PartViews:
+    """The monitor's parts, as users and adapters know them: what a `TopoMonitor` reads from its parts."""
+
+    settings: MonitorSettings
+    probing: ProbePass
+    pipeline: CheckPipeline | LayeredPipeline
+    schedule: Schedule
+    rescuer: Rescuer
+    history: list[Record]
+
+    @property
+    def probe(self) -> Probe | None:
+        """The probe (None until one is set)."""
+        return self.probing.probe
+
+    def set_probe(self, source: Any, tokenizer: Any = None) -> None:
+        """Set the probe (e.g. from a dataloader's dataset), checked against a loaded state's."""
+        self.probing.set_probe(source, tokenizer)
+
+    def features(self, model: Any, indices: Any = None) -> Any:
+        """The probe's features at the watched layer(s) (`ProbePass.features`)."""
+        return self.probing.features(model, indices)
+
+    def resolve_layers(self, model: Any) -> list[str]:
+        """The module names this monitor watches in ``model``, the primary first (`ProbePass.resolve`)."""
+        return self.probing.resolve(model, self.pipeline if isinstance(self.pipeline, LayeredPipeline) else None)
+
+    @property
+    def policy(self) -> Policy:
+        """The policy (its counters follow the latest check)."""
+        return self.pipeline.policy
+
+    @property
+    def epsilon_(self) -> float | None:
+        """The calibrated scale ε (None before a check)."""
+        return self.pipeline.epsilon_
+
+    @property
+    def background(self) -> bool:
+        """Whether checks run in the background worker."""
+        return self.schedule.background
+
+    def due(self, step: int) -> bool:
+        """Whether a check is due at ``step`` (a check step not checked yet; `Schedule.due`)."""
+        return self.schedule.due(step)
+
+    @property
+    def last_checked_step_(self) -> int | None:
+        """The last step checked (None: none yet)."""
+        return self.schedule.last_checked_step_
+
+    @property
+    def snapshots(self) -> SnapshotStore:
+        """The healthy snapshots a rollback goes back to."""
+        return self.rescuer.snapshots
+
+    @property
+    def snapshots_off(self) -> str | None:
+        """Why no snapshots are kept, or None."""
+        return self.rescuer.snapshots_off
+
+    @property
+    def keeps_snapshots(self) -> bool:
+        """Whether the rule in effect keeps snapshots (it can roll back or stop)."""
+        return self.rescuer.keeps_snapshots
+
+    @property
+    def lr_factor_(self) -> float:
+        """The interventions' cumulative learning-rate factor."""
+        return self.rescuer.lr_factor_
+
+    @property
+    def rollback_cut_(self) -> float:
+        """The rollbacks' compounded learning-rate cut."""
+        return self.rescuer.rollback_cut_
+
+    @property
+    def last_records(self) -> list[CheckRecord]:
+        """The latest check's records: one, or one per layer when several are watched (the primary layer's last)."""
+        return last_records_of(self.history, self.pipeline)
+
+
+class CheckFeed:
+    """How a `TopoMonitor` feeds checks to its runner and takes their records back, following the budget's plan.
+
+    A due check's features (a probe pass, or the streaming window) and the training channels since the last check
+    go to the `Runner` with the step its decision is applied at; the records collected carry the budget's plan,
+    which the schedule (and, for a smaller probe, a new pipeline) follows.
+    """
+
+    settings: MonitorSettings
+    probing: ProbePass
+    pipeline: CheckPipeline | LayeredPipeline
+    schedule: Schedule
+    runner: Runner
+    intake: Intake
+    budget: Budget
+    history: list[Record]
+    autocast: AutocastFactory | None
+    emit: Callable[..., None]
+
+    def _add_batch(self, step: int, features: Any) -> None:
+        if features is not None and rank_and_world()[0] == 0:
+            self.intake.add_batch(step, features)
+
+    def _dynamics(self) -> dict[str, float | None] | None:
+        return self.intake.take_dynamics(read=rank_and_world()[0] == 0)
+
+    def _submit_probe(self, model: Any, step: int, lag: int | None = None) -> None:
+        self.schedule.settle_background(model)
+        layered = self.pipeline if isinstance(self.pipeline, LayeredPipeline) else None
+        features, probe_ms = self.probing.take(model, step, layered, self.autocast)
+        self.schedule.checked(step)
+        self._submit(CheckRequest("evaluate", step, features, self._dynamics()), step, lag, probe_ms)
+
+    def _submit_window(self, step: int, features: Any, lag: int | None = None) -> None:
+        self.schedule.settle_background(features)
+        self.schedule.checked(step)
+        t0 = time.perf_counter()
+        host = self.intake.take_batches() if rank_and_world()[0] == 0 else []
+        self._submit(CheckRequest("window", step, host, self._dynamics()), step, lag, (time.perf_counter() - t0) * 1e3)
+
+    def _submit(self, request: CheckRequest, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
+        self.budget.scheduled(step, lag is None)  # only checks the schedule called are planned for
+        at, background = self.schedule.apply_at(step, lag), self.schedule.background
+        self.runner.submit(request, at, background=background, probe_ms=probe_ms, prestart=self.budget.may_move)
+
+    def _collect(self, step: int) -> list[CheckRecord]:
+        records = self.runner.collect(step, annotate=self._annotate, emit=self.emit)
+        for record in records:  # the same on every rank: rank 0 measured and planned, the others adopted it
+            if record.plan is not None:
+                self._follow(record.plan)
+        return records
+
+    def _annotate(self, records: list[CheckRecord]) -> CheckRecord:
+        """Rank 0: the deciding record with the layers' moves, the interval's cost and the budget's new plan."""
+        record = with_layer_moves([r for r in self.history if isinstance(r, CheckRecord)], records)
+        return self.budget.measure(record, self.schedule, self.pipeline.policy.checks_decided_, self.runner.worker)
+
+    def _follow(self, plan: Plan) -> None:
+        """Take the budget's plan; a smaller probe restarts the calibration (a new pipeline, in the same worker)."""
+        resized = plan.probe_size not in (None, self.schedule.plan.probe_size)
+        self.schedule.follow(plan)
+        if resized and plan.probe_size is not None:
+            self.probing.resize(plan.probe_size)
+            self.pipeline = make_pipeline(self.settings)
+            self.runner.reset(self.pipeline)
+
+
+class TopoMonitor(PartViews, CheckFeed, Stateful):
     """Watches the features of a fixed probe (or of the training batches) and decides when to act.
 
     Args:
@@ -129,28 +293,10 @@ class TopoMonitor(Stateful):
         #: The names' prefix in loggers and TensorBoard (an adapter sets ``topo/<layer>`` beside other callbacks).
         self.prefix = s.output.prefix or "topo"
         self.autocast: AutocastFactory | None = None  # set by a training adapter: the trainer's precision
-
-    # --- the parts, as users and adapters know them -------------------------------------------------------
-
-    probe = property(lambda self: self.probing.probe, doc="The probe (None until one is set).")
-    set_probe = property(lambda self: self.probing.set_probe, doc="Set the probe (checked against a loaded one).")
-    policy = property(lambda self: self.pipeline.policy, doc="The policy (its counters follow the latest check).")
-    background = property(lambda self: self.schedule.background, doc="Whether checks run in the background worker.")
-    due = property(lambda self: self.schedule.due, doc="Whether a check is due at a step (not checked yet).")
-    last_checked_step_ = property(lambda self: self.schedule.last_checked_step_, doc="The last step checked.")
-    snapshots = property(lambda self: self.rescuer.snapshots, doc="The healthy snapshots a rollback goes back to.")
-    snapshots_off = property(lambda self: self.rescuer.snapshots_off, doc="Why no snapshots are kept, or None.")
-    keeps_snapshots = property(lambda self: self.rescuer.keeps_snapshots, doc="Whether the rule keeps snapshots.")
-    lr_factor_ = property(lambda self: self.rescuer.lr_factor_, doc="The interventions' cumulative LR factor.")
-    rollback_cut_ = property(lambda self: self.rescuer.rollback_cut_, doc="The rollbacks' compounded cut.")
-    features = property(lambda self: self.probing.features, doc="The probe's features at the watched layer(s).")
-    epsilon_ = property(lambda self: self.pipeline.epsilon_, doc="The calibrated scale ε (None before a check).")
-    extractor = property(lambda self: self.probing.extractor, doc="The watched layer(s)' feature extractor.")
-    several = property(lambda self: self.probing.several, doc="Whether several layers are watched (``layers=``).")
-
-    def resolve_layers(self, model: Any) -> list[str]:
-        """The module names this monitor watches in ``model``, the primary first (`ProbePass.resolve`)."""
-        return self.probing.resolve(model, self.pipeline if isinstance(self.pipeline, LayeredPipeline) else None)
+        #: The watched layer(s)' feature extractor (None: no layer, features are given).
+        self.extractor = self.probing.extractor
+        #: Whether several layers are watched (``layers=``).
+        self.several = self.probing.several
 
     @classmethod
     def from_preset(cls, preset: str | os.PathLike[str], probe: Any = None, **overrides: Any) -> TopoMonitor:
@@ -159,7 +305,7 @@ class TopoMonitor(Stateful):
 
     # --- the per-step entry point ---------------------------------------------------------------------------
 
-    @_timed
+    @_entry_point
     def on_step(
         self, step: int, *, model: Any = None, features: Any = None, loss: Any = None, grad_norm: Any = None
     ) -> list[CheckRecord]:
@@ -184,7 +330,7 @@ class TopoMonitor(Stateful):
             self._submit_probe(model, step)
         return self._collect(step)
 
-    @_timed
+    @_entry_point
     def check(self, model: Any, step: int) -> CheckRecord:
         """Probe mode: run the probe through ``model`` and evaluate it now; every rank calls it, gets one record.
 
@@ -194,7 +340,7 @@ class TopoMonitor(Stateful):
         self._submit_probe(model, step, lag=0)
         return self._collect(step)[-1]  # submitted with lag 0: applied at once
 
-    @_timed
+    @_entry_point
     def process(self, features: Any, step: int, *, loss: Any = None, grad_norm: Any = None) -> CheckRecord:
         """Evaluate one check of features ``(n, d)`` now and return its record.
 
@@ -214,7 +360,7 @@ class TopoMonitor(Stateful):
         self._submit(CheckRequest("evaluate", step, features, self._dynamics()), step, lag=0)
         return self._collect(step)[-1]  # submitted with lag 0: applied at once
 
-    @_timed
+    @_entry_point
     def observe(self, features: Any, step: int) -> CheckRecord | None:
         """Streaming mode: add a training batch's features to the window, and check the window now when due.
 
@@ -245,7 +391,7 @@ class TopoMonitor(Stateful):
         """
         self.intake.record(loss, grad_norm)
 
-    @_timed
+    @_entry_point
     def act(self, record: CheckRecord, actuator: Actuator) -> InterventionRecord | None:
         """Carry out ``record``'s decision (every rank, at the same step) and write it to the history.
 
@@ -258,9 +404,9 @@ class TopoMonitor(Stateful):
         """
         if isinstance(self.pipeline, LayeredPipeline) and record.layer != self.pipeline.primary:
             return None  # a check acts once, on the primary layer's record, whatever the number of layers
-        return self.rescuer.act(record, actuator, self)
+        return self.rescuer.act(record, actuator, monitor=self)
 
-    # --- what the rescuer asks of the rest (rescue.Checks) ---------------------------------------------------
+    # --- what the rescuer calls on the monitor (rescue.MonitorHooks) ----------------------------------------
 
     def reference_diagrams(self) -> Any:
         """What drift is measured against now (every layer's, with several)."""
@@ -298,56 +444,7 @@ class TopoMonitor(Stateful):
             return None
         return report_of(self.history, self.pipeline, out_dir, title=title)
 
-    last_records = property(lambda self: last_records_of(self.history, self.pipeline), doc=last_records_of.__doc__)
-
     # --- internals ----------------------------------------------------------------------------------------------
-
-    def _add_batch(self, step: int, features: Any) -> None:
-        if features is not None and rank_and_world()[0] == 0:
-            self.intake.add_batch(step, features)
-
-    def _dynamics(self) -> dict[str, float | None] | None:
-        return self.intake.take_dynamics(read=rank_and_world()[0] == 0)
-
-    def _submit_probe(self, model: Any, step: int, lag: int | None = None) -> None:
-        self.schedule.settle_background(model)
-        layered = self.pipeline if isinstance(self.pipeline, LayeredPipeline) else None
-        features, probe_ms = self.probing.take(model, step, layered, self.autocast)
-        self.schedule.checked(step)
-        self._submit(CheckRequest("evaluate", step, features, self._dynamics()), step, lag, probe_ms)
-
-    def _submit_window(self, step: int, features: Any, lag: int | None = None) -> None:
-        self.schedule.settle_background(features)
-        self.schedule.checked(step)
-        t0 = time.perf_counter()
-        host = self.intake.take_batches() if rank_and_world()[0] == 0 else []
-        self._submit(CheckRequest("window", step, host, self._dynamics()), step, lag, (time.perf_counter() - t0) * 1e3)
-
-    def _submit(self, request: CheckRequest, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
-        self.budget.scheduled(step, lag is None)  # only checks the schedule called are planned for
-        at, background = self.schedule.apply_at(step, lag), self.schedule.background
-        self.runner.submit(request, at, background=background, probe_ms=probe_ms, prestart=self.budget.may_move)
-
-    def _collect(self, step: int) -> list[CheckRecord]:
-        records = self.runner.collect(step, annotate=self._annotate, emit=self.emit)
-        for record in records:  # the same on every rank: rank 0 measured and planned, the others adopted it
-            if record.plan is not None:
-                self._follow(record.plan)
-        return records
-
-    def _annotate(self, records: list[CheckRecord]) -> CheckRecord:
-        """Rank 0: the deciding record with the layers' moves, the interval's cost and the budget's new plan."""
-        record = with_layer_moves([r for r in self.history if isinstance(r, CheckRecord)], records)
-        return self.budget.measure(record, self.schedule, self.policy.checks_, self.runner.worker)
-
-    def _follow(self, plan: Plan) -> None:
-        """Take the budget's plan; a smaller probe restarts the calibration (a new pipeline, in the same worker)."""
-        resized = plan.probe_size not in (None, self.schedule.plan.probe_size)
-        self.schedule.follow(plan)
-        if resized and plan.probe_size is not None:
-            self.probing.resize(plan.probe_size)
-            self.pipeline = make_pipeline(self.settings)
-            self.runner.reset(self.pipeline)
 
     def _share_extra(self) -> dict[str, Any]:
         return {"lr_factor": self.rescuer.lr_factor_}
@@ -355,9 +452,13 @@ class TopoMonitor(Stateful):
     def _adopt_shared(self, shared: Mapping[str, Any]) -> None:
         self.rescuer.lr_factor_ = float(shared["lr_factor"])
 
-    _probe_spec_state = property(
-        lambda self: self.probing.spec_state, lambda self, value: setattr(self.probing, "spec_state", value)
-    )
+    @property
+    def _probe_spec_state(self) -> dict[str, Any] | None:
+        return self.probing.spec_state
+
+    @_probe_spec_state.setter
+    def _probe_spec_state(self, value: Mapping[str, Any] | None) -> None:
+        self.probing.spec_state = value
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict`, the sum of the parts' states (a running worker is stopped first).

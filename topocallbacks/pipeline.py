@@ -55,6 +55,91 @@ def _density(edges: int, n: int) -> float:
 RECENT_POINTS = 512
 
 
+def _as_cloud(features: Any, min_samples: int = 2) -> NDArray[np.float64] | None:
+    """Validated features, or None when they hold NaN or Inf (a diverged check)."""
+    try:
+        return as_points(features, "features", min_samples=min_samples)
+    except NonFiniteError:
+        return None
+
+
+def _stream_window(settings: MonitorSettings, dim: int) -> int | None:
+    """Streaming: the window, capped so that a check of it fits ``check_budget_ms`` (None in probe mode)."""
+    schedule = settings.schedule
+    if schedule.mode != "stream":
+        return None
+    affordable = MMHM(epsilon=1.0).largest_n_within(schedule.check_budget_ms / 1e3, dim)
+    return max(2, min(schedule.window, affordable))
+
+
+def _rebuilt(engine: MMHM, epsilon: float, points: NDArray[np.float64]) -> MMHM:
+    """A streaming engine at ``epsilon`` over ``points``, keeping what ``engine`` learned about this machine."""
+    rebuilt = MMHM(epsilon=epsilon, window=engine.window)
+    rebuilt.cost_model = engine.cost_model
+    rebuilt._push_batch(points)
+    return rebuilt
+
+
+class RecentBatches:
+    """Streaming: the projected batches pushed since the last check, whose sentinels the next check reports.
+
+    At most the newest batches holding `RECENT_POINTS` points are kept (past the oldest one).
+    """
+
+    def __init__(self) -> None:
+        self.batches: list[NDArray[np.float64]] = []
+
+    def add(self, projected: NDArray[np.float64]) -> None:
+        self.batches.append(projected)
+
+    def trim(self) -> None:
+        """Drop the oldest batches while the newer ones hold `RECENT_POINTS` points."""
+        while len(self.batches) > 1 and sum(len(c) for c in self.batches[1:]) >= RECENT_POINTS:
+            self.batches.pop(0)
+
+    def clear(self) -> None:
+        self.batches = []
+
+    def take_sentinels(self, epsilon: float | None, transform: FeatureTransform) -> SentinelValues | None:
+        """The sentinels of the batches since the last check (None: none were, or ε is not known yet); emptied."""
+        recent, self.batches = self.batches, []
+        if not recent or epsilon is None:
+            return None
+        pooled = np.concatenate(recent)[-RECENT_POINTS:]
+        if pooled.shape[0] < 2:
+            return None
+        return sentinel_values(recent, pooled, transform.normalise(pooled), epsilon)
+
+
+def _batch_rows(cloud: NDArray[np.float64], settings: MonitorSettings, step: int) -> NDArray[np.float64]:
+    """Streaming: a seeded subset of at most ``points_per_batch`` rows of step ``step``'s batch, in order."""
+    limit = settings.schedule.points_per_batch
+    if limit is None or cloud.shape[0] <= limit:
+        return cloud
+    rows = np.random.default_rng((settings.seed, step)).choice(cloud.shape[0], limit, replace=False)
+    return cloud[np.sort(rows)]
+
+
+def _engine_fields(engine: MMHM, n_points: int) -> dict[str, Any]:
+    """A record's fields about the engine's complex: its last update's statistics, the points, window, density."""
+    density = _density(engine.n_edges, n_points)
+    return {"engine": engine.last_stats, "n_points": n_points, "window": engine.window, "density": density}
+
+
+def _degree_left_band(engine: MMHM) -> bool:
+    """Whether the engine's complex has a mean degree outside `DEGREE_BAND` (its ε no longer fits the window)."""
+    low, high = DEGREE_BAND
+    return not low <= mean_degree(engine.n_edges, engine.n_points) <= high
+
+
+def _due_figures(settings: MonitorSettings, cloud: NDArray[np.float64], checks: int) -> Diagrams | None:
+    """The full (unthresholded) diagrams of a TensorBoard figure, when the ``checks``-th check draws one."""
+    output = settings.output
+    if output.tensorboard_dir is None or not output.diagram_every or checks % output.diagram_every != 0:
+        return None
+    return _persistence_diagrams(_subsample(cloud, settings.index.max_points, settings.seed), 1, None)
+
+
 class Evaluation:
     """What one evaluation produced.
 
@@ -134,7 +219,7 @@ class CheckPipeline(Stateful):
             "diagrams": "_diagrams",
             "reference_diagrams": "_reference",
             "engine": "_engine_state",
-            "checks": "checks_",
+            "checks": "checks_evaluated_",
             "stream_diverged": "stream_diverged_",
             "rescales": "rescales_",
         },
@@ -156,11 +241,11 @@ class CheckPipeline(Stateful):
         # distances to the last check's diagrams and to these: a one-off excursion is not flagged again when the
         # features come back, and a run that moved on after a marginal alarm is not measured against a frozen past.
         self._reference: Diagrams | None = None
-        self.checks_ = 0
+        self.checks_evaluated_ = 0
         self.stream_diverged_ = False  # streaming: a batch with NaN or Inf arrived since the last check
         #: Streaming: how many times ε was recalibrated because a healthy window left DEGREE_BAND.
         self.rescales_ = 0
-        self._recent: list[NDArray[np.float64]] = []  # streaming: the projected batches since the last check
+        self._recent = RecentBatches()  # streaming: the projected batches since the last check
 
     @property
     def streaming(self) -> bool:
@@ -185,7 +270,7 @@ class CheckPipeline(Stateful):
         The window's points came from the abandoned steps.
         """
         self._reference = self._diagrams = diagrams
-        self._recent = []
+        self._recent.clear()
         if self.streaming and self.engine_ is not None:
             self.engine_ = MMHM(epsilon=self.engine_.epsilon, window=self.engine_.window)
 
@@ -199,7 +284,7 @@ class CheckPipeline(Stateful):
             InputError: features of the wrong shape, or whose dimension changed since the first check.
         """
         start = time.perf_counter()
-        cloud = self._as_cloud(features)
+        cloud = _as_cloud(features)
         if cloud is None:
             return self._diverged(step, start, dynamics)
         projected = self.transform.project(cloud)
@@ -217,25 +302,21 @@ class CheckPipeline(Stateful):
         into the window in one push: the window ends up with the same points as after one push per batch.
         """
         clouds: list[NDArray[np.float64]] = []
-        limit = self.settings.schedule.points_per_batch
         for step, features in batches:
-            cloud = self._as_cloud(features, min_samples=1)
+            cloud = _as_cloud(features, min_samples=1)
             if cloud is None:
                 self.stream_diverged_ = True
                 continue
-            if limit is not None and cloud.shape[0] > limit:
-                rows = np.random.default_rng((self.settings.seed, step)).choice(cloud.shape[0], limit, replace=False)
-                cloud = cloud[np.sort(rows)]
+            cloud = _batch_rows(cloud, self.settings, step)
             if self.transform.track(cloud):  # the features drifted out of the frame: re-express the window
                 self._push_clouds(clouds)
                 clouds = []
                 self._reframe()
             projected = self.transform.project(cloud)
-            self._recent.append(projected)
+            self._recent.add(projected)
             clouds.append(self.transform.normalise(projected))
         self._push_clouds(clouds)
-        while len(self._recent) > 1 and sum(len(c) for c in self._recent[1:]) >= RECENT_POINTS:
-            self._recent.pop(0)
+        self._recent.trim()
 
     def _push_clouds(self, clouds: list[NDArray[np.float64]]) -> None:
         if clouds:
@@ -248,10 +329,7 @@ class CheckPipeline(Stateful):
         old = self.engine_
         if old is None or old.n_points == 0:
             return
-        engine = MMHM(epsilon=old.epsilon, window=old.window)
-        engine.cost_model = old.cost_model  # what it learned about this machine carries over
-        engine._push_batch(old.points * scale + offset)
-        self.engine_ = engine
+        self.engine_ = _rebuilt(old, old.epsilon, old.points * scale + offset)
 
     def evaluate_window(self, step: int, dynamics: Mapping[str, float | None] | None = None) -> Evaluation:
         """Streaming mode: evaluate the window (the record is None while it holds fewer than 2 points)."""
@@ -262,21 +340,11 @@ class CheckPipeline(Stateful):
         engine = self.engine_
         if engine is None or engine.n_points < 2:
             return Evaluation(None, self.share())
-        sentinels = self._recent_sentinels()
+        sentinels = self._recent.take_sentinels(self.epsilon_, self.transform)
         if sentinels is None or not sentinels.holding:
             engine = self._rescaled(engine)
         betti = engine.betti_numbers()
         return self._measure(engine.points, (betti.b0, betti.b1), step, start, engine, dynamics, sentinels)
-
-    def _recent_sentinels(self) -> SentinelValues | None:
-        """Streaming: the sentinels of the batches pushed since the last check (None: none were)."""
-        recent, self._recent = self._recent, []
-        if not recent or self.epsilon_ is None:
-            return None
-        pooled = np.concatenate(recent)[-RECENT_POINTS:]
-        if pooled.shape[0] < 2:
-            return None
-        return sentinel_values(recent, pooled, self.transform.normalise(pooled), self.epsilon_)
 
     def _rescaled(self, engine: MMHM) -> MMHM:
         """Streaming: the engine at a new ε when the window's mean degree left `DEGREE_BAND` (else as is).
@@ -284,32 +352,19 @@ class CheckPipeline(Stateful):
         Only for a calibrated ε (not a fixed ``index.epsilon``) and a check whose newest points are not collapsed:
         a collapse keeps the scale it is measured at.
         """
-        low, high = DEGREE_BAND
-        degree = mean_degree(engine.n_edges, engine.n_points)
-        if self.settings.index.epsilon is not None or low <= degree <= high:
+        if self.settings.index.epsilon is not None or not _degree_left_band(engine):
             return engine
-        self.epsilon_ = calibrate_epsilon(engine.points, self.settings.index, self.settings.seed, size=engine.window)
-        rescaled = MMHM(epsilon=self.epsilon_, window=engine.window)
-        rescaled.cost_model = engine.cost_model
-        rescaled._push_batch(engine.points)
-        self.engine_ = rescaled
+        epsilon = calibrate_epsilon(engine.points, self.settings.index, self.settings.seed, size=engine.window)
+        self.epsilon_, self.engine_ = epsilon, _rebuilt(engine, epsilon, engine.points)
         self.rescales_ += 1
-        return rescaled
+        return self.engine_
 
     # --- internals ----------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _as_cloud(features: Any, min_samples: int = 2) -> NDArray[np.float64] | None:
-        """Validated features, or None when they hold NaN or Inf (a diverged check)."""
-        try:
-            return as_points(features, "features", min_samples=min_samples)
-        except NonFiniteError:
-            return None
 
     def _engine(self, cloud: NDArray[np.float64]) -> MMHM:
         """The engine, created at the first check once ε is calibrated on its (transformed) cloud."""
         if self.engine_ is None:
-            window = self._window(cloud.shape[1])
+            window = _stream_window(self.settings, cloud.shape[1])
             if self.epsilon_ is None:
                 if cloud.shape[0] < 2:
                     raise InputError("ε calibration needs at least 2 points in the first check or batch")
@@ -321,14 +376,6 @@ class CheckPipeline(Stateful):
                 self.engine_.load_state_dict(self._engine_saved)
                 self._engine_saved = None
         return self.engine_
-
-    def _window(self, dim: int) -> int | None:
-        """Streaming: the window, capped so that a check of it fits ``check_budget_ms`` (None in probe mode)."""
-        if not self.streaming:
-            return None
-        schedule = self.settings.schedule
-        affordable = MMHM(epsilon=1.0).largest_n_within(schedule.check_budget_ms / 1e3, dim)
-        return max(2, min(schedule.window, affordable))
 
     def _measure(
         self,
@@ -355,7 +402,7 @@ class CheckPipeline(Stateful):
         decision = self.policy.decide(step, oriented, loss=loss, grad_norm=grad_norm, collapsed=collapsed)
         if not {"index", "diverged", "collapse"} & set(decision.flagged):  # a loss alarm leaves it as it is
             self._reference = found.diagrams
-        self.checks_ += 1
+        self.checks_evaluated_ += 1
         record = CheckRecord(
             step=step,
             status="ok",
@@ -364,24 +411,17 @@ class CheckPipeline(Stateful):
             decision=decision,
             check_ms=(time.perf_counter() - start) * 1e3,
             report=found.report,
-            engine=engine.last_stats,
-            n_points=int(cloud.shape[0]),
-            window=engine.window,
-            density=_density(engine.n_edges, int(cloud.shape[0])),
             sentinels=sentinels,
             loss=loss,
             grad_norm=grad_norm,
+            **_engine_fields(engine, int(cloud.shape[0])),
         )
-        figures = None  # full (unthresholded) diagrams for a TensorBoard figure, when one is due
-        output = s.output
-        if output.tensorboard_dir is not None and output.diagram_every and self.checks_ % output.diagram_every == 0:
-            figures = _persistence_diagrams(_subsample(cloud, s.index.max_points, s.seed), 1, None)
-        return Evaluation(record, self.share(), figures)
+        return Evaluation(record, self.share(), _due_figures(s, cloud, self.checks_evaluated_))
 
     def _diverged(self, step: int, start: float, dynamics: Mapping[str, float | None] | None) -> Evaluation:
         loss, grad_norm = _channels(dynamics)
         decision = self.policy.decide(step, None, diverged=True, loss=loss, grad_norm=grad_norm)
-        self.checks_ += 1
+        self.checks_evaluated_ += 1
         elapsed = (time.perf_counter() - start) * 1e3
         record = CheckRecord(
             step, "diverged", self.settings.index.name, None, decision, elapsed, loss=loss, grad_norm=grad_norm

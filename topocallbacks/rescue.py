@@ -17,14 +17,14 @@ from .distributed import all_gather_object, rank_and_world
 from .exceptions import InputError, SnapshotUnsupported
 from .interventions import Actuator
 from .policy import Decision
-from .settings import Action, MonitorSettings
+from .settings import Action, MonitorSettings, PolicySettings
 from .snapshots import Snapshot, SnapshotStore
 
-__all__ = ["Checks", "Rescuer"]
+__all__ = ["HealthySnapshots", "MonitorHooks", "Rescuer"]
 
 
-class Checks(Protocol):
-    """What the rescuer needs from the rest of the monitor around a rollback."""
+class MonitorHooks(Protocol):
+    """What the rescuer calls on the monitor (`TopoMonitor`) when it carries a decision out."""
 
     def reference_diagrams(self) -> Any:
         """What drift is measured against now (kept with a snapshot)."""
@@ -36,16 +36,72 @@ class Checks(Protocol):
         """Write an intervention to the history and the sinks."""
 
 
+class HealthySnapshots:
+    """Keeps the snapshots of healthy states a rollback goes back to, or none, saying why, where they cannot be kept.
+
+    Before the first one in host memory, ``snapshots + 1`` copies of every rank's state must fit in half of the
+    memory available (rank 0 deciding); a sharded strategy or an actuator without snapshots turns them off, with one
+    warning.
+
+    Args:
+        settings: the monitor's settings.
+    """
+
+    def __init__(self, settings: MonitorSettings) -> None:
+        #: The healthy snapshots a ``rollback`` goes back to.
+        self.store = SnapshotStore(settings.interventions.snapshots, settings.interventions.snapshot_dir)
+        #: Why no snapshots are kept although the rule can use them (a sharded strategy, too little host memory, an
+        #: actuator without snapshots), or None. Rollback decisions then warn, and say why.
+        self.off: str | None = None
+
+    def keep(self, actuator: Actuator, step: int, diagrams: Any, *, loss: float | None, lr_factor: float,
+             rollback_cut: float) -> None:  # fmt: skip
+        """Keep this healthy state as a snapshot, unless it cannot be kept here (then say so once, and keep none)."""
+        try:
+            self.store.check_room(actuator)  # errors but a refusal propagate: every rank reaches its collective
+        except SnapshotUnsupported as error:
+            self._turn_off(error)
+            return
+        try:
+            kept = self.store.add(step, _snapshot(actuator), diagrams)
+        except SnapshotUnsupported as error:
+            self._turn_off(error)
+            return
+        except Exception as error:  # a copy that failed on this rank (host memory, the disk): go on without it
+            warnings.warn(
+                f"topocallbacks could not keep the snapshot of step {step} on rank {rank_and_world()[0]} "
+                f"({type(error).__name__}: {error}); a rollback goes back to an older snapshot every rank holds",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        kept.lr_factor = lr_factor
+        kept.rollback_cut = rollback_cut
+        kept.loss = None if loss is None or not math.isfinite(loss) else float(loss)
+
+    def _turn_off(self, error: SnapshotUnsupported) -> None:
+        """No snapshots from now on, said once (rank 0): a rollback decision warns instead."""
+        self.off = str(error)
+        if rank_and_world()[0] == 0:
+            warnings.warn(
+                f"topocallbacks keeps no rollback snapshots: {error}. A rollback decision warns instead.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Snapshots are not pickled (ddp_spawn pickles callbacks): each process keeps its own from its next check.
+        return {**self.__dict__, "store": SnapshotStore(self.store.keep, self.store.directory)}
+
+
 class Rescuer(Stateful):
     """Carries decisions out through an [`Actuator`][topocallbacks.interventions.Actuator], with healthy snapshots.
 
     While the rule can roll back or stop (`keeps_snapshots`), every healthy check's state is kept
-    (`snapshots`; before the first one in host memory, ``snapshots + 1`` copies of every rank's state must fit
-    in half of the memory available, rank 0 deciding; a sharded strategy or an actuator without snapshots turns them
-    off, with one warning, and rollbacks then warn). A rollback restores the newest snapshot taken before the alarm's
-    onset, in place, skips the next ``rollback_skip`` updates and cuts the rates as its decision says
-    (``rollback_order``; the cuts compound over rollbacks,
-    relative to those a snapshot already holds). A stop first restores that last healthy state and keeps the cuts.
+    (`HealthySnapshots`: where none can be kept, rollbacks warn). A rollback restores the newest snapshot taken
+    before the alarm's onset, in place, skips the next ``rollback_skip`` updates and cuts the rates as its decision
+    says (``rollback_order``; the cuts compound over rollbacks, relative to those a snapshot already holds). A stop
+    first restores that last healthy state and keeps the cuts.
 
     Args:
         settings: the monitor's settings.
@@ -64,16 +120,23 @@ class Rescuer(Stateful):
 
     def __init__(self, settings: MonitorSettings) -> None:
         self.settings = settings
-        #: The healthy snapshots a ``rollback`` goes back to (kept only while a rule can roll back or stop).
-        self.snapshots = SnapshotStore(settings.interventions.snapshots, settings.interventions.snapshot_dir)
-        #: Why no snapshots are kept although the rule can use them (a sharded strategy, too little host memory, an
-        #: actuator without snapshots), or None. Its rollback decisions then warn, and say why.
-        self.snapshots_off: str | None = None
+        #: The healthy snapshots (kept only while a rule can roll back or stop), or why none are kept.
+        self.healthy = HealthySnapshots(settings)
         self.lr_factor_ = 1.0  # the cumulative learning-rate factor of the interventions so far
         self.last_rollback_step_: int | None = None  # the latest rollback's step (the next one undoes updates since)
         self.rollback_cut_ = 1.0  # the product of the rollbacks' learning-rate cuts (they compound)
         self.pending_skip_ = False  # a rollback's skip waits for the loss to flag at the next check (skip "later")
         self.recent_losses_: list[float] = []  # the training loss of the last two checks (``stop_restores``)
+
+    @property
+    def snapshots(self) -> SnapshotStore:
+        """The healthy snapshots a ``rollback`` goes back to (`HealthySnapshots.store`)."""
+        return self.healthy.store
+
+    @property
+    def snapshots_off(self) -> str | None:
+        """Why no snapshots are kept although the rule can use them, or None (`HealthySnapshots.off`)."""
+        return self.healthy.off
 
     @property
     def keeps_snapshots(self) -> bool:
@@ -89,7 +152,7 @@ class Rescuer(Stateful):
             reachable.add(rule.after_max_rollbacks)
         return bool(reachable & {Action.ROLLBACK.value, Action.STOP.value})
 
-    def act(self, record: CheckRecord, actuator: Actuator, checks: Checks) -> InterventionRecord | None:
+    def act(self, record: CheckRecord, actuator: Actuator, monitor: MonitorHooks) -> InterventionRecord | None:
         """Carry out ``record``'s decision at its ``applied_step``, or keep a healthy snapshot; the intervention."""
         decision = record.decision
         if record.applied_step is None:
@@ -103,15 +166,16 @@ class Rescuer(Stateful):
         self.pending_skip_ = False
         if not decision.fired:
             if record.ok and decision.healthy and self.keeps_snapshots and self.snapshots_off is None:
-                self._keep_snapshot(actuator, step, checks.reference_diagrams(), record.loss)
+                self.healthy.keep(actuator, step, monitor.reference_diagrams(), loss=record.loss,
+                                  lr_factor=self.lr_factor_, rollback_cut=self.rollback_cut_)  # fmt: skip
             if confirmed:
-                return self._confirmed_skip(actuator, step, checks)
+                return self._confirmed_skip(actuator, step, monitor)
             return None
         target: Snapshot | None = None
         if decision.action in (Action.ROLLBACK, Action.STOP):
             target = self._target(decision, record, step)
-        decision, target = self._settled(decision, target)
-        return self._carry_out(decision, actuator, step, target, checks, confirmed)
+        decision, target = self._as_carried_out(decision, target)
+        return self._carry_out(decision, actuator, step, target, monitor, confirmed)
 
     def _carry_out(
         self,
@@ -119,7 +183,7 @@ class Rescuer(Stateful):
         actuator: Actuator,
         step: int,
         target: Snapshot | None,
-        checks: Checks,
+        monitor: MonitorHooks,
         confirmed: bool,
     ) -> InterventionRecord:
         """Carry ``decision`` out at ``step``; the intervention.
@@ -127,7 +191,7 @@ class Rescuer(Stateful):
         Nothing is lost: the action first (a stop restores and writes the last healthy state), then the history, then
         the rescue checkpoint, which so holds both.
         """
-        undone = None if target is None else self._undone(target, step)
+        undone = None if target is None else self._updates_undone(target, step)
         done: list[str] = []
         if decision.action is Action.WARN:
             if rank_and_world()[0] == 0:
@@ -137,14 +201,14 @@ class Rescuer(Stateful):
         elif decision.action is Action.LOWER_LR and decision.lr_factor is not None:
             done.append(actuator.scale_learning_rate(decision.lr_factor))
         elif decision.action is Action.ROLLBACK:
-            if target is None:  # pragma: no cover - `_settled` turns a rollback with no snapshot into another action
+            if target is None:  # pragma: no cover - `_as_carried_out` makes a rollback with no snapshot another action
                 raise RuntimeError("a rollback decision reached the rescuer without a snapshot to go back to")
-            done.append(self._roll_back(actuator, target, step, decision, checks, confirmed))
+            done.append(self._roll_back(actuator, target, step, decision, monitor, confirmed))
             if decision.lr_factor is not None:
                 done.append(actuator.scale_learning_rate(decision.lr_factor))
         elif decision.action is Action.STOP:
             if target is not None:  # the last healthy state first: a stop never leaves the weights of the fault
-                done.append(self._roll_back(actuator, target, step, decision, checks, confirmed))
+                done.append(self._roll_back(actuator, target, step, decision, monitor, confirmed))
             done.append(actuator.request_stop())
             kept = target or (self.snapshots.snapshots[-1] if self.snapshots.snapshots else None)
             if kept is not None:  # the last healthy state to a file too
@@ -166,7 +230,7 @@ class Rescuer(Stateful):
             snapshot_step=None if target is None else target.step,
             steps_lost=undone,
         )
-        checks.emit(entry)
+        monitor.emit(entry)
         if save:
             actuator.save_checkpoint(tag)
         return entry
@@ -187,7 +251,7 @@ class Rescuer(Stateful):
         common = set(held[0]).intersection(*held[1:])
         return self.snapshots.at(max(common)) if common else None
 
-    def _settled(self, decision: Decision, target: Snapshot | None) -> tuple[Decision, Snapshot | None]:
+    def _as_carried_out(self, decision: Decision, target: Snapshot | None) -> tuple[Decision, Snapshot | None]:
         """The decision as carried out, and the snapshot it restores (None: none).
 
         A rollback without a snapshot warns (or escalates), a rollback's cuts compound, a stop says it restores the
@@ -202,29 +266,12 @@ class Rescuer(Stateful):
                 decision = self._compound(decision, target)
             return decision, target
         if decision.action is Action.STOP and target is not None:
-            kept = self._stop_keeps(target)
+            kept = _why_stop_keeps_weights(self.settings.rule, self.recent_losses_, target)
             if kept is not None:
                 return dataclasses.replace(decision, reason=f"{decision.reason}; {kept}"), None
             reason = f"{decision.reason}; the last healthy state (step {target.step}) is restored first"
             return dataclasses.replace(decision, reason=reason), target
         return decision, None
-
-    def _stop_keeps(self, target: Snapshot) -> str | None:
-        """Why a stop keeps its weights instead of restoring ``target``, or None when it restores.
-
-        With ``stop_restores="if_better"`` a stop keeps them when the training loss of the last two checks is not
-        above the loss at the snapshot's check (a snapshot without a loss is restored).
-        """
-        if self.settings.rule.stop_restores != "if_better" or target.loss is None or not self.recent_losses_:
-            return None
-        recent = sum(self.recent_losses_) / len(self.recent_losses_)
-        if recent > target.loss:
-            return None
-        return (
-            f"the weights are kept, not the last healthy state (step {target.step}): the training loss of the last "
-            f"checks ({recent:.4g}) is not above its value at that snapshot ({target.loss:.4g}; stop_restores "
-            "'if_better')"
-        )
 
     def _compound(self, decision: Decision, target: Snapshot) -> Decision:
         """A rollback's cut times the earlier rollbacks', relative to the cuts already in ``target``'s rates."""
@@ -239,16 +286,15 @@ class Rescuer(Stateful):
         self.rollback_cut_ = total
         return dataclasses.replace(decision, lr_factor=factor, reason=reason)
 
-    def _undone(self, target: Snapshot, step: int) -> int:
+    def _updates_undone(self, target: Snapshot, step: int) -> int:
         """The updates a rollback to ``target`` at ``step`` undoes (since the snapshot, or since the last rollback)."""
         last = self.last_rollback_step_
         return step - (target.step if last is None or last < target.step else last)
 
     # --- restoring ------------------------------------------------------------------------------------------
 
-    def _roll_back(
-        self, actuator: Actuator, target: Snapshot, step: int, decision: Decision, checks: Checks, confirmed: bool
-    ) -> str:
+    def _roll_back(self, actuator: Actuator, target: Snapshot, step: int, decision: Decision, monitor: MonitorHooks,
+                   confirmed: bool) -> str:  # fmt: skip
         """Restore ``target`` in place (every rank) and rewind the checks to it; what was done, in words.
 
         Before a stop the earlier rollbacks' compounded learning-rate cut is applied to the restored rates, so a run
@@ -256,9 +302,9 @@ class Rescuer(Stateful):
         ``rollback_skip`` updates as its decision says (``Decision.skip``): now, not at all, or at the next check if
         the loss flags there (at once if it flagged at this check after an earlier rollback's skip was waiting).
         """
-        undone = self._undone(target, step)
+        undone = self._updates_undone(target, step)
         detail = actuator.restore(target.load())
-        checks.rewind(target.diagrams)
+        monitor.rewind(target.diagrams)
         self.snapshots.drop_after(target.step)
         self.last_rollback_step_ = step
         self.lr_factor_ = target.lr_factor  # the rates are the snapshot's again (cuts since then are undone)
@@ -283,9 +329,7 @@ class Rescuer(Stateful):
             f"again (training goes on with the next batch); {detail}{skipped}; {self.snapshots.describe()}"
         )
 
-    # --- keeping snapshots ----------------------------------------------------------------------------------
-
-    def _confirmed_skip(self, actuator: Actuator, step: int, checks: Checks) -> InterventionRecord:
+    def _confirmed_skip(self, actuator: Actuator, step: int, monitor: MonitorHooks) -> InterventionRecord:
         """The skip a rollback left waiting, made now that the loss flagged again: the burst goes on."""
         skip = self.settings.rollback_skip
         entry = InterventionRecord(
@@ -296,46 +340,8 @@ class Rescuer(Stateful):
             detail=_skip_updates(actuator, skip),
             lr_factor=self.lr_factor_,
         )
-        checks.emit(entry)
+        monitor.emit(entry)
         return entry
-
-    def _keep_snapshot(self, actuator: Actuator, step: int, diagrams: Any, loss: float | None = None) -> None:
-        """Keep this healthy state as a snapshot, unless it cannot be kept here (then say so once, and keep none)."""
-        try:
-            self.snapshots.check_room(actuator)  # errors but a refusal propagate: every rank reaches its collective
-        except SnapshotUnsupported as error:
-            self._turn_off(error)
-            return
-        try:
-            kept = self.snapshots.add(step, _snapshot(actuator), diagrams)
-        except SnapshotUnsupported as error:
-            self._turn_off(error)
-            return
-        except Exception as error:  # a copy that failed on this rank (host memory, the disk): go on without it
-            warnings.warn(
-                f"topocallbacks could not keep the snapshot of step {step} on rank {rank_and_world()[0]} "
-                f"({type(error).__name__}: {error}); a rollback goes back to an older snapshot every rank holds",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return
-        kept.lr_factor = self.lr_factor_
-        kept.rollback_cut = self.rollback_cut_
-        kept.loss = None if loss is None or not math.isfinite(loss) else float(loss)
-
-    def _turn_off(self, error: SnapshotUnsupported) -> None:
-        """No snapshots from now on, said once (rank 0): a rollback decision warns instead."""
-        self.snapshots_off = str(error)
-        if rank_and_world()[0] == 0:
-            warnings.warn(
-                f"topocallbacks keeps no rollback snapshots: {error}. A rollback decision warns instead.",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Snapshots are not pickled (ddp_spawn pickles callbacks): each process keeps its own from its next check.
-        return {**self.__dict__, "snapshots": SnapshotStore(self.snapshots.keep, self.snapshots.directory)}
 
 
 def _snapshot(actuator: Actuator) -> Any:
@@ -358,6 +364,24 @@ def _skip_updates(actuator: Actuator, count: int) -> str:
             "`skip_updates(count)` (LoopActuator has it: topocallbacks.interventions.skip_updates)"
         )
     return str(skip(count))
+
+
+def _why_stop_keeps_weights(rule: PolicySettings, recent_losses: list[float], target: Snapshot) -> str | None:
+    """Why a stop keeps its weights instead of restoring ``target``, or None when it restores.
+
+    With ``stop_restores="if_better"`` a stop keeps them when the training loss of the last two checks
+    (``recent_losses``) is not above the loss at the snapshot's check (a snapshot without a loss is restored).
+    """
+    if rule.stop_restores != "if_better" or target.loss is None or not recent_losses:
+        return None
+    recent = sum(recent_losses) / len(recent_losses)
+    if recent > target.loss:
+        return None
+    return (
+        f"the weights are kept, not the last healthy state (step {target.step}): the training loss of the last "
+        f"checks ({recent:.4g}) is not above its value at that snapshot ({target.loss:.4g}; stop_restores "
+        "'if_better')"
+    )
 
 
 def _no_snapshot(decision: Decision, instead: str, off: str | None = None) -> Decision:

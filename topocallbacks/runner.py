@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._messages import Start
+from ._messages import Answer, Start
 from ._state import StateFields, Stateful
 from ._worker import WorkerFailed, WorkerProcess
 from .check import CheckRecord
@@ -47,12 +47,58 @@ class _Pending:
             "done": evaluation is not None,
         }
 
+    def records_at(self, step: int, *, final: bool, waited_ms: float) -> list[CheckRecord]:
+        """Rank 0: this check's records as collected at ``step``, the other layers' first, the deciding one last.
+
+        ``final``: at the end of training (no ``applied_step``: their decisions can no longer act).
+        """
+        evaluation = self.evaluation
+        if evaluation is None or evaluation.record is None:
+            return []
+        applied = None if final else step
+        return [
+            dataclasses.replace(record, applied_step=applied, wait_ms=waited_ms, probe_ms=self.probe_ms)
+            for record in [*evaluation.others, evaluation.record]
+        ]
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], shared: dict[str, Any]) -> _Pending:
         record = None if data["record"] is None else CheckRecord.from_dict(data["record"])
         others = [CheckRecord.from_dict(r) for r in data.get("others", [])]
         evaluation = Evaluation(record, shared, None, others)
         return cls(int(data["step"]), int(data["apply_at"]), float(data["probe_ms"]), evaluation)
+
+
+def _evaluation_of(answer: Answer) -> Evaluation:
+    """The evaluation a worker's answer carries."""
+    record = None if answer.record is None else CheckRecord.from_dict(answer.record)
+    return Evaluation(record, answer.shared, answer.figures, [CheckRecord.from_dict(r) for r in answer.others])
+
+
+def _adopt_rank0(
+    records: list[CheckRecord],
+    pipeline: CheckPipeline | LayeredPipeline,
+    share: Callable[[], dict[str, Any]] | None,
+    receive: Callable[[Mapping[str, Any]], None] | None,
+) -> list[CheckRecord]:
+    """Broadcast rank 0's ``records`` and ``pipeline`` state (none: nothing); the other ranks adopt them.
+
+    ``share`` gives the extra state broadcast with them, ``receive`` what the other ranks do with it.
+    """
+    rank, world = rank_and_world()
+    if world == 1:
+        return records
+    payload = None
+    if rank == 0 and records:
+        payload = {"records": [r.as_dict() for r in records], "pipeline": pipeline.share(),
+                   "extra": {} if share is None else share()}  # fmt: skip
+    shared: dict[str, Any] | None = broadcast_object(payload)
+    if shared is None or rank == 0:
+        return records
+    pipeline.receive(shared["pipeline"])
+    if receive is not None:
+        receive(shared["extra"])
+    return [CheckRecord.from_dict(r) for r in shared["records"]]
 
 
 class Runner(Stateful):
@@ -109,11 +155,6 @@ class Runner(Stateful):
     def pending(self) -> int:
         """Checks submitted whose records were not collected yet."""
         return len(self._pending)
-
-    @property
-    def last_apply_at(self) -> int | None:
-        """The step at which the newest pending check is applied (None: none pending)."""
-        return self._pending[-1].apply_at if self._pending else None
 
     @property
     def worker(self) -> str:
@@ -196,21 +237,11 @@ class Runner(Stateful):
             pending = self._pending[0]
             waited_ms = self._receive(pending) * 1e3 + pending.eval_ms if rank == 0 else 0.0
             self._pending.popleft()
-            found: list[CheckRecord] = []
-            figures = None
-            evaluation = pending.evaluation
-            if rank == 0 and evaluation is not None and evaluation.record is not None:
-                # The other layers' records first, then the primary layer's, which carries the decision.
-                found = [
-                    dataclasses.replace(
-                        record, applied_step=None if final else step, wait_ms=waited_ms, probe_ms=pending.probe_ms
-                    )
-                    for record in [*evaluation.others, evaluation.record]
-                ]
-                if annotate is not None:
-                    found[-1] = annotate(found)
-                figures = evaluation.figures
-            adopted = self._adopt(found)
+            found = pending.records_at(step, final=final, waited_ms=waited_ms) if rank == 0 else []
+            if found and annotate is not None:
+                found[-1] = annotate(found)
+            figures = pending.evaluation.figures if found and pending.evaluation is not None else None
+            adopted = _adopt_rank0(found, self.pipeline, self.share, self.receive)
             for i, record in enumerate(adopted):
                 if emit is not None:
                     emit(record, figures if i == len(adopted) - 1 else None)
@@ -272,12 +303,7 @@ class Runner(Stateful):
                 waited += time.perf_counter() - start
                 continue
             self.pipeline.receive(answer.shared)  # the mirror follows the worker at once
-            item.evaluation = Evaluation(
-                None if answer.record is None else CheckRecord.from_dict(answer.record),
-                answer.shared,
-                answer.figures,
-                [CheckRecord.from_dict(r) for r in answer.others],
-            )
+            item.evaluation = _evaluation_of(answer)
             item.request = None
             if item is pending:
                 waited += seconds
@@ -308,26 +334,6 @@ class Runner(Stateful):
                 except WorkerFailed as again:
                     self._recover(again)
                     return
-
-    def _adopt(self, records: list[CheckRecord]) -> list[CheckRecord]:
-        """Broadcast rank 0's records and pipeline state (none: nothing) and adopt them on the other ranks."""
-        rank, world = rank_and_world()
-        if world == 1:
-            return records
-        payload = None
-        if rank == 0 and records:
-            payload = {
-                "records": [r.as_dict() for r in records],
-                "pipeline": self.pipeline.share(),
-                "extra": {} if self.share is None else self.share(),
-            }
-        shared: dict[str, Any] | None = broadcast_object(payload)
-        if shared is None or rank == 0:
-            return records
-        self.pipeline.receive(shared["pipeline"])
-        if self.receive is not None:
-            self.receive(shared["extra"])
-        return [CheckRecord.from_dict(r) for r in shared["records"]]
 
     @property
     def _pending_state(self) -> list[dict[str, Any]]:

@@ -628,6 +628,26 @@ def _did_you_mean(key: str, valid: list[str], prefix: str = "") -> str:
     return f"; did you mean `{prefix}{guess[0]}`?" if guess else ""
 
 
+def _built_sections(
+    values: Mapping[str, dict[str, Any]], whole: Mapping[str, Any], overrides: Mapping[str, Any], origin: str | None
+) -> dict[str, Any]:
+    """Every section but the policy: the one given whole, else one built (and validated) from its merged values."""
+    return {
+        name: whole[name] if name in whole else _build(kind, values[name], _path(name, overrides, origin), origin)
+        for name, kind in _SECTIONS.items()
+        if name != "policy"
+    }
+
+
+def _merged_policy(
+    policy: PolicySettings | None, values: Mapping[str, Any], index: str, origin: str | None
+) -> PolicySettings:
+    """The rule in effect (``policy``; None: the default rule of ``index``) with ``values`` merged in, validated."""
+    base = policy if policy is not None else DEFAULT_RULES[index]
+    merged: PolicySettings = _build(PolicySettings, {**dataclasses.asdict(base), **values}, "policy.", origin)
+    return merged
+
+
 def _where(origin: str | None) -> str:
     return f" in {origin}" if origin else ""
 
@@ -746,19 +766,10 @@ class MonitorSettings:
                 whole.pop(section, None)
             else:
                 self._unknown(key, origin)
-        sections: dict[str, Any] = {}
-        for name, kind in _SECTIONS.items():
-            if name == "policy":
-                continue
-            if name in whole:
-                sections[name] = whole[name]
-            else:
-                sections[name] = _build(kind, values[name], _path(name, overrides, origin), origin)
+        sections = _built_sections(values, whole, overrides, origin)
         policy: Any = whole.get("policy", self.policy)
         if policy_values is not None:
-            base = policy if policy is not None else DEFAULT_RULES[sections["index"].name]
-            merged = {**dataclasses.asdict(base), **policy_values}
-            policy = _build(PolicySettings, merged, "policy.", origin)
+            policy = _merged_policy(policy, policy_values, sections["index"].name, origin)
         try:
             return MonitorSettings(**sections, policy=policy, seed=seed)
         except InputError as exc:

@@ -1,10 +1,19 @@
-"""The size limits docs/architecture.md states: no function over 80 lines, no class over 300, one named exception."""
+"""The size limits: no function over 60 lines, no class over 250, outside the named exceptions."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[2] / "topocallbacks"
-EXCEPTIONS = {("mmhm/engine.py", "MMHM")}  # the engine's incremental state machine (docs/architecture.md)
+EXEMPT_FILES = {"mmhm/engine.py"}  # the MMHM engine's incremental state machine (docs/architecture.md)
+EXCEPTIONS = {
+    # A numba kernel: split, its helpers would have to be compiled kernels too, called from its inner loop.
+    ("functional/_jit.py", "_core_mask"),
+    # Over the limits on this branch; another branch (the analysis and report room) is splitting them.
+    ("analysis/evaluating.py", "_measure"),
+    ("analysis/summaries.py", "findings"),
+    ("analyze.py", "analyze"),
+}
+FUNCTION_LINES, CLASS_LINES = 60, 250
 
 
 def sizes():
@@ -14,12 +23,24 @@ def sizes():
                 yield path.relative_to(PACKAGE).as_posix(), node, node.end_lineno - node.lineno + 1
 
 
-def test_no_class_over_300_lines_and_no_function_over_80():
+def test_no_class_over_250_lines_and_no_function_over_60():
     found = list(sizes())
     assert len(found) > 100  # the walk saw the package
     too_long = [
         f"{where}: {node.name} ({lines} lines)"
         for where, node, lines in found
-        if (where, node.name) not in EXCEPTIONS and lines > (300 if isinstance(node, ast.ClassDef) else 80)
+        if where not in EXEMPT_FILES
+        and (where, node.name) not in EXCEPTIONS
+        and lines > (CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES)
     ]
     assert too_long == []
+
+
+def test_every_named_exception_still_exceeds_a_limit():
+    """An exception whose code was split since is removed from the list, so the list stays exact."""
+    over = {
+        (where, node.name)
+        for where, node, lines in sizes()
+        if lines > (CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES)
+    }
+    assert EXCEPTIONS - over == set()

@@ -75,7 +75,10 @@ def test_the_rescuer_round_trips_its_counters_and_not_its_snapshots():
     rescuer.lr_factor_, rescuer.last_rollback_step_, rescuer.rollback_cut_ = 0.25, 40, 0.5
     rescuer.pending_skip_, rescuer.recent_losses_ = True, [2.0, 3.5]
     model = torch.nn.Linear(2, 2)
-    rescuer._keep_snapshot(LoopActuator(torch.optim.SGD(model.parameters(), lr=0.1), model=model), 30, None)
+    actuator = LoopActuator(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    rescuer.healthy.keep(
+        actuator, 30, None, loss=None, lr_factor=rescuer.lr_factor_, rollback_cut=rescuer.rollback_cut_
+    )
     assert [s.step for s in rescuer.snapshots.snapshots] == [30]
     state = round_trip(rescuer, Rescuer(settings))
     assert state == {"version": 2, "lr_factor": 0.25, "last_rollback_step": 40, "rollback_cut": 0.5,

@@ -431,7 +431,8 @@ def test_a_sentinel_acts_at_once_in_the_warm_up_and_its_values_enter_no_referenc
     )
     assert not decision.healthy
     assert channel_states(policy) == before  # no index, loss or gradient norm value entered a reference or warm-up
-    assert (policy.checks_, policy.rollbacks_) == (4, 1)
+    assert (policy.checks_decided_, policy.rollbacks_) == (4, 1)
+    assert policy.checks_ == policy.checks_decided_  # the old name, kept working
     # The rest of the warm-up only builds the reference; the collapsed values never reach it.
     assert actions(healthy_checks(policy, 8, start=4)) == ["none"] * 8
     index = policy.channels_["index"]

@@ -328,14 +328,22 @@ def collapse_index(
     resolved = resolve_weights(weights)
     cap = check_int(max_points, "max_points", minimum=2)
     rng_seed = check_seed(seed)
+    eps = _betti_scale(cloud, epsilon, betti, rng_seed)
+    report, _ = _collapse_index(cloud, eps, resolved, max_points=cap, seed=rng_seed, betti=betti)
+    return report
+
+
+def _betti_scale(cloud: NDArray[np.float64], epsilon: float | None, betti: tuple[int, int] | None, seed: int) -> float:
+    """The scale ε of the Betti numbers: ``epsilon`` validated, or calibrated on ``cloud`` (`calibrate_epsilon`).
+
+    Raises:
+        InputError: ``epsilon`` not finite and > 0, or ``betti`` given without the ``epsilon`` it was computed at.
+    """
     if betti is not None and epsilon is None:
         raise InputError("`betti` was given without the `epsilon` it was computed at")
     if epsilon is None:
-        eps = calibrate_epsilon(cloud, IndexSettings(), rng_seed)
-    else:
-        eps = check_positive_float(epsilon, "epsilon")
-    report, _ = _collapse_index(cloud, eps, resolved, max_points=cap, seed=rng_seed, betti=betti)
-    return report
+        return calibrate_epsilon(cloud, IndexSettings(), seed)
+    return check_positive_float(epsilon, "epsilon")
 
 
 def _collapse_index(

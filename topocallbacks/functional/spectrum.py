@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from .._validation import as_points, check_number
 from .geometry import _singular_values
@@ -72,8 +73,14 @@ def eigenspectrum_decay(features: Any, *, rtol: float | None = None) -> float:
     values = _singular_values(cloud, center=True)
     if values.size:
         values = values[values > tolerance * values[0]]
-    if values.size < 2:
-        return math.inf
+    return math.inf if values.size < 2 else _power_law_exponent(values)
+
+
+def _power_law_exponent(values: NDArray[np.float64]) -> float:
+    """α of the least-squares line ``log λ_k ≈ c - α log k`` through the eigenvalues ``λ_k = values[k-1] ** 2``.
+
+    ``values``: at least two singular values > 0, in decreasing order.
+    """
     log_rank = np.log(np.arange(1, values.size + 1, dtype=np.float64))
     log_eigen = 2.0 * np.log(values)
     centred_rank = log_rank - log_rank.mean()

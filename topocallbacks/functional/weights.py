@@ -123,6 +123,19 @@ def neural_persistence(
     """
     matrix = _as_weight(weight)
     p = check_number(order, "order", low=1.0, low_open=False)
+    merges = _maximum_spanning_tree_weights(_scaled_magnitudes(matrix, max_weight))
+    value = float((1.0 + np.sum((1.0 - merges) ** p)) ** (1.0 / p))
+    if normalize:
+        value /= (sum(matrix.shape) - 1) ** (1.0 / p)
+    return value
+
+
+def _scaled_magnitudes(matrix: NDArray[np.float64], max_weight: float | None) -> NDArray[np.float64]:
+    """The layer's ``|w|`` divided by ``max_weight`` (validated), or by its own largest ``|w|``.
+
+    Raises:
+        InputError: all weights zero (with no ``max_weight``), or ``max_weight`` not > 0 or below the largest ``|w|``.
+    """
     magnitudes = np.abs(matrix)
     largest = float(magnitudes.max())
     if max_weight is None:
@@ -130,16 +143,11 @@ def neural_persistence(
             raise InputError(
                 "`weight` is all zeros: neural persistence divides by the largest |w|, so it has no value here"
             )
-        scale = largest
-    else:
-        scale = check_positive_float(max_weight, "max_weight")
-        if scale < largest:
-            raise InputError(f"`max_weight` must be >= the layer's largest |w| ({largest!r}), got {max_weight!r}")
-    merges = _maximum_spanning_tree_weights(magnitudes / scale)
-    value = float((1.0 + np.sum((1.0 - merges) ** p)) ** (1.0 / p))
-    if normalize:
-        value /= (sum(matrix.shape) - 1) ** (1.0 / p)
-    return value
+        return magnitudes / largest
+    scale = check_positive_float(max_weight, "max_weight")
+    if scale < largest:
+        raise InputError(f"`max_weight` must be >= the layer's largest |w| ({largest!r}), got {max_weight!r}")
+    return magnitudes / scale
 
 
 def weight_h0_total_persistence(weight: Any) -> float:
@@ -234,6 +242,27 @@ def flattening_step(steps: Sequence[float], values: Sequence[float], *, fraction
         0
     """
     share = check_number(fraction, "fraction", low=0.0, high=1.0)
+    given, at, series = _checkpoint_series(steps, values)
+    rates = np.abs(np.diff(series)) / np.diff(at)
+    threshold = share * float(rates.max())
+    above = np.flatnonzero(rates > threshold)  # indices k - 1 of the rates r_k above the threshold
+    if above.size == 0:
+        return given[0]
+    last = int(above[-1]) + 1  # the last k with r_k above the threshold
+    if last == at.size - 1:
+        return None
+    result: float = given[last]
+    return result
+
+
+def _checkpoint_series(
+    steps: Sequence[float], values: Sequence[float]
+) -> tuple[list[float], NDArray[np.float64], NDArray[np.float64]]:
+    """The steps as given, and the steps and values as float arrays, validated (see `flattening_step`).
+
+    Raises:
+        InputError: lengths differ, fewer than 2 points, steps not strictly increasing, or non-finite values.
+    """
     given = list(steps)
     if any(isinstance(s, bool) or not isinstance(s, numbers.Real) for s in given):
         raise InputError(f"`steps` must be numbers, got {given!r}")
@@ -253,13 +282,4 @@ def flattening_step(steps: Sequence[float], values: Sequence[float], *, fraction
         raise InputError(f"`steps` must be finite and strictly increasing, got {given!r}")
     if not np.isfinite(series).all():
         raise InputError(f"`values` must be finite, got {list(series)!r}")
-    rates = np.abs(np.diff(series)) / np.diff(at)
-    threshold = share * float(rates.max())
-    above = np.flatnonzero(rates > threshold)  # indices k - 1 of the rates r_k above the threshold
-    if above.size == 0:
-        return given[0]
-    last = int(above[-1]) + 1  # the last k with r_k above the threshold
-    if last == at.size - 1:
-        return None
-    result: float = given[last]
-    return result
+    return given, at, series

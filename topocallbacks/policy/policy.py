@@ -83,7 +83,7 @@ class Policy(Stateful):
     _state = StateFields(
         version=7,
         fields={
-            "checks": "checks_",
+            "checks": "checks_decided_",
             "channels": "_channel_state",
             "unwatched": "_unwatched_state",
             "recent": "recent_",
@@ -104,7 +104,7 @@ class Policy(Stateful):
 
     def reset(self) -> None:
         """Forget the history, the baselines and the counters."""
-        self.checks_ = 0
+        self.checks_decided_ = 0  # the checks decided so far (`decide` calls)
         self._channels = ChannelScores(self.settings)
         self._rule = ChannelRule(self.settings, self._channels)
         self._escalation = Escalation(self.settings)
@@ -147,27 +147,36 @@ class Policy(Stateful):
         collapsed: str | None,
     ) -> Decision:
         s = self.settings
-        self.checks_ += 1
+        self.checks_decided_ += 1
         observed = {"index": value, "loss": loss, "grad_norm": grad_norm}
         short_cut = _short_cut(s, step, value, observed, diverged, collapsed)
         if short_cut is not None:
             action, alarm = short_cut
             return self._respond(action, alarm)
-        if self.checks_ <= s.warmup:
+        if self.checks_decided_ <= s.warmup:
             self._channels.warm_up(observed)
-            return Decision(Action.NONE, f"warm-up check {self.checks_} of {s.warmup}", step, value)
+            return Decision(Action.NONE, f"warm-up check {self.checks_decided_} of {s.warmup}", step, value)
         unsettled = self._channels.unsettled(observed, step)
         if s.snapshot_health == "watched":  # only the watched channels decide whether a check is healthy
             unsettled = ()
-        verdict = self._rule.judge(step, value, observed, self.checks_)
+        verdict = self._rule.judge(step, value, observed, self.checks_decided_)
         decision = verdict if isinstance(verdict, Decision) else self._respond(Action(s.action), verdict)
         return dataclasses.replace(decision, unsettled=unsettled) if unsettled else decision
 
     def _respond(self, action: Action, alarm: Alarm) -> Decision:
-        decision = self._escalation.respond(action, alarm, self.checks_)
+        decision = self._escalation.respond(action, alarm, self.checks_decided_)
         if decision.fired:
             self._channels.restart()  # after an action the patience count starts again
         return decision
+
+    @property
+    def checks_(self) -> int:
+        """The old name of `checks_decided_` (the checks decided so far), kept working."""
+        return self.checks_decided_
+
+    @checks_.setter
+    def checks_(self, value: int) -> None:
+        self.checks_decided_ = value
 
     @property
     def channels_(self) -> dict[str, Channel]:
@@ -195,7 +204,7 @@ class Policy(Stateful):
     @property
     def baseline_(self) -> float | None:
         """Mean index over the warm-up checks (None until the warm-up is over or when it is 0 checks)."""
-        return None if self.checks_ <= self.settings.warmup else self._channels.baseline(self._channels.index)
+        return None if self.checks_decided_ <= self.settings.warmup else self._channels.baseline(self._channels.index)
 
     # The saved state keeps its flat layout (version 7): each key reads and sets the part that owns it.
 
