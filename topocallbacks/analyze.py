@@ -51,6 +51,16 @@ Command line: ``topocallbacks analyze PATH --probe FILE --out DIR [--layer NAME 
 The work is done in three parts, each a module of `topocallbacks.analysis`: ``loading`` (the arguments, the
 checkpoints, the model, the probe, and each checkpoint's features), ``evaluating`` (the measurements, row by row) and
 ``writing`` (the CSV, the JSON and the report).
+
+Examples:
+    >>> import tempfile, numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     for step in (0, 10, 20):
+    ...         np.save(f"{folder}/features-step{step}.npy", rng.normal(size=(64, 8)) * (1 + step))
+    ...     result = analyze(folder, out_dir=f"{folder}/out", progress=False)
+    ...     [(row["step"], row["layer"]) for row in result.rows], result.report_path.name
+    ([(0, 'features'), (10, 'features'), (20, 'features')], 'index.html')
 """
 
 from __future__ import annotations
@@ -82,7 +92,10 @@ class Analysis:
     """What `analyze` found and wrote.
 
     Attributes:
-        rows: one dict per checkpoint and layer (and per weight matrix with ``weights=True``), as in the CSV.
+        rows: one dict per checkpoint and layer (and per weight matrix with ``weights=True``), as in the CSV:
+            ``step``, ``layer``, ``source`` (``features``, or ``weights`` for a weight matrix's row), ``status``
+            (``ok``, or ``diverged`` for NaN or Inf), ``checkpoint`` (its path relative to ``path``), one column
+            per loss found, then the quantities of `QUANTITIES` (empty where they do not apply).
         correlations: one dict per (source, layer, quantity, loss): ``rho`` and ``p_value`` of Spearman's rank
             correlation over ``n`` checkpoints (None when a series is constant or has fewer than 3 values).
         csv_path: ``analysis.csv``.
@@ -118,10 +131,7 @@ def analyze(
 ) -> Analysis:
     """Measure every checkpoint (or feature array) in ``path`` as the monitor would, and more; write CSV, JSON, report.
 
-    See the module's documentation for what is read and computed. The rows of ``analysis.csv`` are ``step``,
-    ``layer``, ``source`` (``features``, or ``weights`` for a weight matrix's row), ``status`` (``ok``, or
-    ``diverged`` for NaN or Inf), ``checkpoint`` (its path relative to ``path``), one column per loss found, then
-    the quantities of `QUANTITIES` (empty where they do not apply).
+    What is read and computed: the module's documentation; the CSV's columns: `Analysis`'s ``rows``.
 
     Args:
         path: a folder of Lightning ``.ckpt`` files, of Hugging Face ``checkpoint-N`` folders (or one such folder),
@@ -148,25 +158,15 @@ def analyze(
         An `Analysis` with the rows, the correlations and the paths written.
 
     Raises:
-        InputError: ``path`` missing, empty or mixed; a checkpoint that cannot be read, that needs unpickling
-            (unless trusted), or whose state does not match the rebuilt model; no probe, layer or factory where
-            one is needed; a bad option. Every message names the file it is about.
-
-    Examples:
-        >>> import tempfile, numpy as np
-        >>> rng = np.random.default_rng(0)
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     for step in (0, 10, 20):
-        ...         np.save(f"{folder}/features-step{step}.npy", rng.normal(size=(64, 8)) * (1 + step))
-        ...     result = analyze(folder, out_dir=f"{folder}/out", progress=False)
-        ...     [(row["step"], row["layer"]) for row in result.rows], result.report_path.name
-        ([(0, 'features'), (10, 'features'), (20, 'features')], 'index.html')
+        InputError: ``path`` missing, empty or mixed; a checkpoint that cannot be read, needs unpickling (unless
+            trusted) or does not fit the rebuilt model; no probe, layer or factory where one is needed; a bad option.
+            Every message names the file it is about.
     """
     source = load_source(path, out_dir, probe=probe, layers=layers, factory=factory,
                          trust_checkpoints=trust_checkpoints, weights=weights, settings=settings, title=title,
                          overrides=overrides)  # fmt: skip
     measured = evaluate(source, weights=weights, progress=progress)
     correlations, csv_path, json_path, report_path = write_outputs(source, measured, title=title)
-    said = findings(measured.rows, correlations)
-    layers = list(measured.layers)
-    return Analysis(measured.rows, correlations, csv_path, json_path, report_path, said, layers)
+    return Analysis(rows=measured.rows, correlations=correlations, csv_path=csv_path, json_path=json_path,
+                    report_path=report_path, findings=findings(measured.rows, correlations),
+                    layers=list(measured.layers))  # fmt: skip

@@ -802,21 +802,9 @@ def _remedies(event: _Event) -> list[str]:
     return list(dict.fromkeys([*hints, *(r for key in keys for r in _REMEDIES[key])]))[:MAX_HINTS]
 
 
-def _diagnosis_html(event: _Event) -> str:
-    parts = []
-    where = "" if event.layer is None else f" on layer <code>{escape_html(event.layer)}</code>"
-    if event.kind == "intervention":
-        head = f"Step {event.step}: intervention <b>{escape_html(event.action)}</b>{where}"
-    elif event.kind == "diverged":
-        head = f"Step {event.step}: diverged check{where} (decision: <b>{escape_html(event.action)}</b>)"
-    else:
-        head = f"Step {event.step}: decision <b>{escape_html(event.action)}</b>{where}"
-    parts.append(f"<h3>{head}</h3>")
-    parts.append(f"<p><b>Why:</b> {escape_html(event.reason)}</p>")
-    if event.detail:
-        parts.append(f"<p><b>What was done:</b> {escape_html(event.detail)}</p>")
-    if event.kind == "intervention" and event.check is not None:
-        parts.append(f"<p class='note'>Diagnosed from the check at step {event.check.step}.</p>")
+def _what_moved_html(event: _Event) -> list[str]:
+    """What moved at the event's check (a divergence, a sentinel or the components) and what it often means."""
+    parts: list[str] = []
     top = event.top
     history = event.components[0].history if event.components else 0
     if top == "diverged":
@@ -847,6 +835,12 @@ def _diagnosis_html(event: _Event) -> str:
         for other in _also_moved(event):
             text = _MEANING[(other.name, 1 if other.change > 0 else -1)]
             parts.append(f"<p><b>Also {escape_html(other.name)}</b> ({other.change:+.3f}): {escape_html(text)}</p>")
+    return parts
+
+
+def _layers_and_loss_html(event: _Event) -> list[str]:
+    """Which layer moved the most at the event's step, and the training loss beside it."""
+    parts: list[str] = []
     if event.layers:
         leader = event.layers[0]
         others = ", ".join(
@@ -866,6 +860,28 @@ def _diagnosis_html(event: _Event) -> str:
             f"{format_number(loss.before)} over the {loss.history} checks before "
             f"({escape_html(format_zscore(loss.z))}).</p>"
         )
+    return parts
+
+
+def _diagnosis_html(event: _Event) -> str:
+    parts = []
+    where = "" if event.layer is None else f" on layer <code>{escape_html(event.layer)}</code>"
+    if event.kind == "intervention":
+        head = f"Step {event.step}: intervention <b>{escape_html(event.action)}</b>{where}"
+    elif event.kind == "diverged":
+        head = f"Step {event.step}: diverged check{where} (decision: <b>{escape_html(event.action)}</b>)"
+    else:
+        head = f"Step {event.step}: decision <b>{escape_html(event.action)}</b>{where}"
+    parts.append(f"<h3>{head}</h3>")
+    parts.append(f"<p><b>Why:</b> {escape_html(event.reason)}</p>")
+    if event.detail:
+        parts.append(f"<p><b>What was done:</b> {escape_html(event.detail)}</p>")
+    if event.kind == "intervention" and event.check is not None:
+        parts.append(f"<p class='note'>Diagnosed from the check at step {event.check.step}.</p>")
+    top = event.top
+    history = event.components[0].history if event.components else 0
+    parts += _what_moved_html(event)
+    parts += _layers_and_loss_html(event)
     if top == "diverged" or history or event.sentinel is not None:
         items = "".join(f"<li>{escape_html(r)}</li>" for r in _remedies(event))
         parts.append(f"<p><b>What people often try</b> (hints, not prescriptions):</p><ul>{items}</ul>")

@@ -17,7 +17,7 @@ import torch
 from numpy.typing import NDArray
 
 from .._validation import as_points
-from ..check import ORIENTATION, CheckRecord, measure
+from ..check import ORIENTATION, CheckRecord, Measurement, measure
 from ..exceptions import InputError, NonFiniteError
 from ..functional.collapse import calibrate_epsilon
 from ..functional.geometry import _effective_rank, participation_ratio
@@ -168,36 +168,11 @@ def _bar_statistics(diagram: NDArray[np.float64], prefix: str) -> dict[str, floa
     }
 
 
-def _measure(
-    features: Any, layer: _Layer, settings: MonitorSettings, step: int, name: str
-) -> tuple[dict[str, float | None], CheckRecord, list[NDArray[np.float64]] | None]:
-    """One checkpoint and layer: the row's quantities, the check record, and the diagrams (None when diverged)."""
-    start = time.perf_counter()
-    index = settings.index.name
-    try:
-        cloud = as_points(features, "features")
-    except NonFiniteError:
-        decision = layer.policy.decide(step, None, diverged=True)
-        elapsed = (time.perf_counter() - start) * 1e3
-        return {}, CheckRecord(step, "diverged", index, None, decision, elapsed, layer=name), None
-    except InputError as exc:
-        raise InputError(f"{exc} (layer {name!r}, step {step})") from exc
-    try:
-        cloud = layer.transform(cloud)
-    except InputError as exc:
-        raise InputError(f"{exc} (layer {name!r}, step {step})") from exc
-    if layer.epsilon is None:
-        layer.epsilon = calibrate_epsilon(cloud, settings.index, settings.seed)
-    found = measure(
-        cloud, layer.epsilon, settings.index, previous=layer.diagrams, seed=settings.seed, also=tuple(ORIENTATION)
-    )
-    layer.diagrams = found.diagrams
-    value = found.index_value
-    decision = layer.policy.decide(step, None if value is None else ORIENTATION[index] * value)
-    report = found.report
-    drift = found.drift
-    row = {
-        "index_value": value,
+def _row(found: Measurement, cloud: NDArray[np.float64]) -> dict[str, float | None]:
+    """A checkpoint's row of quantities: the index and its terms, the diagrams' statistics and drift, the spectrum."""
+    report, drift = found.report, found.drift
+    return {
+        "index_value": found.index_value,
         "ci": report.ci,
         "betti_term": report.betti_term,
         "entropy_term": report.entropy_term,
@@ -217,6 +192,39 @@ def _measure(
         "n_points": int(cloud.shape[0]),
         "n_features": int(cloud.shape[1]),
     }
+
+
+def _measure(
+    features: Any, layer: _Layer, settings: MonitorSettings, step: int, name: str
+) -> tuple[dict[str, float | None], CheckRecord, list[NDArray[np.float64]] | None]:
+    """One checkpoint and layer: the row's quantities, the check record, and the diagrams (None when diverged)."""
+    start = time.perf_counter()
+    index = settings.index.name
+    try:
+        cloud = as_points(features, "features")
+    except NonFiniteError:
+        decision = layer.policy.decide(step, None, diverged=True)
+        elapsed = (time.perf_counter() - start) * 1e3
+        record = CheckRecord(
+            step=step, status="diverged", index=index, index_value=None, decision=decision, check_ms=elapsed, layer=name
+        )
+        return {}, record, None
+    except InputError as exc:
+        raise InputError(f"{exc} (layer {name!r}, step {step})") from exc
+    try:
+        cloud = layer.transform(cloud)
+    except InputError as exc:
+        raise InputError(f"{exc} (layer {name!r}, step {step})") from exc
+    if layer.epsilon is None:
+        layer.epsilon = calibrate_epsilon(cloud, settings.index, settings.seed)
+    found = measure(
+        cloud, layer.epsilon, settings.index, previous=layer.diagrams, seed=settings.seed, also=tuple(ORIENTATION)
+    )
+    layer.diagrams = found.diagrams
+    value = found.index_value
+    decision = layer.policy.decide(step, None if value is None else ORIENTATION[index] * value)
+    row = _row(found, cloud)
+    report = found.report
     record = CheckRecord(
         step=step,
         status="ok",

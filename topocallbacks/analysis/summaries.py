@@ -107,6 +107,54 @@ BEFORE = 2
 NAMED = 3
 
 
+def _moves(series: Mapping[Any, Any], layers: Sequence[str]) -> list[str]:
+    """The layer that moved first (diagram drift >= `MOVED` x the median before it), the next ones, or none."""
+    moves = []
+    for layer in layers:
+        drift = series.get(("features", layer, "diagram_drift"), [])
+        if len(drift) < 2:
+            continue
+        for i in range(BEFORE, len(drift)):
+            median = float(np.median([v for _, v in drift[:i]]))
+            step, value = drift[i]
+            if median > 0 and value >= MOVED * median:
+                moves.append((step, layer, value, median))
+                break
+    moves.sort()
+    if moves:
+        step, layer, value, median = moves[0]
+        text = f"{layer} moved{' first' if len(moves) > 1 else ''} at step {step}: its diagram drift reached "
+        text += f"{value:.3g}, {value / median:.1f}x the median of the checkpoints before it ({median:.3g})."
+        if len(moves) > 1:
+            text += " Then " + ", ".join(f"{m[1]} at step {m[0]}" for m in moves[1:4]) + "."
+        return [text]
+    if layers:
+        return [
+            f"No layer's diagram drift reached {MOVED:g}x the median of the checkpoints before it: no checkpoint "
+            "stands out."
+        ]
+    return []
+
+
+def _following(correlations: Sequence[Mapping[str, Any]]) -> str:
+    """Every quantity that follows a loss (Spearman, p < 0.05; the strongest `NAMED` named), or that none does."""
+    found = [c for c in correlations if c.get("rho") is not None and c.get("p_value") is not None]
+    following = sorted((c for c in found if c["p_value"] < 0.05), key=lambda c: (c["p_value"], -abs(c["rho"])))
+    if not correlations:
+        return "No loss was found in the checkpoints, so nothing is compared with one."
+    if following:
+        named = "; ".join(
+            f"{c['quantity'].replace('_', ' ')} at {c['layer']} ({c['loss']}, Spearman rho = {c['rho']:+.2f}, "
+            f"p = {c['p_value']:.2g}, {c['n']} checkpoints)"
+            for c in following[:NAMED]
+        )
+        more = f"; and {len(following) - NAMED} more (analysis.json)" if len(following) > NAMED else ""
+        count = "1 quantity follows" if len(following) == 1 else f"{len(following)} quantities follow"
+        return f"{count} a loss at p < 0.05: {named}{more}."
+    n = max((c.get("n", 0) for c in correlations), default=0)
+    return f"No quantity follows a loss at p < 0.05 over {n} checkpoints."
+
+
 def findings(rows: Sequence[Mapping[str, Any]], correlations: Sequence[Mapping[str, Any]]) -> list[str]:
     r"""What the analysis found, in a few sentences with their numbers.
 
@@ -126,30 +174,7 @@ def findings(rows: Sequence[Mapping[str, Any]], correlations: Sequence[Mapping[s
     series = quantity_series(rows)
     layers = list(dict.fromkeys(layer for source, layer, _ in series if source == "features"))
     said: list[str] = []
-    moves = []
-    for layer in layers:
-        drift = series.get(("features", layer, "diagram_drift"), [])
-        if len(drift) < 2:
-            continue
-        for i in range(BEFORE, len(drift)):
-            median = float(np.median([v for _, v in drift[:i]]))
-            step, value = drift[i]
-            if median > 0 and value >= MOVED * median:
-                moves.append((step, layer, value, median))
-                break
-    moves.sort()
-    if moves:
-        step, layer, value, median = moves[0]
-        text = f"{layer} moved{' first' if len(moves) > 1 else ''} at step {step}: its diagram drift reached "
-        text += f"{value:.3g}, {value / median:.1f}x the median of the checkpoints before it ({median:.3g})."
-        if len(moves) > 1:
-            text += " Then " + ", ".join(f"{m[1]} at step {m[0]}" for m in moves[1:4]) + "."
-        said.append(text)
-    elif layers:
-        said.append(
-            f"No layer's diagram drift reached {MOVED:g}x the median of the checkpoints before it: no checkpoint "
-            "stands out."
-        )
+    said += _moves(series, layers)
     for layer in layers[:3]:
         rank = series.get(("features", layer, "effective_rank"), [])
         if len(rank) >= 2 and rank[0][1] > 0:
@@ -158,20 +183,5 @@ def findings(rows: Sequence[Mapping[str, Any]], correlations: Sequence[Mapping[s
                 f"The effective rank of {layer} went from {r0:.3g} at step {s0} to {r1:.3g} at step {s1} "
                 f"({100 * (r1 - r0) / r0:+.0f} %)."
             )
-    found = [c for c in correlations if c.get("rho") is not None and c.get("p_value") is not None]
-    following = sorted((c for c in found if c["p_value"] < 0.05), key=lambda c: (c["p_value"], -abs(c["rho"])))
-    if not correlations:
-        said.append("No loss was found in the checkpoints, so nothing is compared with one.")
-    elif following:
-        named = "; ".join(
-            f"{c['quantity'].replace('_', ' ')} at {c['layer']} ({c['loss']}, Spearman rho = {c['rho']:+.2f}, "
-            f"p = {c['p_value']:.2g}, {c['n']} checkpoints)"
-            for c in following[:NAMED]
-        )
-        more = f"; and {len(following) - NAMED} more (analysis.json)" if len(following) > NAMED else ""
-        count = "1 quantity follows" if len(following) == 1 else f"{len(following)} quantities follow"
-        said.append(f"{count} a loss at p < 0.05: {named}{more}.")
-    else:
-        n = max((c.get("n", 0) for c in correlations), default=0)
-        said.append(f"No quantity follows a loss at p < 0.05 over {n} checkpoints.")
+    said.append(_following(correlations))
     return said
