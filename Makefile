@@ -28,7 +28,7 @@ RESOLVE = pip compile pyproject.toml --upgrade --quiet --system-certs --find-lin
 	--python-version 3.11 --python-platform x86_64-manylinux_2_28 -c requirements/torch-cpu.txt \
 	--custom-compile-command "make lock"
 
-.PHONY: demo test test-busy lint typecheck docs unit lock test-latest figures pages collapse rescue rescue-heldout silent clean
+.PHONY: demo test test-busy lint typecheck docs unit lock test-latest figures pages collapse rescue rescue-heldout silent silent-heldout clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -124,10 +124,13 @@ rescue-heldout: $(VENV)/.installed-dev
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/rescue/heldout.py --jobs 2
 
 # The silent-collapse suite (benchmarks/silent/PREREGISTERED.md): record the design split's evaluation seeds and
-# evaluate the candidates there; the held-out split is recorded and evaluated only after the pre-registration's
-# stage 2 (`silent_evaluate.py --split held_out --record`).
+# evaluate the candidates there; the held-out split (`silent-heldout`) is recorded and evaluated only after the
+# pre-registration's stage 2, which the script checks.
 silent: $(VENV)/.installed-dev
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/silent/silent_evaluate.py --split design --record --jobs 2
+
+silent-heldout: $(VENV)/.installed-dev
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/silent/silent_evaluate.py --split held_out --record --jobs 2
 
 clean:
 	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache .hypothesis
