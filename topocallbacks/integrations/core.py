@@ -351,7 +351,7 @@ class Tap:
         original = getattr(owner, name, None)
         if not callable(original) or not hasattr(owner, "__dict__"):
             return None
-        tap = cls(owner, name, original, sink)
+        tap = cls(owner=owner, name=name, original=original, sink=sink)
         setattr(owner, name, tap)
         return tap
 
