@@ -5,29 +5,22 @@ Values go to the Trainer's logging, decisions through ``TrainerControl``; what i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
 from ..check import CheckRecord
-from ..exceptions import InputError
-from ..intake import OptimizerStep
-from ..monitor import TopoMonitor
-from ..presets import resolve_settings
-from ..probe import StreamCapture, autocast_for
 from ..settings import MonitorSettings
-from ..sinks import hyperparameters, intervention_scalars, scalars_of
 from . import hf_glue as glue
-from .reporting import Guard, write_settings, write_text
+from .core import AdapterCore, Tap, callback_settings, probe_argument, saved_state
 
 __all__ = ["TopoCollapseTrainerCallback"]
 
 
-class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
+class TopoCollapseTrainerCallback(AdapterCore, TrainerCallback, ExportableState):
     """Watch representational collapse with topology during ``transformers.Trainer.train``, and act on it.
 
     Every ``check_every`` optimizer steps (and once when training starts) the probe runs through the model; the
@@ -82,33 +75,17 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         restoring: bool = False,
         **overrides: Any,
     ) -> None:
-        resolved = resolve_settings(preset, settings, overrides)
-        if resolved.probe.layer is None and resolved.probe.layers is None:
-            raise InputError("`layer` is required: the name of the module whose output to watch (or a `preset`)")
+        resolved = callback_settings(preset, settings, overrides)
         self._standing_in = restoring or probe_hash is not None  # rebuilt by the Trainer from state(): see _bind
-        self.streaming = resolved.schedule.mode == "stream"
-        given, self._texts, self._probe_source = glue.probe_inputs(
-            probe, tokenizer, self.streaming or self._standing_in
-        )
-        self.monitor = TopoMonitor(resolved, probe=given, tokenizer=tokenizer)
-        self.preset = preset
-        self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
+        optional = resolved.schedule.mode == "stream" or self._standing_in  # no probe needed
+        argument = probe_argument(probe, tokenizer, ("train", "eval"), optional=optional)
+        self._texts, self._probe_source = argument.texts, argument.source
+        self._start(resolved, preset=preset, probe=argument.given, tokenizer=tokenizer)
         self._restored: Mapping[str, Any] | None = None  # set by the Trainer on a rebuilt callback
-        self._guard = Guard()  # a reporter that fails is said once and never stops training
         self._unreported: dict[str, float] = {}  # values for report_to and the console, at their step
         self._settings_written = False  # the settings, as the report_to loggers' hyperparameters (once)
         self._trainer: Trainer | None = None  # found at on_init_end, or attach()'s
-        self._taps: list[glue.Tap] = []  # on the Trainer while it trains: its loss and gradient norm come here
-        self._step = OptimizerStep()
-
-    @classmethod
-    def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseTrainerCallback:
-        """A callback configured by a preset (a name from ``presets.available()`` or a YAML path), then overrides."""
-        return cls(probe=probe, preset=preset, **overrides)
-
-    layer = property(lambda self: self.monitor.settings.probe.layer or (), doc="The watched layer's name(s).")
-    prefix = property(lambda self: self.monitor.prefix, doc="The metrics' prefix (``topo``, or ``topo/<layer>``).")
-    history = property(lambda self: self.monitor.history, doc="The check records and interventions so far.")
+        self._taps: list[Tap] = []  # on the Trainer while it trains: its loss and gradient norm come here
 
     def attach(self, trainer: Trainer) -> TopoCollapseTrainerCallback:
         """Add this callback to ``trainer`` (if it is not there) before the ``report_to`` callbacks; returns it."""
@@ -116,13 +93,6 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
             trainer.callback_handler.callbacks.append(self)
         self._found(trainer)
         return self
-
-    def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
-        """The HTML report of the history so far, in ``out_dir`` (rank 0 writes).
-
-        See [`TopoMonitor.report`][topocallbacks.TopoMonitor.report].
-        """
-        return self.monitor.report(out_dir, title=title)
 
     def state(self) -> dict[str, Any]:
         """What ``Trainer`` saves in ``trainer_state.json``: the settings, the probe's hash and the monitor's state."""
@@ -134,7 +104,7 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         self._found(self._trainer or glue.trainer_holding(self))
         if self._trainer is not None and not self._standing_in:
-            glue.remember(self._trainer, self)
+            glue.BUILT_WITH.remember(self._trainer, self)
         return control
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
@@ -142,21 +112,19 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         model = kw["model"]
         self.monitor.resolve_layers(model)  # unknown names fail here, with close matches
         self._found(self._trainer or glue.trainer_holding(self))
-        glue.refuse_unsupported_rollback(self._trainer, self.monitor.keeps_snapshots)
+        self._refuse_rollback(getattr(self._trainer, "is_deepspeed_enabled", False))
         # Resuming: the checkpoint's saved state (or the Trainer's rebuild's), so that no action fires twice.
-        fresh = self.monitor.history or not state.global_step
-        restored = (None if fresh else glue.saved_state(state, type(self), self.monitor.settings)) or self._restored
+        stored = None if self.monitor.history or not state.global_step else state.stateful_callbacks
+        restored = saved_state(stored, type(self), self.monitor.settings) or self._restored
         if restored is not None:
             self.monitor.load_state_dict(restored["monitor"])
             self._restored = None
         glue.set_probe(self.monitor, self._texts, self._probe_source, kw)
-        if self.monitor.settings.probe.precision == "auto":
-            precision = "bf16" if args.bf16 else "16" if args.fp16 else "32"
-            self.monitor.autocast = autocast_for(precision, next(model.parameters()).device)  # the Trainer's
+        self._follow_precision(precision="bf16" if args.bf16 else "16" if args.fp16 else "32", model=model)
         if self.streaming:
             self.capture.attach(model, self.layer)
         else:  # a first check before any update calibrates ε and starts the warm-up on the initial features
-            for record in self.monitor.on_step(state.global_step, model=model):
+            for record in self._checks(state.global_step, model):
                 self._act(args, state, control, record, kw)
         self._step.reset()
         self._taps = glue.tap_trainer(self._trainer, self._step, self.monitor.settings.rule.channels, args)
@@ -171,13 +139,10 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         return control
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
-        features = self.capture.take() if self.streaming else None
         accelerator = getattr(self._trainer, "accelerator", None)
         if getattr(accelerator, "optimizer_step_was_skipped", False):
             self._step.skip()  # mixed precision skipped the step on overflow: no norm, and no divergence
-        loss, norm = self._step.take(average=False)
-        for record in self.monitor.on_step(state.global_step, model=kw["model"], features=features, loss=loss,
-                                           grad_norm=norm):  # fmt: skip
+        for record in self._checks(state.global_step, kw["model"], stepped=True):
             self._act(args, state, control, record, kw)
         self._report(args, state, control, kw)
         return control
@@ -188,28 +153,23 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
         self.capture.detach()
-        for tap in reversed(self._taps):
-            tap.remove()
-        self._taps = []
-        for record in self.monitor.finish():  # pending checks reach the history; their decisions can no longer act
-            state.log_history.append({**scalars_of(record, self.prefix), "step": record.step})
+        self._taps = Tap.remove_all(self._taps)
+        self._finish(lambda what, values, step: state.log_history.append({**values, "step": step}))
         self.monitor.close()
-        if self.monitor.settings.output.summary and state.is_world_process_zero:
-            print(self.monitor.summary(), flush=True)
+        if state.is_world_process_zero and (summary := self._summary()) is not None:
+            print(summary, flush=True)
         return control
 
     def _act(self, args: Any, state: TrainerState, control: Any, record: CheckRecord, kw: Mapping[str, Any]) -> None:
-        scalars = scalars_of(record, self.prefix)
-        state.log_history.append({**scalars, "step": record.step})  # at the step of the check
+        """Values to ``state.log_history`` and, at the next report, the reporters; the decision through the Trainer."""
+
+        def log(what: str, values: dict[str, float], step: int) -> None:
+            state.log_history.append({**values, "step": step})
+            self._unreported.update(values)
+
         actuator = glue.TrainerActuator(state, control, kw, self._trainer, getattr(args, "output_dir", None))
-        done = self.monitor.act(record, actuator)
-        if done is not None:  # its marker with the values, its text where a reporter takes text (rank 0)
-            marker = intervention_scalars(done, self.prefix)
-            state.log_history.append({**marker, "step": done.step})
-            scalars = {**scalars, **marker}
-            for reporter, kind, target in glue.text_targets(self._trainer) if state.is_world_process_zero else []:
-                self._guard(reporter, "an intervention's text", write_text, kind, target, done, self.prefix)
-        self._unreported.update(scalars)
+        texts = partial(glue.reporters_taking_text, self._trainer, state.is_world_process_zero)  # asked on an action
+        self._carry_out(record, actuator, log, texts)
 
     def _report(self, args: Any, state: TrainerState, control: Any, kw: Mapping[str, Any]) -> None:
         """The values not yet reported go to ``report_to`` and the console, as a Trainer log of them alone would.
@@ -218,27 +178,18 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         reporters have started (their step is still 0 then): never through a Trainer log of the loss.
         """
         if not self._settings_written and state.is_world_process_zero:
-            self._write_settings()
+            # The settings as hyperparameters, once: after every callback's on_train_begin, where the loggers start.
+            self._settings_written = True
+            self._write_settings_to(glue.reporters_taking_text(self._trainer))
         logs, self._unreported = self._unreported, {}
         console = self.monitor.settings.output.console
         for reporter in glue.reporters(self._trainer, console=console) if logs else []:
             self._guard(reporter, "a check's values", reporter.on_log, args, state, control, logs=dict(logs), **kw)
 
-    def _write_settings(self) -> None:
-        """The settings as hyperparameters of the ``report_to`` loggers, once.
-
-        Tried at the first report, which comes after every callback's ``on_train_begin``, where those loggers start.
-        """
-        self._settings_written = True
-        targets = glue.text_targets(self._trainer)
-        params = hyperparameters(self.monitor.settings, self.prefix)
-        for reporter, kind, target in targets:
-            self._guard(reporter, "the settings", write_settings, kind, target, params)
-
     def _bind(self, args: TrainingArguments) -> None:
         """A callback the Trainer rebuilt from ``state()`` becomes another name for the resumed Trainer's own."""
         if self._standing_in:
-            original = glue.original_of(self)
+            original = glue.BUILT_WITH.original_of(glue.trainer_holding(self), self)
             original._restored = self._restored
             self.__dict__ = original.__dict__
 
@@ -247,8 +198,9 @@ class TopoCollapseTrainerCallback(TrainerCallback, ExportableState):
         if trainer is not None:
             self._trainer = trainer
             glue.place_before_reporters(self, trainer.callback_handler)
-            glue.name_metrics(self, [c for c in trainer.callback_handler.callbacks if isinstance(c, type(self))])
+            ours = [c for c in trainer.callback_handler.callbacks if isinstance(c, type(self))]
+            self._name_metrics(ours, lambda c: ",".join(c.layer or c.monitor.settings.probe.layers or ()))
 
     def __getstate__(self) -> dict[str, Any]:
         # The Trainer does not pickle (nor do the taps on it); a run starts by finding its Trainer again.
-        return {**self.__dict__, "_trainer": None, "_taps": [], "_step": OptimizerStep()}
+        return {**self.__dict__, "_trainer": None, "_taps": [], "_step": type(self._step)()}

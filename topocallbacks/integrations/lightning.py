@@ -13,21 +13,16 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..check import CheckRecord, InterventionRecord
-from ..exceptions import InputError
-from ..intake import OptimizerStep
-from ..monitor import TopoMonitor
-from ..presets import resolve_settings
-from ..probe import StreamCapture
+from ..check import CheckRecord
+from ..probe import resolve_layer
 from ..settings import MonitorSettings
-from ..sinks import hyperparameters, intervention_scalars, scalars_of
 from . import lightning_glue as glue
-from .reporting import Guard, write_text
+from .core import AdapterCore, callback_settings, probe_source
 
 __all__ = ["TopoCollapseCallback"]
 
 
-class TopoCollapseCallback(Callback):
+class TopoCollapseCallback(AdapterCore, Callback):
     """Watch representational collapse with topology during ``Trainer.fit``, and act on it.
 
     Every ``check_every`` optimizer steps (and once when training starts) the probe runs through the module; the
@@ -79,31 +74,16 @@ class TopoCollapseCallback(Callback):
         check_on_validation_end: bool = False,
         **overrides: Any,
     ) -> None:
-        resolved = resolve_settings(preset, settings, overrides)
-        if resolved.probe.layer is None and resolved.probe.layers is None:
-            raise InputError("`layer` is required: the name of the module whose output to watch (or a `preset`)")
-        self.preset = preset
-        self.streaming = resolved.schedule.mode == "stream"
-        self._probe_source = glue.probe_source(probe, required=not self.streaming)
-        self.monitor = TopoMonitor(resolved, probe=None if self._probe_source else probe, tokenizer=tokenizer)
+        resolved = callback_settings(preset, settings, overrides)
+        self._probe_source = probe_source(probe, ("train", "val"), required=resolved.schedule.mode != "stream")
+        self._start(resolved, preset=preset, probe=None if self._probe_source else probe, tokenizer=tokenizer)
         self.check_on_validation_end = bool(check_on_validation_end)
-        self.capture = StreamCapture(resolved.probe.pooling, resolved.schedule.points_per_batch, resolved.seed)
         self._unlogged: list[CheckRecord] = []  # the latest check's records, until they are callback metrics
-        self._guard = Guard()  # a logger that fails is said once and never stops training
         self._sharded_root: torch.nn.Module | None = None  # the strategy's FSDP root the probe runs through, if any
-        self._step = OptimizerStep()  # the training channels of the optimizer step under way
         self._seen_step: int | None = None  # the global step last seen (no new one: gradients still accumulate)
         self._state_key = self._key_of(resolved)  # Lightning asks for it several times a step: made once
 
-    @classmethod
-    def from_preset(cls, preset: str, probe: Any = None, **overrides: Any) -> TopoCollapseCallback:
-        """A callback configured by a preset (a name from ``presets.available()`` or a YAML path), then overrides."""
-        return cls(probe=probe, preset=preset, **overrides)
-
-    layer = property(lambda self: self.monitor.settings.probe.layer or (), doc="The watched layer's name(s).")
     layers = property(lambda self: self.monitor.settings.probe.layers or (), doc="Several watched layers, if any.")
-    history = property(lambda self: self.monitor.history, doc="The check records and interventions so far.")
-    prefix = property(lambda self: self.monitor.prefix, doc="The metrics' prefix (``topo``, or ``topo/<layer>``).")
 
     @property
     def state_key(self) -> str:
@@ -118,16 +98,11 @@ class TopoCollapseCallback(Callback):
             key["prefix"] = settings.output.prefix
         return self._generate_state_key(**key)
 
-    report = property(
-        lambda self: self.monitor.report,
-        doc="Write the HTML report ([`TopoMonitor.report`][topocallbacks.TopoMonitor.report]).",
-    )
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.monitor.resolve_layers(pl_module)  # unknown names fail here, with close matches
-        glue.refuse_unsupported_rollback(trainer, self.monitor.keeps_snapshots)
+        self._refuse_rollback(glue.is_deepspeed(trainer))
         ours = [c for c in trainer.callbacks if isinstance(c, TopoCollapseCallback)]  # type: ignore[attr-defined]
-        glue.name_metrics(self, pl_module, ours)
+        self._name_metrics(ours, lambda c: resolve_layer(pl_module, c.layer) if c.layer else ",".join(c.layers))
         if self.streaming:
             self.capture.attach(pl_module, self.layer)
 
@@ -138,17 +113,16 @@ class TopoCollapseCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._probe_source is not None and self.monitor.probe is None:
             self.monitor.set_probe(glue.dataloader_dataset(trainer, self._probe_source))
-        if self.monitor.settings.probe.precision == "auto":
-            self.monitor.autocast = trainer.strategy.precision_plugin.forward_context  # the trainer's precision
+        self._follow_precision(trainer.strategy.precision_plugin.forward_context)
         self._sharded_root = glue.probe_root(trainer, pl_module)
-        params = hyperparameters(self.monitor.settings, self.prefix)
+        params = self._hyperparameters()
         for logger in trainer.loggers if trainer.is_global_zero else []:  # the settings, as hyperparameters
             self._guard(logger, "the settings", logger.log_hyperparams, params)
         self._step.reset()
         self._seen_step = trainer.global_step
         # A first check before any update calibrates ε and starts the warm-up on the initial features.
         if not self.streaming:
-            for record in self.monitor.on_step(trainer.global_step, model=(self._sharded_root or pl_module)):
+            for record in self._checks(trainer.global_step, self._sharded_root or pl_module):
                 self._act(trainer, record)
         if not self._unlogged:  # resumed: the latest values are callback metrics again
             self._unlogged = self.monitor.last_records
@@ -156,16 +130,13 @@ class TopoCollapseCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        features = self.capture.take() if self.streaming else None
-        loss, norm = self._dynamics(trainer, outputs)
+        stepped = self._add_loss(trainer, outputs)
         model = self._sharded_root or pl_module
-        for record in self.monitor.on_step(
-            trainer.global_step, model=model, features=features, loss=loss, grad_norm=norm
-        ):
+        for record in self._checks(trainer.global_step, model, stepped=stepped, average=True):
             self._act(trainer, record)
         unlogged, self._unlogged = self._unlogged, []
         if unlogged:  # the loggers got the records at their own step already
-            glue.set_callback_metrics(trainer, unlogged, self.prefix)
+            glue.set_callback_metrics(trainer, [self._values(r) for r in unlogged], self._index_name(unlogged[-1]))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -177,10 +148,10 @@ class TopoCollapseCallback(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Checks still pending reach the history and the loggers; their decisions can no longer act.
-        for record in self.monitor.finish():
-            self._write_to_loggers(trainer, record)
-        if self.monitor.settings.output.summary:
-            rank_zero_info(self.monitor.summary())
+        self._finish(lambda what, values, step: self._log(trainer, what, values, step))
+        summary = self._summary()
+        if summary is not None:
+            rank_zero_info(summary)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
@@ -195,8 +166,8 @@ class TopoCollapseCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state_dict["monitor"])
 
-    def _dynamics(self, trainer: pl.Trainer, outputs: Any) -> tuple[Any, Any]:
-        """This batch's optimizer step's loss and gradient norm, or ``(None, None)`` while gradients accumulate.
+    def _add_loss(self, trainer: pl.Trainer, outputs: Any) -> bool:
+        """This batch's loss joins its optimizer step's; whether that step ended (no new global step: it goes on).
 
         With ``accumulate_grad_batches`` the micro-batches' own losses (automatic optimization divides them by their
         number) are averaged; the norms of the optimizer steps of one batch (several optimizers) are combined.
@@ -205,36 +176,19 @@ class TopoCollapseCallback(Callback):
         if isinstance(loss, torch.Tensor) and trainer.lightning_module.automatic_optimization:
             loss = loss.detach() * trainer.accumulate_grad_batches if trainer.accumulate_grad_batches > 1 else loss
         self._step.add_loss(loss)
-        if trainer.global_step == self._seen_step:
-            return None, None  # no optimizer step in this batch: its loss joins the next step's
-        self._seen_step = trainer.global_step
-        return self._step.take(average=True)
+        stepped, self._seen_step = trainer.global_step != self._seen_step, trainer.global_step
+        return stepped
 
     def _act(self, trainer: pl.Trainer, record: CheckRecord) -> None:
         """Log a record (the same on every rank) and carry out its decision on every rank."""
-        self._write_to_loggers(trainer, record)
         if self._unlogged and self._unlogged[-1].step != record.step:
             self._unlogged = []  # an older check's records: this one's replace them
         self._unlogged.append(record)
-        done = self.monitor.act(record, glue.LightningActuator(trainer, self.monitor.settings.interventions.rescue_dir))
-        if done is not None:
-            self._mark_in_loggers(trainer, done)
+        actuator = glue.LightningActuator(trainer, self.monitor.settings.interventions.rescue_dir)
+        log = lambda what, values, step: self._log(trainer, what, values, step)  # noqa: E731
+        self._carry_out(record, actuator, log, lambda: glue.loggers_taking_text(trainer))
 
-    def _write_to_loggers(self, trainer: pl.Trainer, record: CheckRecord) -> None:
-        """The record's values to every logger of the trainer (rank 0), at the step of the check."""
+    def _log(self, trainer: pl.Trainer, what: str, values: dict[str, float], step: int) -> None:
+        """Values to every logger of the trainer (rank 0), at ``step``."""
         for logger in trainer.loggers if trainer.is_global_zero else []:
-            self._guard(
-                logger, "a check's values", logger.log_metrics, scalars_of(record, self.prefix), step=record.step
-            )
-
-    def _mark_in_loggers(self, trainer: pl.Trainer, record: InterventionRecord) -> None:
-        """An intervention's marker (``topo/intervention``) and, where a logger takes text, its reason (rank 0)."""
-        marker = intervention_scalars(record, self.prefix)
-        for logger in trainer.loggers if trainer.is_global_zero else []:
-            self._guard(logger, "an intervention", logger.log_metrics, marker, step=record.step)
-            text = glue.text_target(logger)
-            if text is not None:
-                kind, target, run_id = text
-                self._guard(
-                    logger, "an intervention's text", write_text, kind, target, record, self.prefix, run_id=run_id
-                )
+            self._guard(logger, what, logger.log_metrics, values, step=step)
