@@ -76,8 +76,8 @@ class TopoCollapseTrainerCallback(AdapterCore, TrainerCallback, ExportableState)
         **overrides: Any,
     ) -> None:
         resolved = callback_settings(preset, settings, overrides)
-        self._standing_in = restoring or probe_hash is not None  # rebuilt by the Trainer from state(): see _bind
-        optional = resolved.schedule.mode == "stream" or self._standing_in  # no probe needed
+        self._rebuilt_from_state = restoring or probe_hash is not None  # see _merge_into_original
+        optional = resolved.schedule.mode == "stream" or self._rebuilt_from_state  # no probe needed
         argument = probe_argument(probe, tokenizer, ("train", "eval"), optional=optional)
         self._texts, self._probe_source = argument.texts, argument.source
         self._start(resolved, preset=preset, probe=argument.given, tokenizer=tokenizer)
@@ -91,7 +91,7 @@ class TopoCollapseTrainerCallback(AdapterCore, TrainerCallback, ExportableState)
         """Add this callback to ``trainer`` (if it is not there) before the ``report_to`` callbacks; returns it."""
         if self not in trainer.callback_handler.callbacks:
             trainer.callback_handler.callbacks.append(self)
-        self._found(trainer)
+        self._adopt_trainer(trainer)
         return self
 
     def state(self) -> dict[str, Any]:
@@ -102,16 +102,16 @@ class TopoCollapseTrainerCallback(AdapterCore, TrainerCallback, ExportableState)
         return {"args": args, "attributes": {"_restored": {"monitor": self.monitor.state_dict()}}}
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
-        self._found(self._trainer or glue.trainer_holding(self))
-        if self._trainer is not None and not self._standing_in:
+        self._adopt_trainer(self._trainer or glue.trainer_holding(self))
+        if self._trainer is not None and not self._rebuilt_from_state:
             glue.BUILT_WITH.remember(self._trainer, self)
         return control
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
-        self._bind(args)
+        self._merge_into_original(args)
         model = kw["model"]
         self.monitor.resolve_layers(model)  # unknown names fail here, with close matches
-        self._found(self._trainer or glue.trainer_holding(self))
+        self._adopt_trainer(self._trainer or glue.trainer_holding(self))
         self._refuse_rollback(getattr(self._trainer, "is_deepspeed_enabled", False))
         # Resuming: the checkpoint's saved state (or the Trainer's rebuild's), so that no action fires twice.
         stored = None if self.monitor.history or not state.global_step else state.stateful_callbacks
@@ -186,14 +186,14 @@ class TopoCollapseTrainerCallback(AdapterCore, TrainerCallback, ExportableState)
         for reporter in glue.reporters(self._trainer, console=console) if logs else []:
             self._guard(reporter, "a check's values", reporter.on_log, args, state, control, logs=dict(logs), **kw)
 
-    def _bind(self, args: TrainingArguments) -> None:
+    def _merge_into_original(self, args: TrainingArguments) -> None:
         """A callback the Trainer rebuilt from ``state()`` becomes another name for the resumed Trainer's own."""
-        if self._standing_in:
+        if self._rebuilt_from_state:
             original = glue.BUILT_WITH.original_of(glue.trainer_holding(self), self)
             original._restored = self._restored
             self.__dict__ = original.__dict__
 
-    def _found(self, trainer: Trainer | None) -> None:
+    def _adopt_trainer(self, trainer: Trainer | None) -> None:
         """Remember the Trainer, stand before its ``report_to`` callbacks and name the metrics beside others."""
         if trainer is not None:
             self._trainer = trainer
