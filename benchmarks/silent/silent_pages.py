@@ -162,8 +162,9 @@ def classes_caught(row: dict[str, Any] | None) -> set[str]:
     return {c for c, caught in by_class.items() if caught}
 
 
-def targets(design: dict[str, Any], held_out: dict[str, Any]) -> list[tuple[str, str, bool]]:
-    """PREREGISTERED.md's targets ("Evaluation and targets"), held-out split first: (target, what was found, met)."""
+def targets(design: dict[str, Any], held_out: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """PREREGISTERED.md's targets ("Evaluation and targets"), held-out split first: (target, what was found, met;
+    None where the target does not apply)."""
     held_caught = classes_caught(held_out["default"])
     suite_caught = classes_caught(design["default"]) | held_caught
     touched = design["default"]["healthy_alarmed"] + held_out["default"]["healthy_alarmed"]
@@ -183,14 +184,15 @@ def targets(design: dict[str, Any], held_out: dict[str, Any]) -> list[tuple[str,
         ("a class where only the topological signal fires", "none: no silent path was chosen, so there are no "
          "chosen settings to compare at", False),
         ("the rescue suite with the new default", "not run: the default did not change (stage 2 chose nothing), "
-         "so the rescue suite's held-out figures stand", False),
+         "so the rescue suite's held-out figures stand", None),
     ]  # fmt: skip
 
 
 def targets_table(design: dict[str, Any], held_out: dict[str, Any]) -> str:
     """The targets as a table."""
     lines = ["| target (PREREGISTERED.md) | found | met |", "|---|---|---|"]
-    lines += [f"| {what} | {found} | {'yes' if met else '**no**'} |" for what, found, met in targets(design, held_out)]
+    verdict = {True: "yes", False: "**no**", None: "does not apply"}
+    lines += [f"| {what} | {found} | {verdict[met]} |" for what, found, met in targets(design, held_out)]
     return "\n".join(lines)
 
 

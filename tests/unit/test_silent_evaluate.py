@@ -219,9 +219,11 @@ def test_the_targets_are_judged_held_out_first_from_both_splits():
     found = {what: (text, met) for what, text, met in pages.targets(design, held_out)}
     assert found["the default catches both held-out classes (S2, S6)"] == ("S2, S6 caught", True)
     assert found["<= 1 healthy run touched, over >= 48"] == ("1 of 60", True)
+    assert found["the rescue suite with the new default"][1] is None  # no new default: nothing to re-run
     table = pages.targets_table(design, held_out)
     assert table.count("\n") == 7
     assert "| 1 of 60 | yes |" in table
+    assert "| does not apply |" in table
 
 
 def test_the_status_reports_the_held_out_split_first(evaluate):
