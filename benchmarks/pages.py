@@ -381,10 +381,22 @@ def _quoted(text: str) -> str:
     return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in lines)
 
 
-@block("silent-status", "silent_design.json")
+@block("silent-status", "silent_design.json", "silent_held_out.json")
 def silent_status() -> str:
-    """The README's lead: the silent suite's design split in a paragraph (``silent_pages.status``)."""
-    return _quoted(suite("silent", "silent_pages").status(stored("silent_design.json")))
+    """The README's lead: the silent suite's held-out split, then its design split, in a paragraph
+    (``silent_pages.status``)."""
+    status = suite("silent", "silent_pages").status
+    return _quoted(status(stored("silent_design.json"), stored("silent_held_out.json")))
+
+
+@block("silent-heldout", "silent_design.json", "silent_held_out.json")
+def silent_heldout() -> str:
+    """The evidence page's held-out split (``silent_pages.page``) and the pre-registered targets judged on both
+    splits (``silent_pages.targets_table``)."""
+    pages, held_out = suite("silent", "silent_pages"), stored("silent_held_out.json")
+    return "\n".join([str(pages.page(held_out)).rstrip("\n"), "",
+                      "The pre-registered targets (PREREGISTERED.md, \"Evaluation and targets\"):",
+                      "", pages.targets_table(stored("silent_design.json"), held_out)])  # fmt: skip
 
 
 @block("silent-design", "silent_design.json")

@@ -208,15 +208,26 @@ def held_out_lead(held_out: dict[str, Any] | None) -> str:
         return ""
     default, loss = held_out["default"], held_out["loss_rule"]
     silence = held_out["silence"]
-    passing = [_short(name) for name, found in silence.items() if found["passes"]]
+    passing = [name for name, found in silence.items() if found["passes"]]
     scenarios = ", ".join(SHORT.get(name, name) for name in silence)
+    where = [f"{_short(name)} {n} of 6" + ("" if name in passing else ", a scenario failing the silence check")
+             for name, n in default["seeds_caught"].items() if n]  # fmt: skip
+    caught_where = f" ({'; '.join(where)})" if where else ""
+    rows = [row["at_zero"] for group in ("families", "anchors") for row in held_out[group].values()]
+    best = max((row["seeds_caught"].get(name, 0) for row in rows if row for name in passing), default=0)
+    on_passing = (
+        f", and on {'it' if len(passing) == 1 else 'them'} the best family or anchor at that budget caught "
+        f"{best} of 6 seeds"
+        if passing
+        else ""
+    )
     return (
         f"On the held-out split, run after the choice ({scenarios} and the trap {', '.join(held_out['traps'])}: "
         f"{default['healthy_runs']} healthy runs), the default as shipped caught {default['runs_caught']}/"
-        f"{default['runs']} faulted runs before their harm and touched {default['healthy_alarmed']}/"
-        f"{default['healthy_runs']} healthy runs; the loss-only rule caught {loss['runs_caught']}/{loss['runs']}; "
-        f"{len(passing)} of the {len(silence)} held-out scenarios ({', '.join(passing) or 'none'}) passed the "
-        "silence check. "
+        f"{default['runs']} faulted runs before their harm{caught_where} and touched "
+        f"{default['healthy_alarmed']}/{default['healthy_runs']} healthy runs; the loss-only rule caught "
+        f"{loss['runs_caught']}/{loss['runs']}; {len(passing)} of the {len(silence)} held-out scenarios "
+        f"({', '.join(_short(n) for n in passing) or 'none'}) passed the silence check{on_passing}. "
     )
 
 

@@ -235,11 +235,20 @@ def test_the_status_reports_the_held_out_split_first(evaluate):
     held_out = {"split": "held_out", "classes": ["S6"], "traps": ["T1"],
                 "silence": {"minilm_forgetting": {**silence["vae_kl_bug"], "passes": False}},
                 "default": row({"minilm_forgetting": 2}, healthy_alarmed=1),
-                "loss_rule": row({"minilm_forgetting": 0})}  # fmt: skip
+                "loss_rule": row({"minilm_forgetting": 0}),
+                "families": {"drift": {"at_zero": row({"minilm_forgetting": 4})}},
+                "anchors": {"rankme": {"at_zero": None}}}  # fmt: skip
     lead = pages.status(design, held_out)
     first, design_part = lead.index("On the held-out split"), lead.index("In the pre-registered")
     assert first < design_part
     assert "S6 MiniLM forgetting and the trap T1: 24 healthy runs" in lead
-    assert "caught 2/6 faulted runs before their harm and touched 1/24 healthy runs" in lead
-    assert "0 of the 1 held-out scenarios (none) passed the silence check" in lead
+    assert (
+        "caught 2/6 faulted runs before their harm (S6 2 of 6, a scenario failing the silence check) and touched "
+        "1/24 healthy runs" in lead
+    )
+    assert "0 of the 1 held-out scenarios (none) passed the silence check." in lead
     assert "have not been run" not in lead
+    held_out["silence"]["minilm_forgetting"]["passes"] = True  # now the best row's seeds on it are told
+    lead = pages.status(design, held_out)
+    assert "(S6 2 of 6) and touched" in lead
+    assert "passed the silence check, and on it the best family or anchor at that budget caught 4 of 6 seeds." in lead
