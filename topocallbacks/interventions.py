@@ -14,9 +14,10 @@ current rate. Scaling all of these together keeps the cut in effect at every lat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from ._validation import check_int, check_number
 from .exceptions import InputError, SnapshotUnsupported
@@ -251,15 +252,27 @@ def _skip(optimizer: Any, count: int) -> None:
     optimizer.step = step
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainingParts:
+    """What a snapshot copies and a rollback restores: the model, its optimizers and schedulers, the grad scaler."""
+
+    model: Any
+    optimizers: list[Any]
+    schedulers: list[Any]
+    scaler: Any = None
+
+
 class StateActuator:
     """The rollback half of an `Actuator`, from the training's parts (a framework adapter's base).
 
-    A subclass gives `_parts` (model, optimizers, schedulers, grad scaler) and may refuse snapshots of a
+    A subclass gives `_parts` (a `TrainingParts`, built as ``self.Parts(...)``) and may refuse snapshots of a
     training it cannot put back in place (`_check_snapshots`, e.g. sharded strategies) and word its restore
     (`_restored`); ``snapshot_nbytes``, ``snapshot``, ``restore`` and ``skip_updates`` follow.
     """
 
-    def _parts(self) -> tuple[Any, list[Any], list[Any], Any]:
+    Parts: TypeAlias = TrainingParts
+
+    def _parts(self) -> TrainingParts:
         raise NotImplementedError
 
     def _check_snapshots(self) -> None:
@@ -271,23 +284,24 @@ class StateActuator:
     def snapshot_nbytes(self) -> int:
         """`live_state_nbytes` of the model and optimizers."""
         self._check_snapshots()
-        model, optimizers, _, _ = self._parts()
-        return live_state_nbytes(model, optimizers)
+        parts = self._parts()
+        return live_state_nbytes(parts.model, parts.optimizers)
 
     def snapshot(self) -> dict[str, Any]:
         """`capture_state` of the parts."""
         self._check_snapshots()
-        return capture_state(*self._parts())
+        parts = self._parts()
+        return capture_state(parts.model, parts.optimizers, parts.schedulers, parts.scaler)
 
     def restore(self, snapshot: Any) -> str:
         """`restore_state` in place."""
-        model, optimizers, schedulers, scaler = self._parts()
-        restore_state(snapshot, model, optimizers, schedulers, scaler)
-        return self._restored(model, optimizers, schedulers)
+        parts = self._parts()
+        restore_state(snapshot, parts.model, parts.optimizers, parts.schedulers, parts.scaler)
+        return self._restored(parts.model, parts.optimizers, parts.schedulers)
 
     def skip_updates(self, count: int) -> str:
         """`skip_updates` of the optimizers."""
-        return skip_updates(self._parts()[1], count)
+        return skip_updates(self._parts().optimizers, count)
 
 
 # Param-group keys that schedulers read learning rates back from (OneCycleLR, and LRScheduler's initial_lr).

@@ -54,7 +54,7 @@ class TrainerActuator(FrameworkActuator):
     def save_checkpoint(self, tag: str) -> None:
         self.control.should_save = True  # the Trainer saves after this step's callbacks, the history included
 
-    def _parts(self) -> tuple[Any, list[Any], list[Any], Any]:
+    def _parts(self) -> FrameworkActuator.Parts:
         model, optimizer, scheduler = (self.kwargs.get(k) for k in ("model", "optimizer", "lr_scheduler"))
         if model is None or optimizer is None:
             raise InputError(f"`rollback` at step {self.state.global_step}: the Trainer passed no model or optimizer")
@@ -65,7 +65,7 @@ class TrainerActuator(FrameworkActuator):
         schedulers = [] if scheduler is None else [getattr(scheduler, "scheduler", scheduler)]
         if self.trainer is not None and getattr(self.trainer, "is_fsdp_enabled", False):
             model = self.trainer.model_wrapped  # the FSDP root accelerate made: the sharded state is read there
-        return model, optimizers, schedulers, scaler
+        return self.Parts(model=model, optimizers=optimizers, schedulers=schedulers, scaler=scaler)
 
     def _restored(self, model: Any, optimizers: list[Any], schedulers: list[Any]) -> str:
         return f"model, optimizer and {len(schedulers)} scheduler(s) restored"

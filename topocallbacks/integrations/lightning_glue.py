@@ -53,14 +53,14 @@ class LightningActuator(FrameworkActuator):
             os.path.join(self.snapshot_dir, tag + ".ckpt")
         )  # every rank calls it; rank 0 writes
 
-    def _parts(self) -> tuple[Any, list[Any], list[Any], Any]:
+    def _parts(self) -> FrameworkActuator.Parts:
         trainer = self.trainer
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # mixed precision's GradScaler, if any
         # FSDPStrategy wraps the module in its FSDP root: the sharded state is read and written there.
         sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
         model = trainer.strategy.model if sharded else trainer.lightning_module
-        return model, trainer.optimizers, schedulers, scaler
+        return self.Parts(model=model, optimizers=trainer.optimizers, schedulers=schedulers, scaler=scaler)
 
     def _restored(self, model: Any, optimizers: list[Any], schedulers: list[Any]) -> str:
         return f"module, {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s) restored"
