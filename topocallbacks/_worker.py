@@ -42,7 +42,12 @@ def _evaluate(pipeline: Any, request: Any) -> Answer:
     """The answer to a check request (`topocallbacks.pipeline.CheckRequest`)."""
     evaluation = request.run(pipeline)
     record = None if evaluation.record is None else evaluation.record.as_dict()
-    return Answer(record, evaluation.shared, evaluation.figures, [r.as_dict() for r in evaluation.others])
+    return Answer(
+        record=record,
+        shared=evaluation.shared,
+        figures=evaluation.figures,
+        others=[r.as_dict() for r in evaluation.others],
+    )
 
 
 def _serve(receive: Connection, send: Connection) -> int:

@@ -146,7 +146,14 @@ def plan(
         for intervals in range(1, FLOOR_INTERVALS + 1):
             lag = footprint.hiding_lag(n, intervals) if background and can_lag else None
             share = footprint.share(n, background, intervals, lag)
-            candidate = Plan(intervals, background, None if n == n0 else n, share, share <= budget, lag)
+            candidate = Plan(
+                intervals=intervals,
+                background=background,
+                probe_size=None if n == n0 else n,
+                predicted=share,
+                met=share <= budget,
+                lag=lag,
+            )
             if candidate.met:
                 return _keep_size(candidate, current)
             if best is None or share < best.predicted:

@@ -112,7 +112,7 @@ def measure(
     names = dict.fromkeys((settings.name, *also))
     drift = _drift(previous, finite, alternative) if "diagram_drift" in names else None
     values = {name: _VALUES[name](cloud, report, drift) for name in names}
-    return Measurement(report, values[settings.name], finite, values, drift)
+    return Measurement(report=report, index_value=values[settings.name], diagrams=finite, values=values, drift=drift)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -203,7 +203,6 @@ def train(
         seed=seed,
     )
     actuator = LoopActuator(optimizer, scheduler, model=model)
-
     accuracy: list[float] = []
     with warnings.catch_warnings(record=True) as caught:  # the "warn" action's warnings, kept for the table
         warnings.simplefilter("always", RuntimeWarning)
@@ -223,7 +222,8 @@ def train(
                 break
     monitor.close()
     warned = [str(w.message) for w in caught if str(w.message).startswith("topocallbacks")]
-    return Run(name, accuracy, monitor, warned, step if actuator.stop_requested else None)
+    stopped_at = step if actuator.stop_requested else None
+    return Run(name=name, accuracy=accuracy, monitor=monitor, warned=warned, stopped_at=stopped_at)
 
 
 def _sgd_step(

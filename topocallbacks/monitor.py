@@ -200,14 +200,21 @@ class CheckFeed:
         layered = self.pipeline if isinstance(self.pipeline, LayeredPipeline) else None
         features, probe_ms = self.probing.take(model, step, layered, self.autocast)
         self.schedule.checked(step)
-        self._submit(CheckRequest("evaluate", step, features, self._dynamics()), step, lag, probe_ms)
+        self._submit(
+            CheckRequest(kind="evaluate", step=step, payload=features, dynamics=self._dynamics()), step, lag, probe_ms
+        )
 
     def _submit_window(self, step: int, features: Any, lag: int | None = None) -> None:
         self.schedule.settle_background(features)
         self.schedule.checked(step)
         t0 = time.perf_counter()
         host = self.intake.take_batches() if rank_and_world()[0] == 0 else []
-        self._submit(CheckRequest("window", step, host, self._dynamics()), step, lag, (time.perf_counter() - t0) * 1e3)
+        self._submit(
+            CheckRequest(kind="window", step=step, payload=host, dynamics=self._dynamics()),
+            step,
+            lag,
+            (time.perf_counter() - t0) * 1e3,
+        )
 
     def _submit(self, request: CheckRequest, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
         self.budget.scheduled(step, lag is None)  # only checks the schedule called are planned for
@@ -357,7 +364,7 @@ class TopoMonitor(PartViews, CheckFeed, Stateful):
             features = {primary[0]: features[primary[0]], **features}  # the primary layer first
         self.schedule.checked(step)
         self.record_dynamics(loss, grad_norm)
-        self._submit(CheckRequest("evaluate", step, features, self._dynamics()), step, lag=0)
+        self._submit(CheckRequest(kind="evaluate", step=step, payload=features, dynamics=self._dynamics()), step, lag=0)
         return self._collect(step)[-1]  # submitted with lag 0: applied at once
 
     @_entry_point

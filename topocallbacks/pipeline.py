@@ -423,9 +423,8 @@ class CheckPipeline(Stateful):
         decision = self.policy.decide(step, None, diverged=True, loss=loss, grad_norm=grad_norm)
         self.checks_evaluated_ += 1
         elapsed = (time.perf_counter() - start) * 1e3
-        record = CheckRecord(
-            step, "diverged", self.settings.index.name, None, decision, elapsed, loss=loss, grad_norm=grad_norm
-        )
+        record = CheckRecord(step=step, status="diverged", index=self.settings.index.name, index_value=None,
+                             decision=decision, check_ms=elapsed, loss=loss, grad_norm=grad_norm)  # fmt: skip
         return Evaluation(record, self.share())
 
     # --- state --------------------------------------------------------------------------------------------
@@ -560,7 +559,8 @@ class LayeredPipeline(Stateful):
         if self.layer_rule != "primary":
             records[primary] = dataclasses.replace(records[primary], decision=self._decide(records, step, dynamics))
         first = records.pop(primary)
-        return Evaluation(first, self.share(), evaluations[primary].figures, list(records.values()))
+        figures = evaluations[primary].figures
+        return Evaluation(record=first, shared=self.share(), figures=figures, others=list(records.values()))
 
     def _decide(self, records: Mapping[str, CheckRecord], step: int, dynamics: Any) -> Decision:
         """The check's decision under ``layer_rule`` "any", "all" or k, from each layer's own verdict."""

@@ -389,7 +389,7 @@ def _move(name: str, past: Sequence[float], value: float) -> Move:
     recent = [v for v in past if math.isfinite(v)][-RECENT:]
     before = statistics.median(recent) if recent else value
     z = trailing_zscore(recent, value, direction=1, window=RECENT) if len(recent) >= 3 else None
-    return Move(name, float(before), float(value), len(recent), z)
+    return Move(name=name, before=float(before), after=float(value), history=len(recent), z=z)
 
 
 def _component_moves(check: CheckRecord, checks: Sequence[CheckRecord]) -> tuple[Move, ...]:

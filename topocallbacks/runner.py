@@ -65,14 +65,16 @@ class _Pending:
     def from_dict(cls, data: Mapping[str, Any], shared: dict[str, Any]) -> _Pending:
         record = None if data["record"] is None else CheckRecord.from_dict(data["record"])
         others = [CheckRecord.from_dict(r) for r in data.get("others", [])]
-        evaluation = Evaluation(record, shared, None, others)
-        return cls(int(data["step"]), int(data["apply_at"]), float(data["probe_ms"]), evaluation)
+        evaluation = Evaluation(record=record, shared=shared, others=others)
+        return cls(step=int(data["step"]), apply_at=int(data["apply_at"]), probe_ms=float(data["probe_ms"]),
+                   evaluation=evaluation)  # fmt: skip
 
 
 def _evaluation_of(answer: Answer) -> Evaluation:
     """The evaluation a worker's answer carries."""
     record = None if answer.record is None else CheckRecord.from_dict(answer.record)
-    return Evaluation(record, answer.shared, answer.figures, [CheckRecord.from_dict(r) for r in answer.others])
+    others = [CheckRecord.from_dict(r) for r in answer.others]
+    return Evaluation(record=record, shared=answer.shared, figures=answer.figures, others=others)
 
 
 def _adopt_rank0(

@@ -40,3 +40,36 @@ def test_every_named_exception_still_exceeds_a_limit():
         if lines > (CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES)
     }
     assert EXCEPTIONS - over == set()
+
+
+def record_fields(trees):
+    """The field names of the package's records (dataclasses and named tuples), by class name."""
+    fields = {}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            marks = [ast.unparse(d) for d in node.decorator_list] + [ast.unparse(b) for b in node.bases]
+            if any("dataclass" in m or m.endswith("NamedTuple") for m in marks):
+                fields[node.name] = [
+                    b.target.id for b in node.body if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)
+                ]
+    return fields
+
+
+def positional_records(trees, fields):
+    for where, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and len(node.args) > 3:
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name in fields:
+                    yield f"{where}:{node.lineno}: {name} with {len(node.args)} positional arguments"
+
+
+def test_no_record_of_more_than_three_fields_is_built_by_position():
+    trees = {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+    fields = record_fields(trees)
+    assert {"CheckRecord", "Decision", "Plan", "BettiCurve"} <= set(fields)  # dataclasses and named tuples seen
+    assert list(positional_records(trees, fields)) == []
+    built = {"x.py": ast.parse("Decision(1, 2, 3, 4)\nDecision(action=1, reason=2, step=3, value=4)\n")}
+    assert list(positional_records(built, fields)) == ["x.py:1: Decision with 4 positional arguments"]

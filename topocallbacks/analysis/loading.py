@@ -111,7 +111,18 @@ def load_source(
     if model is not None:
         layers, base, preset = _model_layers(model, kind, build, layers, settings, base)
     resolved = base.merged(overrides) if overrides else base
-    source = Source(root, out, kind, checkpoints, trust, resolved, layers, model, build, preset)
+    source = Source(
+        root=root,
+        out=out,
+        kind=kind,
+        checkpoints=checkpoints,
+        trust=trust,
+        settings=resolved,
+        layers=layers,
+        model=model,
+        build=build,
+        preset=preset,
+    )
     if model is not None:
         source.probe = _probe_set(probe, trust, resolved)
     if kind == "hf":

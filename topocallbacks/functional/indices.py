@@ -110,17 +110,13 @@ def betti_curve(
     positive = distances[distances > 0]
     if positive.size == 0:
         ones = np.ones(len(qs), dtype=np.int64)
-        return BettiCurve(qs, np.zeros(len(qs)), ones, np.zeros(len(qs), dtype=np.int64), cloud.shape[0])
+        zeros = np.zeros(len(qs), dtype=np.int64)
+        return BettiCurve(quantiles=qs, epsilons=np.zeros(len(qs)), betti0=ones, betti1=zeros, n_samples=cloud.shape[0])
     epsilons = np.quantile(distances, qs)
     epsilons = np.where(epsilons > 0, epsilons, positive.min())
     numbers = [_betti_numbers(cloud, float(eps)) for eps in epsilons]
-    return BettiCurve(
-        qs,
-        epsilons,
-        np.array([b[0] for b in numbers], dtype=np.int64),
-        np.array([b[1] for b in numbers], dtype=np.int64),
-        cloud.shape[0],
-    )
+    betti0, betti1 = (np.array([b[k] for b in numbers], dtype=np.int64) for k in (0, 1))
+    return BettiCurve(quantiles=qs, epsilons=epsilons, betti0=betti0, betti1=betti1, n_samples=cloud.shape[0])
 
 
 def total_persistence(diagram: Any, order: float = 1.0, scale: float | None = None) -> float:

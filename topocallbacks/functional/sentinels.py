@@ -255,4 +255,11 @@ def sentinel_values(
     if scaled is not None and epsilon is not None and scaled.shape[0] >= 2:
         extent, one_point = _one_point(scaled, epsilon)
     share, coordinates = _line(pooled)
-    return SentinelValues(spread, constant, share, two_cluster_share(coordinates), extent, one_point)
+    return SentinelValues(
+        spread=spread,
+        constant_share=constant,
+        top_share=share,
+        two_clusters=two_cluster_share(coordinates),
+        extent=extent,
+        one_point=one_point,
+    )

@@ -199,10 +199,10 @@ class CostModel:
             self.coefficients_[path][name] * features[name] for name in _FEATURES[path]
         )
         return CostEstimate(
-            path,
-            seconds,
-            predict_bytes(path, n=n, d=d, edges=edges, ops=ops, probe=probe),
-            predict_gudhi_bytes(path, edges),
+            path=path,
+            seconds=seconds,
+            bytes=predict_bytes(path, n=n, d=d, edges=edges, ops=ops, probe=probe),
+            gudhi_bytes=predict_gudhi_bytes(path, edges),
         )
 
     def _shared_seconds(self, path: str, features: Mapping[str, float]) -> float:

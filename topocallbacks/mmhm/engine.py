@@ -616,10 +616,10 @@ class MMHM:
         coefficients = self.cost_model.coefficients_["rebuild"]
         build = coefficients["const"] + coefficients["edges"] * edges
         return CostEstimate(
-            estimate.path,
-            estimate.seconds + build / _AMORTISE_UPDATES,
-            max(estimate.bytes, predict_module_build_bytes(n, edges)),
-            estimate.gudhi_bytes,
+            path=estimate.path,
+            seconds=estimate.seconds + build / _AMORTISE_UPDATES,
+            bytes=max(estimate.bytes, predict_module_build_bytes(n, edges)),
+            gudhi_bytes=estimate.gudhi_bytes,
         )
 
     def _choose(self, context: str, *estimates: CostEstimate) -> tuple[str, str, CostEstimate]:

@@ -54,8 +54,9 @@ class Escalation:
         held = None if alarm.rule == "diverged" else self.held_back(action, alarm.score, check)
         if held is not None:
             return Decision(
-                Action.NONE, f"{reason}; {held}", alarm.step, alarm.value, alarm.score, alarm.rule, held_back=action,
-                flagged=alarm.flagged, onset=alarm.onset, scores=alarm.scores,
+                action=Action.NONE, reason=f"{reason}; {held}", step=alarm.step, value=alarm.value,
+                score=alarm.score, rule=alarm.rule, held_back=action, flagged=alarm.flagged, onset=alarm.onset,
+                scores=alarm.scores,
             )  # fmt: skip
         return self.act(action, alarm, reason, check)
 
@@ -103,8 +104,8 @@ class Escalation:
         s = self.settings
         if action is Action.NONE:
             return Decision(
-                Action.NONE, f"{reason} (action: none)", alarm.step, alarm.value, alarm.score, alarm.rule,
-                flagged=alarm.flagged, onset=alarm.onset, scores=alarm.scores,
+                action=Action.NONE, reason=f"{reason} (action: none)", step=alarm.step, value=alarm.value,
+                score=alarm.score, rule=alarm.rule, flagged=alarm.flagged, onset=alarm.onset, scores=alarm.scores,
             )  # fmt: skip
         refired = self.last_action_ == Action.ROLLBACK.value and check - (self.last_action_check_ or 0) <= 2
         self.last_action_check_ = check
@@ -125,8 +126,9 @@ class Escalation:
             )
         checkpoint = s.checkpoint and action in (Action.LOWER_LR, Action.ROLLBACK, Action.STOP)
         return Decision(
-            action, reason, alarm.step, alarm.value, alarm.score, alarm.rule, factor, checkpoint, None, alarm.flagged,
-            alarm.onset, alarm.scores, skip=skip,
+            action=action, reason=reason, step=alarm.step, value=alarm.value, score=alarm.score, rule=alarm.rule,
+            lr_factor=factor, checkpoint=checkpoint, held_back=None, flagged=alarm.flagged, onset=alarm.onset,
+            scores=alarm.scores, skip=skip,
         )  # fmt: skip
 
 

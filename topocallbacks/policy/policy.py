@@ -155,7 +155,9 @@ class Policy(Stateful):
             return self._respond(action, alarm)
         if self.checks_decided_ <= s.warmup:
             self._channels.warm_up(observed)
-            return Decision(Action.NONE, f"warm-up check {self.checks_decided_} of {s.warmup}", step, value)
+            return Decision(
+                action=Action.NONE, reason=f"warm-up check {self.checks_decided_} of {s.warmup}", step=step, value=value
+            )
         unsettled = self._channels.unsettled(observed, step)
         if s.snapshot_health == "watched":  # only the watched channels decide whether a check is healthy
             unsettled = ()

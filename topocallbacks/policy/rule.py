@@ -68,7 +68,9 @@ class ChannelRule:
             reason = "; ".join([r for _, _, r in holding] + waiting)
             if holding:
                 reason += f" ({len(holding)} of the {s.require} channels required)"
-            return Decision(Action.NONE, reason, step, value, score, flagged=flagged, scores=shown)
+            return Decision(
+                action=Action.NONE, reason=reason, step=step, value=value, score=score, flagged=flagged, scores=shown
+            )
         held_scores = [v for name, _, _ in holding if (v := scores[name]) is not None]
         if "index" not in [name for name, _, _ in holding]:  # the cooldown compares the strongest channel's score
             score = max(held_scores, default=score)

@@ -119,7 +119,7 @@ class Probe:
             raise InputError(f"`probe` must hold at least 2 samples, got {len(items)}")
         _check_uniform(items, chosen)
         self.items = items
-        self.spec = ProbeSpec(kind, len(items), indices, _hash(items))
+        self.spec = ProbeSpec(source=kind, n_samples=len(items), indices=indices, content_hash=_hash(items))
 
     def __len__(self) -> int:
         return len(self.items)
