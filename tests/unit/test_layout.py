@@ -1,14 +1,11 @@
-"""The size limits: no function over 60 lines, no class over 250, outside the named exceptions."""
+"""The package's form: no function over 60 lines and no class over 250 outside the MMHM engine, and no record of
+more than three fields built by position."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[2] / "topocallbacks"
 EXEMPT_FILES = {"mmhm/engine.py"}  # the MMHM engine's incremental state machine (docs/architecture.md)
-EXCEPTIONS = {
-    # A numba kernel: split, its helpers would have to be compiled kernels too, called from its inner loop.
-    ("functional/_jit.py", "_core_mask"),
-}
 FUNCTION_LINES, CLASS_LINES = 60, 250
 
 
@@ -25,21 +22,9 @@ def test_no_class_over_250_lines_and_no_function_over_60():
     too_long = [
         f"{where}: {node.name} ({lines} lines)"
         for where, node, lines in found
-        if where not in EXEMPT_FILES
-        and (where, node.name) not in EXCEPTIONS
-        and lines > (CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES)
+        if where not in EXEMPT_FILES and lines > (CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES)
     ]
     assert too_long == []
-
-
-def test_every_named_exception_still_exceeds_a_limit():
-    """An exception whose code was split since is removed from the list, so the list stays exact."""
-    over = {
-        (where, node.name)
-        for where, node, lines in sizes()
-        if lines > (CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES)
-    }
-    assert EXCEPTIONS - over == set()
 
 
 def record_fields(trees):

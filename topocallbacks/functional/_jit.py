@@ -41,8 +41,7 @@ def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover
     alive = np.ones(n, dtype=np.bool_)
     queued = np.ones(n, dtype=np.bool_)
     queue = np.empty(n, dtype=np.int64)
-    for k in range(n):
-        queue[k] = order[k]
+    queue[:] = order[:n]
     head, size = 0, n
     while size > 0:
         v = queue[head]
@@ -86,8 +85,7 @@ def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover
                     queued[x] = True
                     queue[(head + size) % n] = x
                     size += 1
-        for w in range(words):
-            packed[v, w] = np.uint64(0)
+        packed[v, :] = np.uint64(0)
         degree[v] = 0
     return alive
 
