@@ -161,3 +161,10 @@ def test_the_status_leads_the_readme_and_the_docs_landing_page(pages, texts):
         names = [name for name, _, _ in pages.blocks_in(texts[where])]
         assert names[0] == "silent-status", where  # what the loss cannot see comes first
         assert "rescue-heldout-status" in names, where
+
+
+def test_the_silent_suite_reports_its_held_out_split_first(pages, texts):
+    names = [name for name, _, _ in pages.blocks_in(texts["docs/evidence.md"])]
+    assert names.index("silent-heldout") < names.index("silent-design")
+    status = pages.body(texts["README.md"], "silent-status")[0]
+    assert status.index("On the held-out split") < status.index("design split")
