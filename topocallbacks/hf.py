@@ -1,12 +1,9 @@
 """``from topocallbacks.hf import TopoCollapseTrainerCallback`` (needs ``pip install topocallbacks[hf]``)."""
 
-try:
-    import transformers  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
-    raise ImportError(
-        "topocallbacks.hf needs transformers, which is not installed: pip install 'topocallbacks[hf]'"
-    ) from exc
+from ._optional import require
 
-from .integrations.hf import TopoCollapseTrainerCallback
+require("transformers", "topocallbacks.hf", "transformers", "hf")
+
+from .integrations.hf import TopoCollapseTrainerCallback  # noqa: E402 - after the install hint
 
 __all__ = ["TopoCollapseTrainerCallback"]

@@ -1,12 +1,9 @@
 """``from topocallbacks.lightning import TopoCollapseCallback`` (needs ``pip install topocallbacks[lightning]``)."""
 
-try:
-    import lightning.pytorch  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
-    raise ImportError(
-        "topocallbacks.lightning needs Lightning, which is not installed: pip install 'topocallbacks[lightning]'"
-    ) from exc
+from ._optional import require
 
-from .integrations.lightning import TopoCollapseCallback
+require("lightning.pytorch", "topocallbacks.lightning", "Lightning", "lightning")
+
+from .integrations.lightning import TopoCollapseCallback  # noqa: E402 - after the install hint
 
 __all__ = ["TopoCollapseCallback"]
