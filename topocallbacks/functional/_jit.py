@@ -28,6 +28,12 @@ for _bit in range(64):
     _DE_BRUIJN_INDEX[((1 << _bit) * 0x03F79D71B4CB0A89 % 2**64) >> 58] = _bit
 
 
+def _next_bit(bits: Any, word: Any) -> Any:  # pragma: no cover - compiled by numba (registered in `_compiled`)
+    """``bits`` without its lowest set bit, and that bit's position in the row (``bits`` is the row's ``word``-th)."""
+    low = bits & (~bits + np.uint64(1))
+    return bits ^ low, word * 64 + _DE_BRUIJN_INDEX[((low * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
+
+
 def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover - compiled by numba
     """The vertices left by strong collapses one vertex at a time, checked from a queue, until none is dominated.
 
@@ -54,9 +60,7 @@ def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover
         for w in range(words):
             bits = packed[v, w]
             while bits != 0 and not dominated:
-                low = bits & (~bits + np.uint64(1))
-                bits ^= low
-                u = w * 64 + _DE_BRUIJN_INDEX[((low * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
+                bits, u = _next_bit(bits, w)
                 if u == v or degree[u] < degree[v]:
                     continue
                 inside = True
@@ -74,9 +78,7 @@ def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover
         for w in range(words):
             bits = packed[v, w]
             while bits != 0:
-                low = bits & (~bits + np.uint64(1))
-                bits ^= low
-                x = w * 64 + _DE_BRUIJN_INDEX[((low * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
+                bits, x = _next_bit(bits, w)
                 if x == v:
                     continue
                 packed[x, word] &= ~bit
@@ -112,9 +114,7 @@ def _edge_collapse(packed: Any, degree: Any) -> Any:  # pragma: no cover - compi
             for wu in range(words):
                 bits_u = packed[u, wu]
                 while bits_u != 0:
-                    low = bits_u & (~bits_u + np.uint64(1))
-                    bits_u ^= low
-                    v = wu * 64 + _DE_BRUIJN_INDEX[((low * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
+                    bits_u, v = _next_bit(bits_u, wu)
                     if v <= u or not (dirty[u] or dirty[v]):
                         continue
                     for k in range(words):
@@ -123,9 +123,7 @@ def _edge_collapse(packed: Any, degree: Any) -> Any:  # pragma: no cover - compi
                     for wc in range(words):
                         bits = common[wc]
                         while bits != 0 and not dominated:
-                            low_c = bits & (~bits + np.uint64(1))
-                            bits ^= low_c
-                            w = wc * 64 + _DE_BRUIJN_INDEX[((low_c * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
+                            bits, w = _next_bit(bits, wc)
                             if w == u or w == v:  # noqa: SIM109 - plain comparisons, as numba compiles them
                                 continue
                             inside = True
@@ -182,6 +180,7 @@ def _compiled() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int], C
         import numba  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return None
+    numba.extending.register_jitable(_next_bit)  # the kernels call it: compiled into them
     kernel: Callable[..., NDArray[np.bool_]] = numba.njit(cache=True, nogil=True)(_core_mask)
     edges: Callable[..., int] = numba.njit(cache=True, nogil=True)(_edge_collapse)
     programme: Callable[..., float] = numba.njit(cache=True, nogil=True)(_common_birth_programme)
