@@ -38,7 +38,7 @@ from .interventions import Actuator
 from .pipeline import CheckPipeline, CheckRequest, LayeredPipeline, make_pipeline
 from .policy import Policy
 from .presets import resolve_settings
-from .probe import AutocastFactory, Probe
+from .probe import AutocastFactory, FeatureExtractor, Probe
 from .probing import ProbePass
 from .rescue import Rescuer
 from .runner import Runner
@@ -96,6 +96,16 @@ class PartViews:
     schedule: Schedule
     rescuer: Rescuer
     history: list[Record]
+
+    @property
+    def extractor(self) -> FeatureExtractor | None:
+        """The watched layer(s)' feature extractor (None: no layer, features are given)."""
+        return self.probing.extractor
+
+    @property
+    def several(self) -> bool:
+        """Whether several layers are watched (``layers=``)."""
+        return self.probing.several
 
     @property
     def probe(self) -> Probe | None:
@@ -300,10 +310,6 @@ class TopoMonitor(PartViews, CheckFeed, Stateful):
         #: The names' prefix in loggers and TensorBoard (an adapter sets ``topo/<layer>`` beside other callbacks).
         self.prefix = s.output.prefix or "topo"
         self.autocast: AutocastFactory | None = None  # set by a training adapter: the trainer's precision
-        #: The watched layer(s)' feature extractor (None: no layer, features are given).
-        self.extractor = self.probing.extractor
-        #: Whether several layers are watched (``layers=``).
-        self.several = self.probing.several
 
     @classmethod
     def from_preset(cls, preset: str | os.PathLike[str], probe: Any = None, **overrides: Any) -> TopoMonitor:

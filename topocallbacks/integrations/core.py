@@ -416,18 +416,22 @@ def optimizer_grad_norm(optimizer: torch.optim.Optimizer, sum_across_ranks: Any 
 # --- the objects around a callback ---------------------------------------------------------------------------------
 
 
-def holder_of(item: Any, handler_kind: type, owner_kind: type[T]) -> T | None:
-    """The object of ``owner_kind`` holding the ``handler_kind`` object whose list attribute holds this very ``item``.
+def holder_of(
+    item: Any, handler_kind: type, owner_kind: type[T], via: tuple[str, str] = ("callbacks", "callback_handler")
+) -> T | None:
+    """The ``owner_kind`` object whose ``via[1]`` is the ``handler_kind`` whose ``via[0]`` list holds ``item``, or None.
 
-    Found by identity through the garbage collector's record of who refers to what (or None).
+    A Trainer's ``callback_handler.callbacks``, by default; found by identity through the garbage collector's record
+    of who refers to what.
     """
+    items_at, handler_at = via
     for held in gc.get_referrers(item):
         if not isinstance(held, list):
             continue
         for handler in holders(held, handler_kind):
-            if any(value is held for value in vars(handler).values()):
+            if getattr(handler, items_at, None) is held:
                 owners: list[T] = holders(handler, owner_kind)
-                return next(iter(owners), None)
+                return next((o for o in owners if getattr(o, handler_at, None) is handler), None)
     return None
 
 
