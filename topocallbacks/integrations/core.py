@@ -148,9 +148,20 @@ class AdapterCore:
         make: Callable[..., C] = cls
         return make(probe=probe, preset=preset, **overrides)
 
-    layer = property(lambda self: self.monitor.settings.probe.layer or (), doc="The watched layer's name(s).")
-    history = property(lambda self: self.monitor.history, doc="The check records and interventions so far.")
-    prefix = property(lambda self: self.monitor.prefix, doc="The metrics' prefix (``topo``, or ``topo/<layer>``).")
+    @property
+    def layer(self) -> tuple[str, ...]:
+        """The watched layer's name(s)."""
+        return self.monitor.settings.probe.layer or ()
+
+    @property
+    def history(self) -> list[CheckRecord | InterventionRecord]:
+        """The check records and interventions so far."""
+        return self.monitor.history
+
+    @property
+    def prefix(self) -> str:
+        """The metrics' prefix (``topo``, or ``topo/<layer>``)."""
+        return self.monitor.prefix
 
     def report(self, out_dir: str | os.PathLike[str], *, title: str | None = None) -> Path | None:
         """The HTML report of the history so far, in ``out_dir`` (rank 0 writes).

@@ -83,7 +83,10 @@ class TopoCollapseCallback(AdapterCore, Callback):
         self._seen_step: int | None = None  # the global step last seen (no new one: gradients still accumulate)
         self._state_key = self._key_of(resolved)  # Lightning asks for it several times a step: made once
 
-    layers = property(lambda self: self.monitor.settings.probe.layers or (), doc="Several watched layers, if any.")
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """Several watched layers, if any."""
+        return self.monitor.settings.probe.layers or ()
 
     @property
     def state_key(self) -> str:
