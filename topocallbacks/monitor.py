@@ -151,12 +151,12 @@ class PartViews:
     @property
     def snapshots(self) -> SnapshotStore:
         """The healthy snapshots a rollback goes back to."""
-        return self.rescuer.snapshots
+        return self.rescuer.healthy.store
 
     @property
     def snapshots_off(self) -> str | None:
         """Why no snapshots are kept, or None."""
-        return self.rescuer.snapshots_off
+        return self.rescuer.healthy.off
 
     @property
     def keeps_snapshots(self) -> bool:

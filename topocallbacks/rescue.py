@@ -129,16 +129,6 @@ class Rescuer(Stateful):
         self.recent_losses_: list[float] = []  # the training loss of the last two checks (``stop_restores``)
 
     @property
-    def snapshots(self) -> SnapshotStore:
-        """The healthy snapshots a ``rollback`` goes back to (`HealthySnapshots.store`)."""
-        return self.healthy.store
-
-    @property
-    def snapshots_off(self) -> str | None:
-        """Why no snapshots are kept although the rule can use them, or None (`HealthySnapshots.off`)."""
-        return self.healthy.off
-
-    @property
     def keeps_snapshots(self) -> bool:
         """Whether the rule in effect can roll back or stop (then healthy checks keep snapshots).
 
@@ -165,7 +155,7 @@ class Rescuer(Stateful):
         confirmed = self.pending_skip_ and "loss" in decision.flagged
         self.pending_skip_ = False
         if not decision.fired:
-            if record.ok and decision.healthy and self.keeps_snapshots and self.snapshots_off is None:
+            if record.ok and decision.healthy and self.keeps_snapshots and self.healthy.off is None:
                 self.healthy.keep(actuator, step, monitor.reference_diagrams(), loss=record.loss,
                                   lr_factor=self.lr_factor_, rollback_cut=self.rollback_cut_)  # fmt: skip
             if confirmed:
@@ -210,7 +200,7 @@ class Rescuer(Stateful):
             if target is not None:  # the last healthy state first: a stop never leaves the weights of the fault
                 done.append(self._roll_back(actuator, target, step, decision, monitor, confirmed))
             done.append(actuator.request_stop())
-            kept = target or (self.snapshots.snapshots[-1] if self.snapshots.snapshots else None)
+            kept = target or (self.healthy.store.snapshots[-1] if self.healthy.store.snapshots else None)
             if kept is not None:  # the last healthy state to a file too
                 where = actuator.save_snapshot(kept.load(), f"topo-last-healthy-step{kept.step}")
                 done.append(f"last healthy state (step {kept.step}) {where}")
@@ -247,9 +237,9 @@ class Rescuer(Stateful):
             onset -= self.settings.schedule.check_every - 1
         # Every rank goes back to the same step: the newest snapshot before the onset that every rank holds (a
         # rank whose copy failed lacks one), or none anywhere, so that no rank restores alone.
-        held = all_gather_object([s.step for s in self.snapshots.snapshots if s.step < onset])
+        held = all_gather_object([s.step for s in self.healthy.store.snapshots if s.step < onset])
         common = set(held[0]).intersection(*held[1:])
-        return self.snapshots.at(max(common)) if common else None
+        return self.healthy.store.at(max(common)) if common else None
 
     def _as_carried_out(self, decision: Decision, target: Snapshot | None) -> tuple[Decision, Snapshot | None]:
         """The decision as carried out, and the snapshot it restores (None: none).
@@ -261,7 +251,7 @@ class Rescuer(Stateful):
             if target is None:
                 diverged = decision.rule == "diverged"  # the features, or a NaN loss or gradient norm
                 instead = self.settings.rule.after_max_rollbacks if diverged else "warn"
-                return _no_snapshot(decision, instead, self.snapshots_off), None
+                return _no_snapshot(decision, instead, self.healthy.off), None
             if decision.lr_factor is not None or self.rollback_cut_ != target.rollback_cut:
                 decision = self._compound(decision, target)
             return decision, target
@@ -305,7 +295,7 @@ class Rescuer(Stateful):
         undone = self._updates_undone(target, step)
         detail = actuator.restore(target.load())
         monitor.rewind(target.diagrams)
-        self.snapshots.drop_after(target.step)
+        self.healthy.store.drop_after(target.step)
         self.last_rollback_step_ = step
         self.lr_factor_ = target.lr_factor  # the rates are the snapshot's again (cuts since then are undone)
         if decision.action is Action.STOP:
@@ -326,7 +316,7 @@ class Rescuer(Stateful):
             skipped = f"; {skip} updates will be skipped if the training loss flags again at the next check"
         return (
             f"rolled back to the snapshot of step {target.step}: {undone} updates undone and their batches not seen "
-            f"again (training goes on with the next batch); {detail}{skipped}; {self.snapshots.describe()}"
+            f"again (training goes on with the next batch); {detail}{skipped}; {self.healthy.store.describe()}"
         )
 
     def _confirmed_skip(self, actuator: Actuator, step: int, monitor: MonitorHooks) -> InterventionRecord:

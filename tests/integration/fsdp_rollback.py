@@ -205,7 +205,7 @@ def main(out: str, kind: str, mode: str) -> None:
         "rank": rank,
         "history": [r.as_dict() for r in monitor.history],
         "full_numel": full_numel,
-        "snapshots": monitor.rescuer.snapshots.describe(),
+        "snapshots": monitor.rescuer.healthy.store.describe(),
         "files": sorted(p.name for p in Path(out, "snapshots").glob("*")) if mode == "disk" else [],
         **seen,
     }

@@ -79,13 +79,13 @@ def test_the_rescuer_round_trips_its_counters_and_not_its_snapshots():
     rescuer.healthy.keep(
         actuator, 30, None, loss=None, lr_factor=rescuer.lr_factor_, rollback_cut=rescuer.rollback_cut_
     )
-    assert [s.step for s in rescuer.snapshots.snapshots] == [30]
+    assert [s.step for s in rescuer.healthy.store.snapshots] == [30]
     state = round_trip(rescuer, Rescuer(settings))
     assert state == {"version": 2, "lr_factor": 0.25, "last_rollback_step": 40, "rollback_cut": 0.5,
                      "pending_skip": True, "recent_losses": [2.0, 3.5]}  # fmt: skip
     twin = pickle.loads(pickle.dumps(rescuer))
     assert twin.lr_factor_ == 0.25
-    assert twin.snapshots.snapshots == []  # snapshots stay in their process
+    assert twin.healthy.store.snapshots == []  # snapshots stay in their process
 
 
 def test_the_probe_pass_keeps_the_probe_spec_and_refuses_another_probe():
