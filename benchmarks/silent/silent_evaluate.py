@@ -250,7 +250,8 @@ def summary(result: dict[str, Any] | None) -> dict[str, Any] | None:
     alarmed, healthy = result["healthy_alarmed"], result["healthy_runs"]
     return {
         "candidate": {key: result[key] for key in ("combination", "score", "k", "p") if key in result},
-        "classes_caught": result["classes_caught"], "seeds_caught": result["seeds_caught"],
+        "classes_caught": result["classes_caught"], "by_class": result["by_class"],
+        "seeds_caught": result["seeds_caught"],
         "runs_caught": caught, "runs": runs, "catch_interval": interval(caught, runs, "wilson"),
         "median_lead": result["median_lead"], "healthy_alarmed": alarmed, "healthy_runs": healthy,
         "healthy_interval": interval(alarmed, healthy, "wilson"),

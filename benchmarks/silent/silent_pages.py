@@ -148,18 +148,10 @@ def page(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _class(name: str) -> str:
-    """A scenario's class (``S4`` for both of S4's variants)."""
-    return _short(name).rstrip("ab")
-
-
 def classes_caught(row: dict[str, Any] | None) -> set[str]:
-    """The classes a row catches: every variant of the class on at least 5 of its 6 seeds."""
-    seeds = {} if row is None else row["seeds_caught"]
-    by_class: dict[str, bool] = {}
-    for name, n in seeds.items():
-        by_class[_class(name)] = by_class.get(_class(name), True) and n >= 5
-    return {c for c, caught in by_class.items() if caught}
+    """The classes a row catches, as `silent_evaluate.judge` decided them (every variant of the class on at least 5
+    of its 6 seeds)."""
+    return set() if row is None else {c for c, caught in row["by_class"].items() if caught}
 
 
 def targets(design: dict[str, Any], held_out: dict[str, Any]) -> list[tuple[str, str, bool | None]]:

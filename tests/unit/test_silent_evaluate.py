@@ -180,10 +180,12 @@ def test_the_default_is_replayed_on_recorded_features_and_acts_on_a_constant_clo
     assert evaluate.first_alarm(healthy, ("default",), "trailing", 4.5, 1) == (None, True)  # the warm-up counts
 
 
-def row(seeds_caught, healthy_alarmed=0, healthy_runs=24, classes=0):
+def row(seeds_caught, healthy_alarmed=0, healthy_runs=24, by_class=None):
     runs = 6 * len(seeds_caught)
+    by_class = by_class or {}
     return {"seeds_caught": seeds_caught, "runs_caught": sum(seeds_caught.values()), "runs": runs,
-            "healthy_alarmed": healthy_alarmed, "healthy_runs": healthy_runs, "classes_caught": classes}  # fmt: skip
+            "healthy_alarmed": healthy_alarmed, "healthy_runs": healthy_runs,
+            "classes_caught": sum(by_class.values()), "by_class": by_class}  # fmt: skip
 
 
 def test_the_held_out_split_is_never_chosen_on_and_its_page_says_so(evaluate):
@@ -200,21 +202,22 @@ def test_the_held_out_split_is_never_chosen_on_and_its_page_says_so(evaluate):
 
 def test_the_targets_are_judged_held_out_first_from_both_splits():
     pages = benchmark_pages()
-    two_sided = {"at_zero": row({"vae_kl_bug": 6})}
+    two_sided = {"at_zero": row({"vae_kl_bug": 6}, by_class={"S5": True})}
     design = {"default": row({"vae_kl_bug": 5, "generator_modes_grid": 6, "generator_modes_circle": 2},
-                             healthy_alarmed=1, healthy_runs=36),
-              "loss_rule": row({"vae_kl_bug": 0}), "anchors": {"loss_two_sided": two_sided}}  # fmt: skip
+                             healthy_alarmed=1, healthy_runs=36, by_class={"S4": False, "S5": True}),
+              "loss_rule": row({"vae_kl_bug": 0}, by_class={"S5": False}),
+              "anchors": {"loss_two_sided": two_sided}}  # fmt: skip
     held_out = {"default": row({"contrastive_no_negatives": 5, "minilm_pairs_no_negatives": 6,
-                                "minilm_forgetting": 1}, healthy_alarmed=1),
-                "loss_rule": row({"minilm_forgetting": 5}),
+                                "minilm_forgetting": 1}, healthy_alarmed=1, by_class={"S2": True, "S6": False}),
+                "loss_rule": row({"minilm_forgetting": 5}, by_class={"S6": True}),
                 "anchors": {"loss_two_sided": {"at_zero": None}}}  # fmt: skip
-    assert pages.classes_caught(design["default"]) == {"S5"}  # S4 needs both variants
+    assert pages.classes_caught(design["default"]) == {"S5"}  # as the evaluation judged: S4 is not caught
     found = {what: (text, met) for what, text, met in pages.targets(design, held_out)}
     assert found["the default catches both held-out classes (S2, S6)"] == ("S2 caught", False)
     assert found["the default catches >= 5 of the 6 classes (whole suite)"] == ("2 of 6", False)
     assert found["<= 1 healthy run touched, over >= 48"] == ("2 of 60", False)
     assert found["the loss alone catches <= 1 class"] == ("1 (the two-sided loss anchor: 1)", True)
-    held_out["default"]["seeds_caught"]["minilm_forgetting"] = 5
+    held_out["default"]["by_class"]["S6"] = True
     held_out["default"]["healthy_alarmed"] = 0
     found = {what: (text, met) for what, text, met in pages.targets(design, held_out)}
     assert found["the default catches both held-out classes (S2, S6)"] == ("S2, S6 caught", True)
