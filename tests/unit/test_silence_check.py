@@ -9,13 +9,13 @@ silence = benchmark_module("silence", "silent")
 evaluate = benchmark_module("silent_evaluate", "silent")
 
 
-def recording(path, seed, loss_jump=False, harm=True, scenario="vae_kl_bug"):
+def recording(path, seed, loss_jump=False, harm=True, scenario="vae_kl_bug", harm_at=400):
     """A recording of checks every 10 steps to 600, the fault at 300; the faulted run's metric drops from 400 (the
     5 % point) unless ``harm`` is False; the loss is flat noise, with a jump at 350 when ``loss_jump``."""
     rng = np.random.default_rng(seed)
     steps = np.arange(0, 601, 10)
     twin = np.full(steps.size, 32.0)
-    faulted = np.where((steps >= 400) & harm, 20.0, 32.0)
+    faulted = np.where((steps >= harm_at) & harm, 20.0, 32.0)
     loss = 1.0 + 0.01 * rng.normal(size=601)
     if loss_jump:
         loss[345:355] = 5.0
@@ -37,6 +37,14 @@ def test_a_seed_passes_when_the_loss_rule_is_quiet_until_the_harm_and_the_harm_c
     harmless = silence.check(recording(tmp_path, 2, harm=False))
     assert harmless["five_percent_point"] is None
     assert not harmless["passed"]
+
+
+def test_round_two_scenarios_need_room_three_checks_between_the_fault_and_the_harm(silence, tmp_path):
+    for harm_at, room in ((320, False), (330, True)):
+        found = silence.check(recording(tmp_path, 0, scenario="classes_dropped", harm_at=harm_at))
+        assert (found["five_percent_point"], found["room"], found["passed"]) == (harm_at, room, room)
+    early = silence.check(recording(tmp_path, 0, harm_at=320))  # round 1's scenarios keep round 1's rule
+    assert (early["room"], early["passed"]) == (False, True)
 
 
 @pytest.mark.parametrize(("loud", "passes"), [(1, True), (2, False)])

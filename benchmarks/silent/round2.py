@@ -1,0 +1,265 @@
+"""Round 2 of the silent suite (``benchmarks/silent/ROUND2.md``): the design split is every recording of round 1
+(seen), the held-out split the new scenarios S7, S8 and the trap T3.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/round2.py --split design
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/round2.py --split held_out --record --jobs 2
+
+What differs from round 1 (``silent_evaluate.py``, whose signals, combinations, thresholds and patiences it reuses):
+score (ii) is replaced, for the three signals measured against the reference, by ROUND2.md's repair (`repaired`);
+a faulted run is also judged *caught silently* (no loss-only warning between the fault and the alarm); and the choice
+counts design **scenarios** caught (>= 5 of 6 seeds), over the 60 healthy runs of round 1. Writes
+``benchmarks/results/silent_r2_<split>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import silent_evaluate as r1  # noqa: E402
+from silent_signals import INDEX, WARMUP, linear_cka  # noqa: E402
+
+from topocallbacks.check import measure  # noqa: E402
+from topocallbacks.functional import calibrate_epsilon  # noqa: E402
+from topocallbacks.policy import rule_holds  # noqa: E402
+from topocallbacks.transform import FeatureTransform  # noqa: E402
+
+CLASSES = {**r1.CLASSES, "S7": ("classes_dropped",), "S8": ("finetune_forgetting_images",)}
+TRAPS = {**r1.TRAPS, "T3": "trap_classes_added"}
+SPLITS = {"design": (("S1", "S2", "S3", "S4", "S5", "S6"), ("T1", "T2")), "held_out": (("S7", "S8"), ("T3",))}
+SCORES = ("trailing", "frozen_r")
+#: The signals measured against the reference, whose score (ii) ROUND2.md repairs.
+DRIFTS = ("diagram_drift_ref", "cka_drift")
+REPAIRED = ("modes", *DRIFTS)
+ROUND2 = HERE / "ROUND2.md"
+STAGE_2 = "## Stage 2: the chosen silent path (round 2)"
+
+
+def warm_rates(frames: np.ndarray) -> dict[str, np.ndarray]:
+    """The run's own healthy rate of each drift: the distance between consecutive warm-up checks (checks 2-10)."""
+    transform = FeatureTransform()
+    rates: dict[str, list[float]] = {name: [] for name in DRIFTS}
+    previous: tuple[np.ndarray, Any] | None = None
+    for frame in frames[:WARMUP].astype(np.float64):
+        if not np.isfinite(frame).all():
+            previous = None
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            cloud = transform(frame)
+            found = measure(cloud, calibrate_epsilon(cloud, INDEX), INDEX,
+                            previous=None if previous is None else previous[1])  # fmt: skip
+        if previous is not None:
+            drift = found.values.get("diagram_drift")
+            rates["diagram_drift_ref"].append(math.nan if drift is None else float(drift))
+            rates["cka_drift"].append(1.0 - linear_cka(frame, previous[0]))
+        previous = (frame, found.diagrams)
+    return {name: np.asarray(values, dtype=np.float64) for name, values in rates.items()}
+
+
+def repaired(values: np.ndarray, signal: str, rates: np.ndarray | None = None) -> np.ndarray:
+    """Score (ii-r) of ROUND2.md: modes lost since the reference check (``modes``), or a drift's rate against the
+    run's own healthy rate (``rates``: its consecutive warm-up distances); NaN during the warm-up."""
+    values = np.asarray(values, dtype=np.float64)
+    scores = np.full(values.size, math.nan)
+    if values.size <= WARMUP:
+        return scores
+    if signal == "modes":
+        scores[WARMUP:] = values[WARMUP - 1] - values[WARMUP:]
+        return scores
+    healthy = np.asarray(rates, dtype=np.float64)
+    healthy = healthy[np.isfinite(healthy)]
+    if healthy.size == 0:
+        return scores
+    centre = float(np.median(healthy))
+    scale = max(1.4826 * float(np.median(np.abs(healthy - centre))), 0.25 * centre, 1e-12)
+    scores[WARMUP:] = (values[WARMUP:] - centre) / scale
+    return scores
+
+
+def alarms(run: r1.Run, signal: str, score: str, k: float, p: int) -> np.ndarray:
+    """Where one signal alarms on ``run`` (round 1's `silent_evaluate.alarms`, with score (ii-r) for ``frozen_r``)."""
+    if score == "frozen_r" and signal in REPAIRED:
+        found = repaired(run.values[signal], signal, run.values.get(f"{signal}/warm_rates"))
+        return rule_holds(np.nan_to_num(found, nan=-math.inf), k, p, WARMUP)
+    source = r1.SOURCES.get(signal, signal)
+    return r1.alarms(run.values[source], signal, "frozen" if score == "frozen_r" else score, k, p)
+
+
+def first_alarm(run: r1.Run, signals: tuple[str, ...], score: str, k: float, p: int) -> tuple[int | None, bool]:
+    """As round 1's `silent_evaluate.first_alarm`: the first alarm after the fault (faulted runs; alarms on the shared
+    prefix are the twin's), and whether a healthy run alarms after the warm-up."""
+    hit = np.zeros(run.steps.size, dtype=bool)
+    for signal in signals:
+        hit |= alarms(run, signal, score, k, p)
+    if "default" not in signals:
+        hit[:WARMUP] = False
+    steps = run.steps[hit]
+    if run.kind != "collapse":
+        return None, bool(steps.size)
+    after = steps[steps > run.fault]
+    return (int(after[0]) if after.size else None), False
+
+
+def loss_warned(run: r1.Run, until: int) -> bool:
+    """Whether the loss-only rule warned after the fault and at or before ``until``."""
+    fired = r1.alarms(run.values["loss"], "loss_rule", "trailing", 4.5, 1)
+    return bool(((run.steps > run.fault) & (run.steps <= until) & fired).any())
+
+
+def judge(runs: list[r1.Run], scenarios: tuple[str, ...], signals: tuple[str, ...], score: str, k: float,
+          p: int) -> dict[str, Any]:  # fmt: skip
+    """One candidate on ``runs``: seeds caught (and caught silently) per scenario, scenarios caught, median lead,
+    healthy runs alarmed."""
+    caught: dict[str, list[bool]] = {name: [] for name in scenarios}
+    silent: dict[str, int] = dict.fromkeys(scenarios, 0)
+    leads, alarmed, healthy = [], 0, 0
+    for run in runs:
+        if any(r1.SOURCES.get(s, s) not in run.values for s in signals):
+            continue  # an anchor a recording cannot give (LiDAR without views)
+        alarm, healthy_alarm = first_alarm(run, signals, score, k, p)
+        if run.kind != "collapse":
+            alarmed += healthy_alarm
+            healthy += 1
+            continue
+        hit = alarm is not None and run.point is not None and alarm < run.point
+        caught.setdefault(run.scenario, []).append(hit)
+        if hit:
+            leads.append(run.point - alarm)
+            silent[run.scenario] = silent.get(run.scenario, 0) + (not loss_warned(run, alarm))
+    seeds = {name: sum(v) for name, v in caught.items()}
+    return {
+        "score": score, "k": k, "p": p, "signals": len(signals),
+        "scenarios_caught": sorted(name for name, n in seeds.items() if n >= 5), "seeds_caught": seeds,
+        "seeds_caught_silently": silent, "runs": sum(len(v) for v in caught.values()),
+        "runs_caught": sum(seeds.values()), "runs_caught_silently": sum(silent.values()),
+        "median_lead": float(np.median(leads)) if leads else None, "healthy_alarmed": alarmed, "healthy_runs": healthy,
+    }  # fmt: skip
+
+
+def rank(row: dict[str, Any]) -> tuple[Any, ...]:
+    """ROUND2.md's order: most scenarios caught, then more runs caught silently, the larger median lead, fewer
+    signals, larger ``k``, larger ``p``, score (ii-r) over (i)."""
+    return (-len(row["scenarios_caught"]), -row["runs_caught_silently"], -(row["median_lead"] or 0), row["signals"],
+            -row["k"], -row["p"], row["score"] != "frozen_r")  # fmt: skip
+
+
+def evaluate(runs: list[r1.Run], scenarios: tuple[str, ...],
+             candidates: dict[str, tuple[str, ...]]) -> list[dict[str, Any]]:  # fmt: skip
+    """Every candidate at every score, ``k`` and ``p``."""
+    return [{"combination": name, **judge(runs, scenarios, signals, score, k, p)}
+            for (name, signals), score, k, p in itertools.product(candidates.items(), SCORES, r1.THRESHOLDS,
+                                                                   r1.PATIENCES)]  # fmt: skip
+
+
+def best_at_zero(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best candidate alarming on no healthy run (ROUND2.md's order), or None."""
+    eligible = [r for r in results if r["healthy_alarmed"] == 0]
+    return min(eligible, key=rank) if eligible else None
+
+
+def report(runs: list[r1.Run], split: str) -> dict[str, Any]:
+    """Round 2's report of one split: the choice (design only: eligible at zero healthy alarms, at least one
+    scenario caught), each family and anchor at the same budget, the loss-only rule and the default as shipped."""
+    classes, _ = SPLITS[split]
+    scenarios = tuple(name for c in classes for name in CLASSES[c])
+    results = evaluate(runs, scenarios, r1.combinations())
+    best = best_at_zero(results)
+    chosen = best if split == "design" and best is not None and best["scenarios_caught"] else None
+    pools = {family: [r for r in results if r["combination"] in (family, f"{family}+sentinels")]
+             for family in ("geometry", "spectrum", "drift")}  # fmt: skip
+    pools["sentinels"] = evaluate(runs, scenarios, {"sentinels": r1.SENTINELS})
+    for name in r1.ANCHORS:
+        pools[name] = evaluate(runs, scenarios, {name: (name,)})
+    loss_rule = {"combination": "loss_rule", **judge(runs, scenarios, ("loss_rule",), "trailing", 4.5, 1)}
+    default = {"combination": "default", **judge(runs, scenarios, ("default",), "trailing", 4.5, 1)}
+    return {"chosen": chosen, "at_zero": {name: best_at_zero(pool) for name, pool in pools.items()},
+            "loss_rule": loss_rule, "default": default, "results": results}  # fmt: skip
+
+
+def load_runs(directory: Path, split: str) -> list[r1.Run]:
+    """Round 1's runs and signals for the split's recordings, with each run's healthy drift rates added."""
+    classes, traps = SPLITS[split]
+    scenarios = [s for c in classes for s in CLASSES[c]] + [TRAPS[t] for t in traps]
+    runs = r1.load_runs(directory, scenarios, r1.EVALUATION_SEEDS)
+    for run in runs:
+        with np.load(directory / f"{run.scenario}-seed{run.seed}.npz") as data:
+            kind = "healthy" if run.kind == "trap" else run.kind
+            for name, rates in warm_rates(data[f"{kind}/features"]).items():
+                run.values[f"{name}/warm_rates"] = rates
+    return runs
+
+
+def write_markdown(payload: dict[str, Any], path: Path) -> None:
+    """The split's page: the choice, each family's and anchor's best at zero healthy alarms, the loss-only rule and
+    the default, per scenario."""
+
+    def row(name: str, found: dict[str, Any] | None) -> str:
+        if found is None:
+            return f"| {name} | none | - | - | - | - |"
+        what = f"{found['combination']}, {found['score']}, k {found['k']:g}, p {found['p']}"
+        seeds = ", ".join(
+            f"{s} {n}/{found['seeds_caught_silently'].get(s, 0)}" for s, n in found["seeds_caught"].items()
+        )
+        lead = "-" if found["median_lead"] is None else f"{found['median_lead']:.0f}"
+        return (f"| {name} | {what} | {seeds} | {', '.join(found['scenarios_caught']) or 'none'} | {lead} | "
+                f"{found['healthy_alarmed']}/{found['healthy_runs']} |")  # fmt: skip
+
+    chosen = payload["chosen"]
+    lines = [
+        f"Round 2, split **{payload['split']}** (classes {', '.join(payload['classes'])}; traps "
+        f"{', '.join(payload['traps'])}); evaluation seeds 0-5; evaluated at commit `{payload['commit'][:12]}`.",
+        "",
+        "Chosen: " + ("nothing" if chosen is None else
+                      f"`{chosen['combination']}`, score {chosen['score']}, k {chosen['k']:g}, p {chosen['p']}") + ".",
+        "",
+        "| signal | candidate | seeds caught / caught silently (of 6), per scenario | scenarios caught | "
+        "median lead (steps) | healthy runs alarmed |",
+        "|---|---|---|---|---|---|",
+        row("the default", payload["default"]),
+        row("loss-only rule", payload["loss_rule"]),
+        *(row(name, found) for name, found in payload["at_zero"].items()),
+    ]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--split", choices=sorted(SPLITS), default="design")
+    parser.add_argument("--recordings", type=Path, default=r1.RECORDINGS / "evaluation")
+    parser.add_argument("--out", type=Path, default=r1.RESULTS)
+    parser.add_argument("--record", action="store_true", help="record the missing evaluation seeds first")
+    parser.add_argument("--jobs", type=int, default=1)
+    args = parser.parse_args(argv)
+    classes, traps = SPLITS[args.split]
+    if args.split == "held_out" and STAGE_2 not in ROUND2.read_text():
+        parser.error("round 2's held-out split is recorded and evaluated only after its stage 2 (ROUND2.md)")
+    commit = r1._commit()
+    if args.record:
+        r1.record_missing([s for c in classes for s in CLASSES[c]] + [TRAPS[t] for t in traps], args.recordings,
+                          args.jobs)  # fmt: skip
+    runs = load_runs(args.recordings, args.split)
+    found = report(runs, args.split)
+    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": commit, **found}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"silent_r2_{args.split}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    write_markdown(payload, args.out / f"silent_r2_{args.split}.md")
+    print(f"round 2, {args.split}: {len(found['results'])} candidates; chosen {found['chosen']}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
