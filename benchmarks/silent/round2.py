@@ -241,15 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recordings", type=Path, default=r1.RECORDINGS / "evaluation")
     parser.add_argument("--out", type=Path, default=r1.RESULTS)
     parser.add_argument("--record", action="store_true", help="record the missing evaluation seeds first")
+    parser.add_argument("--record-only", action="store_true", help="record the missing evaluation seeds, no more")
     parser.add_argument("--jobs", type=int, default=1)
     args = parser.parse_args(argv)
     classes, traps = SPLITS[args.split]
     if args.split == "held_out" and STAGE_2 not in ROUND2.read_text():
         parser.error("round 2's held-out split is recorded and evaluated only after its stage 2 (ROUND2.md)")
     commit = r1._commit()
-    if args.record:
+    if args.record or args.record_only:
         r1.record_missing([s for c in classes for s in CLASSES[c]] + [TRAPS[t] for t in traps], args.recordings,
                           args.jobs)  # fmt: skip
+        if args.record_only:
+            return 0
     runs = load_runs(args.recordings, args.split)
     found = report(runs, args.split)
     payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": commit, **found}
