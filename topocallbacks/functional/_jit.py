@@ -9,12 +9,12 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["core_kernel", "programme_kernel"]
+__all__ = ["Kernels", "core_kernel", "prim_kernel", "programme_kernel", "rips_edges_kernel"]
 
 #: Set to ``"0"`` to use the numpy code even where numba is installed.
 ENVIRONMENT_SWITCH = "TOPOCALLBACKS_NUMBA"
@@ -174,36 +174,118 @@ def _common_birth_programme(
     return row[m]
 
 
+def _rips_edges(points: Any, limit: Any) -> Any:  # pragma: no cover - compiled by numba
+    """The edges ``i < j`` (row-major) of the Rips graph at ``limit`` and their lengths, as GUDHI measures them.
+
+    ``sqrt(sum_k (p_ik - p_jk)**2)`` accumulated coordinate by coordinate from 0, GUDHI's ``Euclidean_distance``
+    (no fast-math: the same operations in the same order, so the same lengths to the last bit), kept when at most
+    ``limit``, as ``RipsComplex`` keeps them.
+    """
+    n, d = points.shape
+    pairs = n * (n - 1) // 2
+    rows = np.empty(pairs, dtype=np.int32)
+    cols = np.empty(pairs, dtype=np.int32)
+    lengths = np.empty(pairs, dtype=np.float64)
+    count = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            total = 0.0
+            for k in range(d):
+                diff = points[i, k] - points[j, k]
+                total += diff * diff
+            length = np.sqrt(total)
+            if length <= limit:
+                rows[count] = i
+                cols[count] = j
+                lengths[count] = length
+                count += 1
+    return rows[:count].copy(), cols[:count].copy(), lengths[:count].copy()
+
+
+def _prim_lengths(distances: Any) -> Any:  # pragma: no cover - compiled by numba
+    """``collapse.mst_edge_lengths`` one scalar at a time: the same order (the first smallest), the same lengths."""
+    n = distances.shape[0]
+    lengths = np.empty(max(n - 1, 0))
+    if n < 2:
+        return lengths
+    in_tree = np.zeros(n, dtype=np.bool_)
+    in_tree[0] = True
+    best = distances[0].copy()
+    best[0] = np.inf
+    for k in range(n - 1):
+        j = 0
+        for i in range(1, n):
+            if best[i] < best[j]:
+                j = i
+        lengths[k] = best[j]
+        in_tree[j] = True
+        for i in range(n):
+            if in_tree[i]:
+                best[i] = np.inf
+            elif distances[j, i] < best[i]:
+                best[i] = distances[j, i]
+    return lengths
+
+
+class Kernels(NamedTuple):
+    """The compiled kernels."""
+
+    core: Callable[..., NDArray[np.bool_]]
+    edges: Callable[..., int]
+    programme: Callable[..., float]
+    rips_edges: Callable[..., tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.float64]]]
+    prim: Callable[..., NDArray[np.float64]]
+
+
 @functools.cache
-def _compiled() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int], Callable[..., float]] | None:
+def _compiled() -> Kernels | None:
     try:
         import numba  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return None
     numba.extending.register_jitable(_next_bit)  # the kernels call it: compiled into them
-    kernel: Callable[..., NDArray[np.bool_]] = numba.njit(cache=True, nogil=True)(_core_mask)
-    edges: Callable[..., int] = numba.njit(cache=True, nogil=True)(_edge_collapse)
-    programme: Callable[..., float] = numba.njit(cache=True, nogil=True)(_common_birth_programme)
+    jit = numba.njit(cache=True, nogil=True)
+    kernels = Kernels(
+        core=jit(_core_mask),
+        edges=jit(_edge_collapse),
+        programme=jit(_common_birth_programme),
+        rips_edges=jit(_rips_edges),
+        prim=jit(_prim_lengths),
+    )
     # Compile (or load the cached machine code) now, not inside the first timed update.
-    kernel(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64), np.arange(2, dtype=np.int64))
-    edges(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64))
-    programme(np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(2))
-    return kernel, edges, programme
+    kernels.core(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64), np.arange(2, dtype=np.int64))
+    kernels.edges(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64))
+    kernels.programme(np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(2))
+    kernels.rips_edges(np.zeros((2, 1)), 1.0)
+    kernels.prim(np.zeros((2, 2)))
+    return kernels
 
 
 def core_kernel() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int]] | None:
     """The compiled strong-collapse and edge-collapse kernels, or None (numba missing, or ``TOPOCALLBACKS_NUMBA=0``)."""
     compiled = _enabled()
-    return None if compiled is None else compiled[:2]
+    return None if compiled is None else (compiled.core, compiled.edges)
 
 
 def programme_kernel() -> Callable[..., float] | None:
     """The compiled order-1 programme of the H0 diagram distance, or None."""
     compiled = _enabled()
-    return None if compiled is None else compiled[2]
+    return None if compiled is None else compiled.programme
 
 
-def _enabled() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int], Callable[..., float]] | None:
+def rips_edges_kernel() -> Callable[..., tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.float64]]] | None:
+    """The compiled Rips graph at a threshold with GUDHI's edge lengths (`_rips_edges`), or None."""
+    compiled = _enabled()
+    return None if compiled is None else compiled.rips_edges
+
+
+def prim_kernel() -> Callable[..., NDArray[np.float64]] | None:
+    """The compiled dense Prim of ``collapse.mst_edge_lengths`` (float64 distances), or None."""
+    compiled = _enabled()
+    return None if compiled is None else compiled.prim
+
+
+def _enabled() -> Kernels | None:
     if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
         return None
     return _compiled()

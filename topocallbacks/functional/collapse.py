@@ -18,6 +18,7 @@ from .._validation import as_points, check_int, check_number, check_positive_flo
 from ..exceptions import InputError
 from ..settings import COMPONENTS, PAPER_WEIGHTS, IndexSettings, resolve_weights
 from ._distances import pairwise_distances
+from ._jit import prim_kernel
 from .geometry import _anisotropy
 from .topology import _betti_numbers, _persistence_diagrams, _persistence_entropy, _subsample
 
@@ -174,6 +175,10 @@ def mst_edge_lengths(distances: NDArray[np.float64]) -> NDArray[np.float64]:
         [0.5, 1.0, 4.0]
     """
     n = distances.shape[0]
+    kernel = prim_kernel()
+    if kernel is not None:  # the same steps compiled (numba installed): the same lengths in the same order
+        compiled: NDArray[np.float64] = kernel(np.ascontiguousarray(distances, dtype=np.float64))
+        return compiled
     lengths = np.empty(max(n - 1, 0))
     if n < 2:
         return lengths
