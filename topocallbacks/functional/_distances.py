@@ -14,6 +14,8 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
+from ._jit import threshold_block_kernel
+
 __all__ = [
     "epsilon_adjacency",
     "epsilon_block",
@@ -112,6 +114,12 @@ def epsilon_block(
     eps_sq = eps * eps
     # partial[i, j] = |b_j|^2 - 2 a_i.b_j, compared with per-row thresholds: no n x m tolerance matrix.
     partial = centred_left @ centred_right.T
+    kernel = threshold_block_kernel()
+    if kernel is not None:  # the same operations compiled into one pass (numba installed): the same decisions
+        decided = np.empty(partial.shape, dtype=bool)
+        low, high = eps_sq - tolerance - sq_left, eps_sq + tolerance - sq_left
+        kernel(partial, sq_right, low, high, scaled_left, scaled_right, eps, decided)
+        return decided
     partial *= -2.0
     partial += sq_right
     certain_below = (eps_sq - tolerance - sq_left)[:, None]

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Kernels", "core_kernel", "prim_kernel", "programme_kernel", "rips_edges_kernel"]
+__all__ = ["Kernels", "core_kernel", "prim_kernel", "programme_kernel", "rips_edges_kernel", "threshold_block_kernel"]
 
 #: Set to ``"0"`` to use the numpy code even where numba is installed.
 ENVIRONMENT_SWITCH = "TOPOCALLBACKS_NUMBA"
@@ -227,6 +227,35 @@ def _prim_lengths(distances: Any) -> Any:  # pragma: no cover - compiled by numb
     return lengths
 
 
+def _threshold_block(
+    partial: Any, sq_right: Any, low: Any, high: Any, left: Any, right: Any, eps: Any, block: Any
+) -> None:  # pragma: no cover - compiled by numba
+    """``_distances.epsilon_block``'s decisions from the product ``left @ right.T``, one pass, into ``block``.
+
+    The same operations in the same order as the vectorised code (``-2 x`` product ``+ |right_j|²`` against the
+    row's certain bounds, and in between the direct distance, coordinate by coordinate): the same decisions.
+    """
+    m, n = partial.shape
+    d = left.shape[1]
+    for i in range(m):
+        below, above = low[i], high[i]
+        undecided = 0
+        for j in range(n):  # branch-free, so that it vectorises: most pairs are decided by the bounds
+            value = partial[i, j] * -2.0 + sq_right[j]
+            block[i, j] = value <= below
+            undecided += (value > below) & (value < above)
+        if undecided == 0:
+            continue
+        for j in range(n):
+            value = partial[i, j] * -2.0 + sq_right[j]
+            if below < value < above:
+                total = 0.0
+                for k in range(d):
+                    diff = left[i, k] - right[j, k]
+                    total += diff * diff
+                block[i, j] = np.sqrt(total) <= eps
+
+
 class Kernels(NamedTuple):
     """The compiled kernels."""
 
@@ -235,6 +264,7 @@ class Kernels(NamedTuple):
     programme: Callable[..., float]
     rips_edges: Callable[..., tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.float64]]]
     prim: Callable[..., NDArray[np.float64]]
+    threshold_block: Callable[..., None]
 
 
 @functools.cache
@@ -251,6 +281,7 @@ def _compiled() -> Kernels | None:
         programme=jit(_common_birth_programme),
         rips_edges=jit(_rips_edges),
         prim=jit(_prim_lengths),
+        threshold_block=jit(_threshold_block),
     )
     # Compile (or load the cached machine code) now, not inside the first timed update.
     kernels.core(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64), np.arange(2, dtype=np.int64))
@@ -258,6 +289,8 @@ def _compiled() -> Kernels | None:
     kernels.programme(np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(2))
     kernels.rips_edges(np.zeros((2, 1)), 1.0)
     kernels.prim(np.zeros((2, 2)))
+    kernels.threshold_block(*(np.zeros((1, 1)), *(np.zeros(1),) * 3, np.zeros((1, 1)), np.zeros((1, 1)), 1.0),
+                            np.zeros((1, 1), dtype=np.bool_))  # fmt: skip
     return kernels
 
 
@@ -283,6 +316,12 @@ def prim_kernel() -> Callable[..., NDArray[np.float64]] | None:
     """The compiled dense Prim of ``collapse.mst_edge_lengths`` (float64 distances), or None."""
     compiled = _enabled()
     return None if compiled is None else compiled.prim
+
+
+def threshold_block_kernel() -> Callable[..., None] | None:
+    """The compiled decisions of ``_distances.epsilon_block`` from its matrix product (`_threshold_block`), or None."""
+    compiled = _enabled()
+    return None if compiled is None else compiled.threshold_block
 
 
 def _enabled() -> Kernels | None:
