@@ -186,19 +186,37 @@ def _rips_edges(points: Any, limit: Any) -> Any:  # pragma: no cover - compiled 
     rows = np.empty(pairs, dtype=np.int32)
     cols = np.empty(pairs, dtype=np.int32)
     lengths = np.empty(pairs, dtype=np.float64)
+    sums = np.empty(4)
     count = 0
     for i in range(n):
-        for j in range(i + 1, n):
-            total = 0.0
-            for k in range(d):
-                diff = points[i, k] - points[j, k]
-                total += diff * diff
-            length = np.sqrt(total)
-            if length <= limit:
-                rows[count] = i
-                cols[count] = j
-                lengths[count] = length
-                count += 1
+        j = i + 1
+        while j < n:
+            # Four pairs at once (four independent sums, each in GUDHI's order), then the rest one by one.
+            width = 4 if j + 4 <= n else 1
+            if width == 4:
+                s0 = s1 = s2 = s3 = 0.0
+                for k in range(d):
+                    x = points[i, k]
+                    a0, a1, a2, a3 = x - points[j, k], x - points[j + 1, k], x - points[j + 2, k], x - points[j + 3, k]
+                    s0 += a0 * a0
+                    s1 += a1 * a1
+                    s2 += a2 * a2
+                    s3 += a3 * a3
+                sums[0], sums[1], sums[2], sums[3] = s0, s1, s2, s3
+            else:
+                s0 = 0.0
+                for k in range(d):
+                    a0 = points[i, k] - points[j, k]
+                    s0 += a0 * a0
+                sums[0] = s0
+            for t in range(width):
+                length = np.sqrt(sums[t])
+                if length <= limit:
+                    rows[count] = i
+                    cols[count] = j + t
+                    lengths[count] = length
+                    count += 1
+            j += width
     return rows[:count].copy(), cols[:count].copy(), lengths[:count].copy()
 
 

@@ -6,6 +6,7 @@ and a simplex is present when all its edges are. Homology is taken with Z/2 coef
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -358,9 +359,16 @@ def _betti_numbers(cloud: NDArray[np.float64], epsilon: float) -> BettiNumbers:
 def _subsample(cloud: NDArray[np.float64], max_points: int, seed: int) -> NDArray[np.float64]:
     if cloud.shape[0] <= max_points:
         return cloud
+    return cloud[_subsample_rows(cloud.shape[0], max_points, seed)]
+
+
+@functools.lru_cache(maxsize=32)
+def _subsample_rows(n: int, max_points: int, seed: int) -> NDArray[np.intp]:
+    """The sorted rows `_subsample` keeps of ``n``: the same at every check of a probe, so drawn once (read-only)."""
     rng = np.random.default_rng(seed)
-    index = np.sort(rng.choice(cloud.shape[0], size=max_points, replace=False))
-    return cloud[index]
+    index = np.sort(rng.choice(n, size=max_points, replace=False))
+    index.flags.writeable = False
+    return index
 
 
 def persistence_diagrams(
