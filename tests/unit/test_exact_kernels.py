@@ -18,6 +18,7 @@ from topocallbacks.functional.topology import (
     _persistence_diagrams,
     _ripser_bars,
     _simplex_tree_bars,
+    _upper_edges,
     betti_numbers_of_graph,
     strong_collapse_core,
 )
@@ -198,6 +199,22 @@ def test_the_compiled_prim_gives_the_same_lengths_in_the_same_order(monkeypatch,
     reference = mst_edge_lengths(distances)
     monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1")
     np.testing.assert_array_equal(mst_edge_lengths(distances), reference)
+
+
+@given(graph=any_graphs())
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_compiled_edge_list_is_numpys(monkeypatch, graph):
+    pytest.importorskip("numba")
+    n, rows, cols = graph
+    adjacency = np.zeros((n, n), dtype=bool)
+    adjacency[rows, cols] = adjacency[cols, rows] = True
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "0")
+    reference = _upper_edges(adjacency)
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1")
+    found = _upper_edges(adjacency)
+    for ours, expected in zip(found, reference, strict=True):
+        assert ours.dtype == np.intp
+        np.testing.assert_array_equal(ours, expected)
 
 
 def sorted_bars(bars):

@@ -14,7 +14,15 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Kernels", "core_kernel", "prim_kernel", "programme_kernel", "rips_edges_kernel", "threshold_block_kernel"]
+__all__ = [
+    "Kernels",
+    "core_kernel",
+    "prim_kernel",
+    "programme_kernel",
+    "rips_edges_kernel",
+    "threshold_block_kernel",
+    "upper_edges_kernel",
+]
 
 #: Set to ``"0"`` to use the numpy code even where numba is installed.
 ENVIRONMENT_SWITCH = "TOPOCALLBACKS_NUMBA"
@@ -274,6 +282,25 @@ def _threshold_block(
                 block[i, j] = np.sqrt(total) <= eps
 
 
+def _upper_edges(adjacency: Any) -> Any:  # pragma: no cover - compiled by numba
+    """The edges ``(rows[k], cols[k])``, ``rows < cols``, of a boolean adjacency, in row-major order."""
+    n = adjacency.shape[0]
+    count = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            count += adjacency[i, j]
+    rows = np.empty(count, dtype=np.intp)
+    cols = np.empty(count, dtype=np.intp)
+    k = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            if adjacency[i, j]:
+                rows[k] = i
+                cols[k] = j
+                k += 1
+    return rows, cols
+
+
 class Kernels(NamedTuple):
     """The compiled kernels."""
 
@@ -283,6 +310,7 @@ class Kernels(NamedTuple):
     rips_edges: Callable[..., tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.float64]]]
     prim: Callable[..., NDArray[np.float64]]
     threshold_block: Callable[..., None]
+    upper_edges: Callable[..., tuple[NDArray[np.intp], NDArray[np.intp]]]
 
 
 @functools.cache
@@ -300,6 +328,7 @@ def _compiled() -> Kernels | None:
         rips_edges=jit(_rips_edges),
         prim=jit(_prim_lengths),
         threshold_block=jit(_threshold_block),
+        upper_edges=jit(_upper_edges),
     )
     # Compile (or load the cached machine code) now, not inside the first timed update.
     kernels.core(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64), np.arange(2, dtype=np.int64))
@@ -307,6 +336,7 @@ def _compiled() -> Kernels | None:
     kernels.programme(np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(2))
     kernels.rips_edges(np.zeros((2, 1)), 1.0)
     kernels.prim(np.zeros((2, 2)))
+    kernels.upper_edges(np.zeros((2, 2), dtype=np.bool_))
     kernels.threshold_block(*(np.zeros((1, 1)), *(np.zeros(1),) * 3, np.zeros((1, 1)), np.zeros((1, 1)), 1.0),
                             np.zeros((1, 1), dtype=np.bool_))  # fmt: skip
     return kernels
@@ -340,6 +370,12 @@ def threshold_block_kernel() -> Callable[..., None] | None:
     """The compiled decisions of ``_distances.epsilon_block`` from its matrix product (`_threshold_block`), or None."""
     compiled = _enabled()
     return None if compiled is None else compiled.threshold_block
+
+
+def upper_edges_kernel() -> Callable[..., tuple[NDArray[np.intp], NDArray[np.intp]]] | None:
+    """The compiled edge list of a boolean adjacency (`_upper_edges`), or None."""
+    compiled = _enabled()
+    return None if compiled is None else compiled.upper_edges
 
 
 def _enabled() -> Kernels | None:

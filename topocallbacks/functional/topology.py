@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 from .._validation import as_points, check_int, check_positive_float, check_seed
 from ..exceptions import InputError
 from ._distances import epsilon_graph, power_of_two_scale
-from ._jit import core_kernel, rips_edges_kernel
+from ._jit import core_kernel, rips_edges_kernel, upper_edges_kernel
 
 try:  # GUDHI's Ripser (GUDHI >= 3.9; what its RipsPersistence runs): the simplex tree's bars otherwise
     from gudhi._ripser_ext import _sparse as _RIPSER
@@ -67,6 +67,10 @@ _EDGE_BLOCK_ROWS = 256
 def _upper_edges(adjacency: NDArray[np.bool_]) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
     """The edges ``(rows[k], cols[k])``, ``rows < cols``, of a symmetric adjacency, in row-major order."""
     n = adjacency.shape[0]
+    kernel = upper_edges_kernel()
+    if kernel is not None and adjacency.dtype == np.bool_:  # the same edges in the same order, one pass
+        listed: tuple[NDArray[np.intp], NDArray[np.intp]] = kernel(np.ascontiguousarray(adjacency))
+        return listed
     row_parts, col_parts = [], []
     for start in range(0, n, _EDGE_BLOCK_ROWS):
         rows, cols = np.nonzero(np.triu(adjacency[start : start + _EDGE_BLOCK_ROWS, start:], 1))
