@@ -217,6 +217,12 @@ def test_the_compiled_edge_list_is_numpys(monkeypatch, graph):
         np.testing.assert_array_equal(ours, expected)
 
 
+@given(st.one_of(point_clouds(min_points=2, max_points=40, max_dim=5), looped_clouds(max_points=40)))
+def test_the_longest_mst_edge_over_squared_distances_is_the_one_over_distances(cloud):
+    longest = float(mst_edge_lengths(pairwise_distances(cloud)).max(initial=0.0))
+    assert F.longest_mst_edge(cloud) == (None if longest == 0.0 else longest * (1.0 + 1e-9))  # to the last bit
+
+
 def sorted_bars(bars):
     return [b[np.lexsort((b[:, 1], b[:, 0]))] for b in bars]
 
