@@ -472,7 +472,10 @@ def _ripser_bars(points: NDArray[np.float64], dims: int, limit: float) -> list[N
     rows, cols, lengths = kernel(points, limit)
     # GUDHI's own Rips persistence caps the dimension so for tiny clouds (no loop fits in 3 points anyway).
     top = min(dims, max(0, n - 3))
-    found = _RIPSER(rows, cols, lengths, n, max_dimension=top, max_edge_length=limit, homology_coeff_field=2)
+    try:
+        found = _RIPSER(rows, cols, lengths, n, max_dimension=top, max_edge_length=limit, homology_coeff_field=2)
+    except TypeError:  # pragma: no cover - a GUDHI whose private Ripser binding takes other arguments
+        return None
     return [
         np.asarray(found[dim], dtype=np.float64).reshape(-1, 2) if dim < len(found) else np.zeros((0, 2))
         for dim in range(dims + 1)
