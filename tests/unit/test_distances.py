@@ -2,7 +2,21 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
-from topocallbacks.functional._distances import epsilon_adjacency, pairwise_distances, power_of_two_scale
+from topocallbacks.functional._distances import (
+    epsilon_adjacency,
+    epsilon_block,
+    pairwise_distances,
+    power_of_two_scale,
+)
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def kernels(request, monkeypatch):
+    """Both implementations of the ε decisions: the compiled pass (when numba is installed) and numpy."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1" if request.param == "numba" else "0")
+    return request.param
 
 
 def direct_adjacency(points, epsilon):
@@ -14,7 +28,7 @@ def direct_adjacency(points, epsilon):
 
 @pytest.mark.parametrize("offset", [0.0, 1.0, 1e6, -3e9])
 @pytest.mark.parametrize("seed", range(3))
-def test_adjacency_equals_the_direct_decision_for_every_pair_at_borderline_scales(seed, offset):
+def test_adjacency_equals_the_direct_decision_for_every_pair_at_borderline_scales(kernels, seed, offset):
     rng = np.random.default_rng(seed)
     points = rng.normal(size=(120, 7)) + offset
     distances = cdist(points, points)[np.triu_indices(120, 1)]
@@ -25,6 +39,20 @@ def test_adjacency_equals_the_direct_decision_for_every_pair_at_borderline_scale
             epsilon_adjacency(points, float(np.nextafter(epsilon, 0))),
             direct_adjacency(points, np.nextafter(epsilon, 0)),
         )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compiled_block_decides_every_pair_as_numpy_does(monkeypatch, seed):
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(seed)
+    left, right = rng.normal(size=(60, 9)), rng.normal(size=(90, 9))
+    right[:20] = left[:20]  # identical points: distance 0
+    distances = cdist(left, right).ravel()
+    for epsilon in [*distances[rng.choice(distances.size, 6, replace=False)], 1e-12, 100.0]:
+        monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "0")
+        reference = epsilon_block(left, right, float(epsilon))
+        monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1")
+        np.testing.assert_array_equal(epsilon_block(left, right, float(epsilon)), reference)
 
 
 def test_adjacency_is_symmetric_without_loops():

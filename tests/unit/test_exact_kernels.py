@@ -6,15 +6,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.strategies import clouds_with_epsilon, point_clouds
+from tests.strategies import clouds_with_epsilon, looped_clouds, point_clouds
 from topocallbacks import InputError
 from topocallbacks import functional as F
 from topocallbacks.functional._distances import epsilon_edges, pairwise_distances, power_of_two_scale
+from topocallbacks.functional._jit import rips_edges_kernel
 from topocallbacks.functional.collapse import mst_edge_lengths
 from topocallbacks.functional.indices import _assignment_cost, _common_birth_cost
 from topocallbacks.functional.topology import (
     _collapse_until_stable,
     _persistence_diagrams,
+    _ripser_bars,
+    _simplex_tree_bars,
+    _upper_edges,
     betti_numbers_of_graph,
     strong_collapse_core,
 )
@@ -184,6 +188,86 @@ def test_one_collapse_pass_gives_the_diagrams_of_collapsing_until_stable(cloud):
         reference = np.asarray(tree.persistence_intervals_in_dimension(dim)).reshape(-1, 2) / scale
         order = np.lexsort((reference[:, 1], reference[:, 0]))
         np.testing.assert_allclose(ours[dim], reference[order], rtol=1e-12)
+
+
+@given(point_clouds(min_points=2, max_points=40, max_dim=5))
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_compiled_prim_gives_the_same_lengths_in_the_same_order(monkeypatch, cloud):
+    pytest.importorskip("numba")
+    distances = pairwise_distances(cloud)
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "0")
+    reference = mst_edge_lengths(distances)
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1")
+    np.testing.assert_array_equal(mst_edge_lengths(distances), reference)
+
+
+@given(graph=any_graphs())
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_compiled_edge_list_is_numpys(monkeypatch, graph):
+    pytest.importorskip("numba")
+    n, rows, cols = graph
+    adjacency = np.zeros((n, n), dtype=bool)
+    adjacency[rows, cols] = adjacency[cols, rows] = True
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "0")
+    reference = _upper_edges(adjacency)
+    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1")
+    found = _upper_edges(adjacency)
+    for ours, expected in zip(found, reference, strict=True):
+        assert ours.dtype == np.intp
+        np.testing.assert_array_equal(ours, expected)
+
+
+@given(st.one_of(point_clouds(min_points=2, max_points=40, max_dim=5), looped_clouds(max_points=40)))
+def test_the_longest_mst_edge_over_squared_distances_is_the_one_over_distances(cloud):
+    longest = float(mst_edge_lengths(pairwise_distances(cloud)).max(initial=0.0))
+    assert F.longest_mst_edge(cloud) == (None if longest == 0.0 else longest * (1.0 + 1e-9))  # to the last bit
+
+
+def sorted_bars(bars):
+    return [b[np.lexsort((b[:, 1], b[:, 0]))] for b in bars]
+
+
+def assert_ripser_gives_the_simplex_tree_bars(cloud, threshold):
+    scale = power_of_two_scale(cloud, *(() if threshold is None else (threshold,)))
+    limit = np.inf if threshold is None else threshold * scale
+    for dims in (0, 1):
+        ripser_bars = _ripser_bars(cloud * scale, dims, limit)
+        assert ripser_bars is not None
+        for ours, reference in zip(
+            sorted_bars(ripser_bars), sorted_bars(_simplex_tree_bars(cloud * scale, dims, limit)), strict=True
+        ):
+            np.testing.assert_array_equal(ours, reference)  # the same numbers, to the last bit
+
+
+@given(st.one_of(point_clouds(min_points=2, max_points=40, max_dim=5), looped_clouds(max_points=40)), st.data())
+def test_ripser_gives_the_simplex_tree_bars_to_the_last_bit(cloud, data):
+    pytest.importorskip("numba")
+    longest = F.longest_mst_edge(cloud)
+    choice = data.draw(st.sampled_from(["none", "mst", "half"]))
+    threshold = None if choice == "none" or longest is None else longest * (0.5 if choice == "half" else 1.0)
+    assert_ripser_gives_the_simplex_tree_bars(cloud, threshold)
+
+
+def test_ripser_gives_the_simplex_tree_bars_of_healthy_and_collapsed_features():
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(5)
+    healthy = rng.normal(size=(256, 64)) * rng.uniform(0.2, 1.0, 64)
+    centres = healthy[np.arange(256) % 4]
+    for cloud in (healthy, centres + 1e-3 * (healthy - centres), np.repeat(healthy[:64], 4, axis=0)):
+        assert_ripser_gives_the_simplex_tree_bars(cloud, F.longest_mst_edge(cloud))
+
+
+@given(point_clouds(min_points=2, max_points=30, max_dim=6), st.floats(0.0, 1.2))
+def test_the_rips_edges_have_gudhis_lengths_to_the_last_bit(cloud, quantile):
+    kernel = rips_edges_kernel()
+    if kernel is None:
+        pytest.skip("numba is not installed")
+    distances = pairwise_distances(cloud)[np.triu_indices(cloud.shape[0], 1)]
+    limit = float(np.quantile(distances, min(quantile, 1.0))) * (1.0 + max(quantile - 1.0, 0.0))
+    tree = gudhi.RipsComplex(points=cloud, max_edge_length=limit).create_simplex_tree(max_dimension=1)
+    expected = sorted((s[0], s[1], f) for s, f in tree.get_skeleton(1) if len(s) == 2)
+    rows, cols, lengths = kernel(cloud, limit)
+    assert sorted(zip(rows.tolist(), cols.tolist(), lengths.tolist(), strict=True)) == expected
 
 
 lengths = st.lists(st.floats(0.0, 50.0, allow_nan=False), max_size=40)

@@ -10,9 +10,12 @@ change any decision.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
+
+from ._jit import threshold_block_kernel
 
 __all__ = [
     "epsilon_adjacency",
@@ -87,38 +90,57 @@ def epsilon_block(
     the centring and the power-of-two ``scale`` used internally (pass ``scale`` to reuse one computed over a larger
     cloud), so rows computed here for new points agree bit for bit with a from-scratch adjacency.
     """
-    dim = left.shape[1]
     if scale is None:
         scale = power_of_two_scale(np.vstack([left, right]), epsilon)
     scaled_left, scaled_right = left * scale, right * scale
-    eps = epsilon * scale
     # Centre on the right block's first row (exact for identical rows), then on its mean.
     centre = scaled_right[0] + (scaled_right - scaled_right[0]).mean(axis=0)
-    centred_left, centred_right = scaled_left - centre, scaled_right - centre
-    sq_left = np.einsum("ij,ij->i", centred_left, centred_left)
+    centred_right = scaled_right - centre
     sq_right = np.einsum("ij,ij->i", centred_right, centred_right)
+    right_side = _Side(scaled=scaled_right, centred=centred_right, sq=sq_right, sq_max=float(sq_right.max()))
+    return _decided(scaled_left, scaled_left - centre, right_side, epsilon * scale)
+
+
+class _Side(NamedTuple):
+    """The right-hand points of `epsilon_block`, scaled and centred once for every block of rows against them."""
+
+    scaled: NDArray[np.float64]
+    centred: NDArray[np.float64]
+    sq: NDArray[np.float64]
+    sq_max: float
+
+
+def _decided(
+    scaled_left: NDArray[np.float64], centred_left: NDArray[np.float64], right: _Side, eps: float
+) -> NDArray[np.bool_]:
+    """`epsilon_block`'s decisions for scaled and centred points, ``eps`` in their units."""
+    dim = scaled_left.shape[1]
+    sq_left = np.einsum("ij,ij->i", centred_left, centred_left)
+    sq_right = right.sq
     # Rounding error of |a|^2 + |b|^2 - 2 a.b (dot products of length d, then two additions), plus the error that
     # centring adds to each difference vector (at most u * (|a| + |b|) in norm) near a distance of ε. Bounded per
     # row with the largest right-hand norm: a slightly wider band, one number per row.
     tolerance = (
         _SAFETY
         * _UNIT_ROUNDOFF
-        * (
-            (dim + 4) * (sq_left + sq_right.max())
-            + 2.0 * eps * (np.sqrt(sq_left) + np.sqrt(sq_right.max()))
-            + eps * eps
-        )
+        * ((dim + 4) * (sq_left + right.sq_max) + 2.0 * eps * (np.sqrt(sq_left) + np.sqrt(right.sq_max)) + eps * eps)
     )
     eps_sq = eps * eps
     # partial[i, j] = |b_j|^2 - 2 a_i.b_j, compared with per-row thresholds: no n x m tolerance matrix.
-    partial = centred_left @ centred_right.T
+    partial = centred_left @ right.centred.T
+    kernel = threshold_block_kernel()
+    if kernel is not None:  # the same operations compiled into one pass (numba installed): the same decisions
+        decided = np.empty(partial.shape, dtype=bool)
+        low, high = eps_sq - tolerance - sq_left, eps_sq + tolerance - sq_left
+        kernel(partial, sq_right, low, high, scaled_left, right.scaled, eps, decided)
+        return decided
     partial *= -2.0
     partial += sq_right
     certain_below = (eps_sq - tolerance - sq_left)[:, None]
     block = partial <= certain_below
     rows, cols = np.nonzero((partial > certain_below) & (partial < (eps_sq + tolerance - sq_left)[:, None]))
     if rows.size:
-        block[rows, cols] = _direct_distances(scaled_left, scaled_right, rows, cols) <= eps
+        block[rows, cols] = _direct_distances(scaled_left, right.scaled, rows, cols) <= eps
     result: NDArray[np.bool_] = block
     return result
 
@@ -136,9 +158,16 @@ def epsilon_graph(
     scale = power_of_two_scale(points, epsilon)
     adjacency = np.empty((n, n), dtype=bool)
     row_parts, col_parts = [np.zeros(0, dtype=np.intp)], [np.zeros(0, dtype=np.intp)]
+    # Every block of rows is decided against all the points: they are scaled and centred once, as epsilon_block
+    # would for each block (the same centre: the right-hand side is the same), so the decisions are epsilon_block's.
+    scaled = points * scale
+    centre = scaled[0] + (scaled - scaled[0]).mean(axis=0)
+    centred = scaled - centre
+    sq = np.einsum("ij,ij->i", centred, centred)
+    right = _Side(scaled=scaled, centred=centred, sq=sq, sq_max=float(sq.max()))
     for start in range(0, n, ADJACENCY_BLOCK_ROWS):
         stop = min(start + ADJACENCY_BLOCK_ROWS, n)
-        block = epsilon_block(points[start:stop], points, epsilon, scale=scale)
+        block = _decided(scaled[start:stop], centred[start:stop], right, epsilon * scale)
         adjacency[start:stop] = block
         if edges:
             # Columns from `start` on, strictly above the diagonal: local triu(k=1) of the block's right part.

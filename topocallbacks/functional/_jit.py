@@ -9,12 +9,20 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["core_kernel", "programme_kernel"]
+__all__ = [
+    "Kernels",
+    "core_kernel",
+    "prim_kernel",
+    "programme_kernel",
+    "rips_edges_kernel",
+    "threshold_block_kernel",
+    "upper_edges_kernel",
+]
 
 #: Set to ``"0"`` to use the numpy code even where numba is installed.
 ENVIRONMENT_SWITCH = "TOPOCALLBACKS_NUMBA"
@@ -174,36 +182,203 @@ def _common_birth_programme(
     return row[m]
 
 
+def _rips_edges(points: Any, limit: Any) -> Any:  # pragma: no cover - compiled by numba
+    """The edges ``i < j`` (row-major) of the Rips graph at ``limit`` and their lengths, as GUDHI measures them.
+
+    ``sqrt(sum_k (p_ik - p_jk)**2)`` accumulated coordinate by coordinate from 0, GUDHI's ``Euclidean_distance``
+    (no fast-math: the same operations in the same order, so the same lengths to the last bit), kept when at most
+    ``limit``, as ``RipsComplex`` keeps them.
+    """
+    n, d = points.shape
+    pairs = n * (n - 1) // 2
+    rows = np.empty(pairs, dtype=np.int32)
+    cols = np.empty(pairs, dtype=np.int32)
+    lengths = np.empty(pairs, dtype=np.float64)
+    sums = np.empty(4)
+    count = 0
+    for i in range(n):
+        j = i + 1
+        while j < n:
+            # Four pairs at once (four independent sums, each in GUDHI's order), then the rest one by one.
+            width = 4 if j + 4 <= n else 1
+            if width == 4:
+                s0 = s1 = s2 = s3 = 0.0
+                for k in range(d):
+                    x = points[i, k]
+                    a0, a1, a2, a3 = x - points[j, k], x - points[j + 1, k], x - points[j + 2, k], x - points[j + 3, k]
+                    s0 += a0 * a0
+                    s1 += a1 * a1
+                    s2 += a2 * a2
+                    s3 += a3 * a3
+                sums[0], sums[1], sums[2], sums[3] = s0, s1, s2, s3
+            else:
+                s0 = 0.0
+                for k in range(d):
+                    a0 = points[i, k] - points[j, k]
+                    s0 += a0 * a0
+                sums[0] = s0
+            for t in range(width):
+                length = np.sqrt(sums[t])
+                if length <= limit:
+                    rows[count] = i
+                    cols[count] = j + t
+                    lengths[count] = length
+                    count += 1
+            j += width
+    return rows[:count].copy(), cols[:count].copy(), lengths[:count].copy()
+
+
+def _prim_lengths(distances: Any) -> Any:  # pragma: no cover - compiled by numba
+    """``collapse.mst_edge_lengths`` one scalar at a time: the same order (the first smallest), the same lengths."""
+    n = distances.shape[0]
+    lengths = np.empty(max(n - 1, 0))
+    if n < 2:
+        return lengths
+    in_tree = np.zeros(n, dtype=np.bool_)
+    in_tree[0] = True
+    best = distances[0].copy()
+    best[0] = np.inf
+    for k in range(n - 1):
+        j = 0
+        for i in range(1, n):
+            if best[i] < best[j]:
+                j = i
+        lengths[k] = best[j]
+        in_tree[j] = True
+        for i in range(n):
+            if in_tree[i]:
+                best[i] = np.inf
+            elif distances[j, i] < best[i]:
+                best[i] = distances[j, i]
+    return lengths
+
+
+def _threshold_block(
+    partial: Any, sq_right: Any, low: Any, high: Any, left: Any, right: Any, eps: Any, block: Any
+) -> None:  # pragma: no cover - compiled by numba
+    """``_distances.epsilon_block``'s decisions from the product ``left @ right.T``, one pass, into ``block``.
+
+    The same operations in the same order as the vectorised code (``-2 x`` product ``+ |right_j|²`` against the
+    row's certain bounds, and in between the direct distance, coordinate by coordinate): the same decisions.
+    """
+    m, n = partial.shape
+    d = left.shape[1]
+    for i in range(m):
+        below, above = low[i], high[i]
+        undecided = 0
+        for j in range(n):  # branch-free, so that it vectorises: most pairs are decided by the bounds
+            value = partial[i, j] * -2.0 + sq_right[j]
+            block[i, j] = value <= below
+            undecided += (value > below) & (value < above)
+        if undecided == 0:
+            continue
+        for j in range(n):
+            value = partial[i, j] * -2.0 + sq_right[j]
+            if below < value < above:
+                total = 0.0
+                for k in range(d):
+                    diff = left[i, k] - right[j, k]
+                    total += diff * diff
+                block[i, j] = np.sqrt(total) <= eps
+
+
+def _upper_edges(adjacency: Any) -> Any:  # pragma: no cover - compiled by numba
+    """The edges ``(rows[k], cols[k])``, ``rows < cols``, of a boolean adjacency, in row-major order."""
+    n = adjacency.shape[0]
+    count = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            count += adjacency[i, j]
+    rows = np.empty(count, dtype=np.intp)
+    cols = np.empty(count, dtype=np.intp)
+    k = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            if adjacency[i, j]:
+                rows[k] = i
+                cols[k] = j
+                k += 1
+    return rows, cols
+
+
+class Kernels(NamedTuple):
+    """The compiled kernels."""
+
+    core: Callable[..., NDArray[np.bool_]]
+    edges: Callable[..., int]
+    programme: Callable[..., float]
+    rips_edges: Callable[..., tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.float64]]]
+    prim: Callable[..., NDArray[np.float64]]
+    threshold_block: Callable[..., None]
+    upper_edges: Callable[..., tuple[NDArray[np.intp], NDArray[np.intp]]]
+
+
 @functools.cache
-def _compiled() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int], Callable[..., float]] | None:
+def _compiled() -> Kernels | None:
     try:
         import numba  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return None
     numba.extending.register_jitable(_next_bit)  # the kernels call it: compiled into them
-    kernel: Callable[..., NDArray[np.bool_]] = numba.njit(cache=True, nogil=True)(_core_mask)
-    edges: Callable[..., int] = numba.njit(cache=True, nogil=True)(_edge_collapse)
-    programme: Callable[..., float] = numba.njit(cache=True, nogil=True)(_common_birth_programme)
+    jit = numba.njit(cache=True, nogil=True)
+    kernels = Kernels(
+        core=jit(_core_mask),
+        edges=jit(_edge_collapse),
+        programme=jit(_common_birth_programme),
+        rips_edges=jit(_rips_edges),
+        prim=jit(_prim_lengths),
+        threshold_block=jit(_threshold_block),
+        upper_edges=jit(_upper_edges),
+    )
     # Compile (or load the cached machine code) now, not inside the first timed update.
-    kernel(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64), np.arange(2, dtype=np.int64))
-    edges(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64))
-    programme(np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(2))
-    return kernel, edges, programme
+    kernels.core(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64), np.arange(2, dtype=np.int64))
+    kernels.edges(np.zeros((2, 1), dtype=np.uint64), np.ones(2, dtype=np.int64))
+    kernels.programme(np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(2))
+    kernels.rips_edges(np.zeros((2, 1)), 1.0)
+    kernels.prim(np.zeros((2, 2)))
+    kernels.upper_edges(np.zeros((2, 2), dtype=np.bool_))
+    kernels.threshold_block(*(np.zeros((1, 1)), *(np.zeros(1),) * 3, np.zeros((1, 1)), np.zeros((1, 1)), 1.0),
+                            np.zeros((1, 1), dtype=np.bool_))  # fmt: skip
+    return kernels
 
 
 def core_kernel() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int]] | None:
     """The compiled strong-collapse and edge-collapse kernels, or None (numba missing, or ``TOPOCALLBACKS_NUMBA=0``)."""
     compiled = _enabled()
-    return None if compiled is None else compiled[:2]
+    return None if compiled is None else (compiled.core, compiled.edges)
 
 
 def programme_kernel() -> Callable[..., float] | None:
     """The compiled order-1 programme of the H0 diagram distance, or None."""
     compiled = _enabled()
-    return None if compiled is None else compiled[2]
+    return None if compiled is None else compiled.programme
 
 
-def _enabled() -> tuple[Callable[..., NDArray[np.bool_]], Callable[..., int], Callable[..., float]] | None:
+def rips_edges_kernel() -> Callable[..., tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.float64]]] | None:
+    """The compiled Rips graph at a threshold with GUDHI's edge lengths (`_rips_edges`), or None."""
+    compiled = _enabled()
+    return None if compiled is None else compiled.rips_edges
+
+
+def prim_kernel() -> Callable[..., NDArray[np.float64]] | None:
+    """The compiled dense Prim of ``collapse.mst_edge_lengths`` (float64 distances), or None."""
+    compiled = _enabled()
+    return None if compiled is None else compiled.prim
+
+
+def threshold_block_kernel() -> Callable[..., None] | None:
+    """The compiled decisions of ``_distances.epsilon_block`` from its matrix product (`_threshold_block`), or None."""
+    compiled = _enabled()
+    return None if compiled is None else compiled.threshold_block
+
+
+def upper_edges_kernel() -> Callable[..., tuple[NDArray[np.intp], NDArray[np.intp]]] | None:
+    """The compiled edge list of a boolean adjacency (`_upper_edges`), or None."""
+    compiled = _enabled()
+    return None if compiled is None else compiled.upper_edges
+
+
+def _enabled() -> Kernels | None:
     if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
         return None
     return _compiled()

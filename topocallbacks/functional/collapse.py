@@ -17,7 +17,8 @@ from numpy.typing import NDArray
 from .._validation import as_points, check_int, check_number, check_positive_float, check_seed
 from ..exceptions import InputError
 from ..settings import COMPONENTS, PAPER_WEIGHTS, IndexSettings, resolve_weights
-from ._distances import pairwise_distances
+from ._distances import _centred_gram_distances, pairwise_distances, power_of_two_scale
+from ._jit import prim_kernel
 from .geometry import _anisotropy
 from .topology import _betti_numbers, _persistence_diagrams, _persistence_entropy, _subsample
 
@@ -153,8 +154,15 @@ def longest_mst_edge(points: Any) -> float | None:
 
 
 def _longest_mst_edge(cloud: NDArray[np.float64]) -> float | None:
-    """`longest_mst_edge` on a validated cloud."""
-    longest = float(mst_edge_lengths(pairwise_distances(cloud)).max(initial=0.0))
+    """`longest_mst_edge` on a validated cloud.
+
+    The tree is spanned over the squared distances of `pairwise_distances` (before its square root and unscaling):
+    ``x -> sqrt(x) / scale`` is non-decreasing, so a minimum spanning tree of the squared distances is one of the
+    distances, and its longest edge, mapped, is bit for bit the longest edge of a tree spanned over the distances.
+    """
+    scale = power_of_two_scale(cloud)
+    squared, _, _ = _centred_gram_distances(cloud * scale)
+    longest = float(np.sqrt(mst_edge_lengths(squared).max(initial=0.0)) / scale)
     if longest == 0.0:
         return None
     return longest * (1.0 + 1e-9)
@@ -174,6 +182,10 @@ def mst_edge_lengths(distances: NDArray[np.float64]) -> NDArray[np.float64]:
         [0.5, 1.0, 4.0]
     """
     n = distances.shape[0]
+    kernel = prim_kernel()
+    if kernel is not None:  # the same steps compiled (numba installed): the same lengths in the same order
+        compiled: NDArray[np.float64] = kernel(np.ascontiguousarray(distances, dtype=np.float64))
+        return compiled
     lengths = np.empty(max(n - 1, 0))
     if n < 2:
         return lengths

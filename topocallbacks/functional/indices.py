@@ -222,7 +222,8 @@ def _assignment_cost(a: NDArray[np.float64], b: NDArray[np.float64], p: float) -
 
     n, m = a.shape[0], b.shape[0]
     cost = np.zeros((n + m, n + m))
-    cost[:n, :m] = np.max(np.abs(a[:, None, :] - b[None, :, :]), axis=2) ** p
+    # The L-infinity distance of two bars: the larger of the two coordinates' gaps (no reduction over a short axis).
+    cost[:n, :m] = np.maximum(np.abs(a[:, None, 0] - b[None, :, 0]), np.abs(a[:, None, 1] - b[None, :, 1])) ** p
     cost[:n, m:] = np.inf
     cost[np.arange(n), m + np.arange(n)] = ((a[:, 1] - a[:, 0]) / 2) ** p
     cost[n:, :m] = np.inf

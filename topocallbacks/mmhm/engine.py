@@ -45,7 +45,7 @@ from scipy.sparse.csgraph import connected_components
 from .._validation import as_points, check_int, check_positive_float, check_state
 from ..exceptions import InputError
 from ..functional._distances import epsilon_block, epsilon_graph, power_of_two_scale
-from ..functional.topology import BettiNumbers, _betti_numbers_of_adjacency, degrees
+from ..functional.topology import BettiNumbers, _betti_numbers_of_adjacency, _upper_edges, degrees
 from .cost import PATHS, CostEstimate, CostModel, path_features, predict_module_build_bytes
 
 __all__ = ["MMHM", "UpdateStats"]
@@ -1017,7 +1017,7 @@ class MMHM:
         if members.size == 0:
             return 0
         sub = self._adjacency[np.ix_(members, members)]
-        rows, cols = np.nonzero(np.triu(sub, 1))
+        rows, cols = _upper_edges(sub)
         count, component = connected_components(_csr_graph(rows, cols, members.size), directed=False)
         sizes = np.bincount(component, minlength=count)
         edge_counts = np.bincount(component[rows], minlength=count)
