@@ -323,8 +323,8 @@ def check_costs() -> str:
         f"average {load.min():.1f}-{load.max():.1f} on 2 cores): {timed}; peak Python allocations {peak[0]:.1f} MiB "
         f"at {sizes[0]} and {peak[-1]:.0f} MiB at {sizes[-1]}. Without numba (`TOPOCALLBACKS_NUMBA=0`, written to "
         f"`benchmarks/results/check_bench_numpy.json`): {without}. A fully collapsed cloud costs, against a healthy "
-        f"one: {worse}; where it costs more, the persistence diagrams of the 256-point subsample (GUDHI's filtered "
-        "edge collapse on a near-complete graph) are most of the check."
+        f"one: {worse}; where it costs more, the persistence diagrams of the 256-point subsample (Ripser on a "
+        "near-complete graph) are most of the difference."
     )
 
 
