@@ -217,6 +217,13 @@ class WorkerProcess:
                         self._early = answer
         return self._ready
 
+    @property
+    def status(self) -> str:
+        """``"ready"`` (it set up its pipeline), ``"starting"`` or ``"failed"`` (it died); read without waiting."""
+        if self.ready:
+            return "ready"
+        return "starting" if self.process.poll() is None else "failed"
+
     def _next(self, timeout: float | None) -> Answer | Failure:
         """The next answer that is not `Ready`, waiting at most ``timeout`` seconds once the worker is ready.
 

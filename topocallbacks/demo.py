@@ -192,16 +192,8 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     stream = torch.Generator().manual_seed(seed)  # the data position: it only moves forward, rollback or not
 
-    # The monitor: a fixed probe of 256 training images, its features at `features` checked every `check_every`
-    # steps. The actuator carries its decisions out; with the model it can take snapshots and restore them.
-    monitor = TopoMonitor(
-        probe=data.train_x[:256],
-        layer="features",
-        check_every=check_every,
-        policy=policy,
-        history_path=history_path,
-        seed=seed,
-    )
+    # The actuator carries the monitor's decisions out; with the model it can take snapshots and restore them.
+    monitor = _monitor(data, seed=seed, policy=policy, check_every=check_every, history_path=history_path)
     actuator = LoopActuator(optimizer, scheduler, model=model)
     accuracy: list[float] = []
     with warnings.catch_warnings(record=True) as caught:  # the "warn" action's warnings, kept for the table
@@ -224,6 +216,24 @@ def train(
     warned = [str(w.message) for w in caught if str(w.message).startswith("topocallbacks")]
     stopped_at = step if actuator.stop_requested else None
     return Run(name=name, accuracy=accuracy, monitor=monitor, warned=warned, stopped_at=stopped_at)
+
+
+def _monitor(
+    data: Digits, *, seed: int, policy: Mapping[str, Any] | None, check_every: int, history_path: Path | None
+) -> TopoMonitor:
+    """`train`'s monitor: the features at ``features`` of a fixed probe of 256 training images.
+
+    It checks them every ``check_every`` steps under ``policy`` (None: the library's default rule) and writes its
+    history to ``history_path`` (None: nowhere).
+    """
+    return TopoMonitor(
+        probe=data.train_x[:256],
+        layer="features",
+        check_every=check_every,
+        policy=policy,
+        history_path=history_path,
+        seed=seed,
+    )
 
 
 def _sgd_step(
@@ -280,15 +290,7 @@ def run(
     history = out / "protected-history.jsonl"
     history.unlink(missing_ok=True)  # the history file is appended to: start afresh
 
-    print(
-        f"topocallbacks demo: a small MLP learns scikit-learn's digits ({steps} SGD steps, seed {seed}), three times:\n"
-        "  healthy      no fault\n"
-        f"  unprotected  a transient fault at steps {fault.start}-{fault.last}: a corrupted shard (labels shuffled) "
-        f"and the\n               learning rate x{fault.lr_spike:g}; TopoMonitor(policy={dict(WARN_POLICY)}) warns, "
-        "nobody acts\n"
-        "  protected    the same fault; TopoMonitor() at its default rule rolls back\n"
-        f"TopoMonitor watches the diagram drift of 256 training images' features, every {CHECK_EVERY} steps.\n"
-    )
+    print(_introduction(fault, steps=steps, seed=seed))
     data = Digits.load()
     runs = [
         train("healthy", data, seed=seed, steps=steps, policy=WARN_POLICY),
@@ -319,6 +321,19 @@ def run(
         print(f"picture: {picture}")
         print(f"report:  {report}")
     return 0 if usual else 1
+
+
+def _introduction(fault: Fault, *, steps: int, seed: int) -> str:
+    """The demo's opening lines: the three runs, and what the monitor watches."""
+    return (
+        f"topocallbacks demo: a small MLP learns scikit-learn's digits ({steps} SGD steps, seed {seed}), three times:\n"
+        "  healthy      no fault\n"
+        f"  unprotected  a transient fault at steps {fault.start}-{fault.last}: a corrupted shard (labels shuffled) "
+        f"and the\n               learning rate x{fault.lr_spike:g}; TopoMonitor(policy={dict(WARN_POLICY)}) warns, "
+        "nobody acts\n"
+        "  protected    the same fault; TopoMonitor() at its default rule rolls back\n"
+        f"TopoMonitor watches the diagram drift of 256 training images' features, every {CHECK_EVERY} steps.\n"
+    )
 
 
 def _verdict(healthy: Run, unprotected: Run, protected: Run) -> tuple[str, bool]:

@@ -24,6 +24,11 @@ from .pipeline import CheckPipeline, CheckRequest, Evaluation, LayeredPipeline
 
 __all__ = ["Runner"]
 
+#: Completes a check's deciding (last) record from all of its records, on rank 0.
+Annotate = Callable[[list[CheckRecord]], CheckRecord]
+#: Called with each collected record (and the figures of its check's last one, None for the others), in order.
+Emit = Callable[[CheckRecord, Any], None]
+
 
 @dataclasses.dataclass
 class _Pending:
@@ -47,19 +52,39 @@ class _Pending:
             "done": evaluation is not None,
         }
 
-    def records_at(self, step: int, *, final: bool, waited_ms: float) -> list[CheckRecord]:
+    def records_at(
+        self, step: int, *, final: bool, waited_ms: float, annotate: Annotate | None = None
+    ) -> list[CheckRecord]:
         """Rank 0: this check's records as collected at ``step``, the other layers' first, the deciding one last.
 
-        ``final``: at the end of training (no ``applied_step``: their decisions can no longer act).
+        ``final``: at the end of training (no ``applied_step``: their decisions can no longer act); ``annotate``
+        completes the deciding record.
         """
         evaluation = self.evaluation
         if evaluation is None or evaluation.record is None:
             return []
         applied = None if final else step
-        return [
+        records = [
             dataclasses.replace(record, applied_step=applied, wait_ms=waited_ms, probe_ms=self.probe_ms)
             for record in [*evaluation.others, evaluation.record]
         ]
+        if annotate is not None:
+            records[-1] = annotate(records)
+        return records
+
+    def evaluate(self, request: CheckRequest, pipeline: CheckPipeline | LayeredPipeline) -> None:
+        """Evaluate this check with ``pipeline`` now, in the training loop (the time it takes goes to ``eval_ms``)."""
+        start = time.perf_counter()
+        self.evaluation = request.run(pipeline)
+        self.request = None
+        self.eval_ms += (time.perf_counter() - start) * 1e3
+
+    def answered(self, answer: Answer) -> None:
+        """Take the evaluation a worker's ``answer`` carries (nothing is left to send again)."""
+        record = None if answer.record is None else CheckRecord.from_dict(answer.record)
+        others = [CheckRecord.from_dict(r) for r in answer.others]
+        self.evaluation = Evaluation(record=record, shared=answer.shared, figures=answer.figures, others=others)
+        self.request = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], shared: dict[str, Any]) -> _Pending:
@@ -68,13 +93,6 @@ class _Pending:
         evaluation = Evaluation(record=record, shared=shared, others=others)
         return cls(step=int(data["step"]), apply_at=int(data["apply_at"]), probe_ms=float(data["probe_ms"]),
                    evaluation=evaluation)  # fmt: skip
-
-
-def _evaluation_of(answer: Answer) -> Evaluation:
-    """The evaluation a worker's answer carries."""
-    record = None if answer.record is None else CheckRecord.from_dict(answer.record)
-    others = [CheckRecord.from_dict(r) for r in answer.others]
-    return Evaluation(record=record, shared=answer.shared, figures=answer.figures, others=others)
 
 
 def _adopt_rank0(
@@ -161,11 +179,7 @@ class Runner(Stateful):
     @property
     def worker(self) -> str:
         """Rank 0: ``"ready"`` (a worker set up its pipeline), ``"starting"`` or ``"failed"`` (none, or it died)."""
-        if self._worker is None or self.in_loop:
-            return "failed"
-        if self._worker.ready:
-            return "ready"
-        return "starting" if self._worker.process.poll() is None else "failed"
+        return "failed" if self._worker is None or self.in_loop else self._worker.status
 
     def prestart(self) -> None:
         """Rank 0: start a worker now, beside the checks in the loop, so that it is ready if they move to it.
@@ -209,19 +223,11 @@ class Runner(Stateful):
 
     def _evaluate(self, pending: _Pending, request: CheckRequest) -> None:
         """Evaluate a check in the training loop (the time it takes is the loop's)."""
-        start = time.perf_counter()
-        pending.evaluation = request.run(self.pipeline)
-        pending.request = None
-        pending.eval_ms += (time.perf_counter() - start) * 1e3
+        pending.evaluate(request, self.pipeline)
         self._synced = self._worker is None
 
     def collect(
-        self,
-        step: int,
-        *,
-        final: bool = False,
-        annotate: Callable[[list[CheckRecord]], CheckRecord] | None = None,
-        emit: Callable[[CheckRecord, Any], None] | None = None,
+        self, step: int, *, final: bool = False, annotate: Annotate | None = None, emit: Emit | None = None
     ) -> list[CheckRecord]:
         """The records of every pending check whose step has come (all ranks, in order).
 
@@ -239,9 +245,7 @@ class Runner(Stateful):
             pending = self._pending[0]
             waited_ms = self._receive(pending) * 1e3 + pending.eval_ms if rank == 0 else 0.0
             self._pending.popleft()
-            found = pending.records_at(step, final=final, waited_ms=waited_ms) if rank == 0 else []
-            if found and annotate is not None:
-                found[-1] = annotate(found)
+            found = pending.records_at(step, final=final, waited_ms=waited_ms, annotate=annotate) if rank == 0 else []
             figures = pending.evaluation.figures if found and pending.evaluation is not None else None
             adopted = _adopt_rank0(found, self.pipeline, self.share, self.receive)
             for i, record in enumerate(adopted):
@@ -250,11 +254,7 @@ class Runner(Stateful):
                 collected.append(record)
         return collected
 
-    def finish(
-        self,
-        annotate: Callable[[list[CheckRecord]], CheckRecord] | None = None,
-        emit: Callable[[CheckRecord, Any], None] | None = None,
-    ) -> list[CheckRecord]:
+    def finish(self, annotate: Annotate | None = None, emit: Emit | None = None) -> list[CheckRecord]:
         """End of training: every pending check's records (`collect`), with no ``applied_step``.
 
         Every rank must call it.
@@ -305,8 +305,7 @@ class Runner(Stateful):
                 waited += time.perf_counter() - start
                 continue
             self.pipeline.receive(answer.shared)  # the mirror follows the worker at once
-            item.evaluation = _evaluation_of(answer)
-            item.request = None
+            item.answered(answer)
             if item is pending:
                 waited += seconds
         return waited

@@ -740,24 +740,7 @@ class MonitorSettings:
                 value = value.settings  # a Policy object: its settings (its counters start afresh)
             section_value = isinstance(value, (Mapping, _Section)) or (key == "policy" and value is None)
             if key in _SECTIONS and (section_value or key not in self.OPTIONS):
-                if value is None and key == "policy":
-                    whole["policy"], policy_values = None, None
-                elif isinstance(value, _SECTIONS[key]):
-                    whole[key] = value
-                    if key == "policy":
-                        policy_values = None
-                elif isinstance(value, Mapping):
-                    self._reject_unknown(value, key, origin)
-                    if key == "policy":
-                        policy_values = {**(policy_values or {}), **value}
-                    else:
-                        values[key].update(value)
-                        whole.pop(key, None)
-                else:
-                    raise InputError(
-                        f"`{key}` must be a mapping of its options or a {_SECTIONS[key].__name__}, got "
-                        f"{type(value).__name__}{_where(origin)}"
-                    )
+                policy_values = self._override_section(key, value, values, whole, policy_values, origin)
             elif key == "seed":
                 seed = value
             elif key in self.OPTIONS:
@@ -774,6 +757,42 @@ class MonitorSettings:
             return MonitorSettings(**sections, policy=policy, seed=seed)
         except InputError as exc:
             raise _located(exc, origin) from exc
+
+    @classmethod
+    def _override_section(
+        cls,
+        key: str,
+        value: Any,
+        values: dict[str, dict[str, Any]],
+        whole: dict[str, _Section | None],
+        policy_values: dict[str, Any] | None,
+        origin: str | None,
+    ) -> dict[str, Any] | None:
+        """Apply one section's override for `merged`; the policy mapping to merge into the policy in effect, so far.
+
+        A mapping is merged into the section's ``values`` (for the policy, into ``policy_values``); a section value
+        (or None for the policy) replaces the whole section in ``whole``, dropping the policy mapping merged so far.
+
+        Raises:
+            InputError: ``value`` is neither a mapping nor the section's class.
+        """
+        if value is None and key == "policy":
+            whole["policy"] = None
+            return None
+        if isinstance(value, _SECTIONS[key]):
+            whole[key] = value
+            return None if key == "policy" else policy_values
+        if not isinstance(value, Mapping):
+            raise InputError(
+                f"`{key}` must be a mapping of its options or a {_SECTIONS[key].__name__}, got "
+                f"{type(value).__name__}{_where(origin)}"
+            )
+        cls._reject_unknown(value, key, origin)
+        if key == "policy":
+            return {**(policy_values or {}), **value}
+        values[key].update(value)
+        whole.pop(key, None)
+        return policy_values
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready nested copy (``MonitorSettings().merged(settings.as_dict()) == settings``)."""

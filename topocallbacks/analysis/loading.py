@@ -103,15 +103,11 @@ def load_source(
         InputError: a bad argument; ``path`` missing, empty or mixed; an unreadable checkpoint or probe; no probe,
             layer or factory where one is needed.
     """
-    base, layers = _arguments(path, settings, layers, title)
-    trust = bool(trust_checkpoints)
+    base, layers, trust = _arguments(path, settings, layers, title, trust_checkpoints)
     root, out, kind, checkpoints = _folder(path, out_dir, trust)
     model, build = _model(kind, checkpoints, root, probe=probe, factory=factory, weights=weights)
-    preset = None
-    if model is not None:
-        layers, base, preset = _model_layers(model, kind, build, layers, settings, base)
-    resolved = base.merged(overrides) if overrides else base
-    source = Source(
+    layers, resolved, preset = _layers_and_settings(model, kind, build, layers, settings, base, overrides)
+    return Source(
         root=root,
         out=out,
         kind=kind,
@@ -122,18 +118,15 @@ def load_source(
         model=model,
         build=build,
         preset=preset,
+        probe=None if model is None else _probe_set(probe, trust, resolved),
+        config_text=(checkpoints[0].path / "config.json").read_text(encoding="utf-8") if kind == "hf" else "",
     )
-    if model is not None:
-        source.probe = _probe_set(probe, trust, resolved)
-    if kind == "hf":
-        source.config_text = (checkpoints[0].path / "config.json").read_text(encoding="utf-8")
-    return source
 
 
 def _arguments(
-    path: Any, settings: Any, layers: Sequence[str] | None, title: Any
-) -> tuple[MonitorSettings, Sequence[str] | None]:
-    """The settings to start from and the layers as a list, or an error naming the bad argument."""
+    path: Any, settings: Any, layers: Sequence[str] | None, title: Any, trust: Any
+) -> tuple[MonitorSettings, Sequence[str] | None, bool]:
+    """The settings to start from, the layers as a list and ``trust`` as a bool, or an error naming the bad argument."""
     base = MonitorSettings() if settings is None else settings
     if not isinstance(base, MonitorSettings):
         raise InputError(f"`settings` must be a MonitorSettings, got {type(settings).__name__}")
@@ -146,7 +139,7 @@ def _arguments(
         raise InputError(f"`title` must be a string or None, got {type(title).__name__}")
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"`path` must be a folder path, got {type(path).__name__}")
-    return base, layers
+    return base, layers, bool(trust)
 
 
 def _folder(path: Any, out_dir: Any, trust: bool) -> tuple[Path, Path, str, list[Checkpoint]]:
@@ -187,34 +180,42 @@ def _model(
     return model, build
 
 
-def _model_layers(
-    model: torch.nn.Module,
+def _layers_and_settings(
+    model: torch.nn.Module | None,
     kind: str,
     build: Callable[[], torch.nn.Module] | None,
     layers: Sequence[str] | None,
     settings: MonitorSettings | None,
     base: MonitorSettings,
-) -> tuple[list[str], MonitorSettings, str | None]:
-    """The model's layers to analyse, resolved; the settings; the preset used (a Hugging Face model, no layer named)."""
-    preset_used = None
-    if layers is None and kind == "hf" and build is None:
-        preset_used = _PRESETS.get(str(getattr(getattr(model, "config", None), "model_type", "")))
-        if preset_used is not None:
-            from ..presets import load
+    overrides: Mapping[str, Any],
+) -> tuple[Sequence[str] | None, MonitorSettings, str | None]:
+    """The layers to analyse, the settings to measure with (``overrides`` merged last) and the preset used, if any.
 
-            preset = load(preset_used).settings
-            if settings is None:
-                base = preset
-            layers = list(preset.probe.layer or ())
-            layers = [resolve_layer(model, tuple(layers))]
-    if layers is None:
-        names = [n for n, _ in model.named_modules() if n]
-        raise InputError(
-            f"`layers` is required: name the module(s) of {type(model).__name__} to analyse; some names: {names[:12]}"
-        )
-    # As `layers=[...]` everywhere: a pattern stands for every module it matches that is not inside another match
-    # ("transformer.h.*": the blocks), a name for its module.
-    return resolve_layers(model, layers), base, preset_used
+    A model's layers are resolved; a Hugging Face model with no layer named uses its preset's layer (and settings,
+    when none were given). Without a model (feature arrays) the layers are given back as they are.
+    """
+    preset_used = None
+    if model is not None:
+        if layers is None and kind == "hf" and build is None:
+            preset_used = _PRESETS.get(str(getattr(getattr(model, "config", None), "model_type", "")))
+            if preset_used is not None:
+                from ..presets import load
+
+                preset = load(preset_used).settings
+                if settings is None:
+                    base = preset
+                layers = list(preset.probe.layer or ())
+                layers = [resolve_layer(model, tuple(layers))]
+        if layers is None:
+            names = [n for n, _ in model.named_modules() if n]
+            raise InputError(
+                f"`layers` is required: name the module(s) of {type(model).__name__} to analyse; some names: "
+                f"{names[:12]}"
+            )
+        # As `layers=[...]` everywhere: a pattern stands for every module it matches that is not inside another
+        # match ("transformer.h.*": the blocks), a name for its module.
+        layers = resolve_layers(model, layers)
+    return layers, base.merged(overrides) if overrides else base, preset_used
 
 
 def _probe_set(probe: Any, trust: bool, settings: MonitorSettings) -> Probe:

@@ -42,35 +42,22 @@ def write_outputs(
     rows, checkpoints, out = measured.rows, source.checkpoints, source.out
     correlations, losses = loss_correlations(rows, checkpoints)
     flattening = flattening_steps(rows)
-    leading = ["step", "layer", "source", "status", "checkpoint", *losses]
-    present = {k for row in rows for k in row}
-    columns = leading + [q for q in QUANTITIES if q in present and q not in leading]
+    columns = _columns(rows, losses)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "analysis.csv"
     _write_csv(csv_path, rows, columns)
     epsilons = {name: layer.epsilon for name, layer in measured.layers.items()}
     summary = _summary(source, measured, epsilons, losses)
-    metadata = {
-        "version": 1,
-        "path": str(source.root),
-        "kind": source.kind,
-        "checkpoints": [
-            {"step": c.step, "path": os.path.relpath(c.path, source.root), "metrics": c.metrics} for c in checkpoints
-        ],
-        "layers": list(measured.layers),
-        "preset": source.preset,
-        "epsilon": epsilons,
-        "probe": None if source.probe is None else source.probe.spec.as_dict(),
-        "settings": source.settings.as_dict(),
-        "columns": columns,
-        "quantities": {q: QUANTITIES[q] for q in columns if q in QUANTITIES},
-        "losses": losses,
-        "correlations": correlations,
-        "correlations_note": None if losses else "the checkpoints carry no loss or perplexity",
-        "flattening": flattening,
-        "rows": rows,
-        "files": {"csv": csv_path.name, "report": "index.html"},
-    }
+    metadata = _metadata(
+        source,
+        measured,
+        epsilons=epsilons,
+        columns=columns,
+        losses=losses,
+        correlations=correlations,
+        flattening=flattening,
+        csv_name=csv_path.name,
+    )
     json_path = out / "analysis.json"
     json_path.write_text(json.dumps(_json_ready(metadata), indent=1, allow_nan=False) + "\n", encoding="utf-8")
     sections = analysis_sections(rows, correlations, losses, checkpoints, flattening, summary)
@@ -99,6 +86,49 @@ def _summary(
         "probe": "–" if probe is None else f"{len(probe)} samples ({probe.spec.source})",
         "ε per layer (first checkpoint)": ", ".join(f"{k}: {format_number(v)}" for k, v in epsilons.items()),
         "losses found": ", ".join(losses) or "none",
+    }
+
+
+def _columns(rows: Sequence[Mapping[str, Any]], losses: Sequence[str]) -> list[str]:
+    """The CSV's columns: step, layer, source, status, checkpoint and the losses, then the quantities measured."""
+    leading = ["step", "layer", "source", "status", "checkpoint", *losses]
+    present = {k for row in rows for k in row}
+    return leading + [q for q in QUANTITIES if q in present and q not in leading]
+
+
+def _metadata(
+    source: Source,
+    measured: Measured,
+    *,
+    epsilons: Mapping[str, Any],
+    columns: list[str],
+    losses: list[str],
+    correlations: list[dict[str, Any]],
+    flattening: list[dict[str, Any]],
+    csv_name: str,
+) -> dict[str, Any]:
+    """What ``analysis.json`` holds: the source, the settings, the columns, the correlations and the rows."""
+    return {
+        "version": 1,
+        "path": str(source.root),
+        "kind": source.kind,
+        "checkpoints": [
+            {"step": c.step, "path": os.path.relpath(c.path, source.root), "metrics": c.metrics}
+            for c in source.checkpoints
+        ],
+        "layers": list(measured.layers),
+        "preset": source.preset,
+        "epsilon": epsilons,
+        "probe": None if source.probe is None else source.probe.spec.as_dict(),
+        "settings": source.settings.as_dict(),
+        "columns": columns,
+        "quantities": {q: QUANTITIES[q] for q in columns if q in QUANTITIES},
+        "losses": losses,
+        "correlations": correlations,
+        "correlations_note": None if losses else "the checkpoints carry no loss or perplexity",
+        "flattening": flattening,
+        "rows": measured.rows,
+        "files": {"csv": csv_name, "report": "index.html"},
     }
 
 
