@@ -24,9 +24,7 @@ def test_the_repaired_drift_score_is_the_rate_against_the_runs_own_healthy_rate(
     scores = round2.repaired(drift, "cka_drift", rates)
     assert scores[10:].tolist() == pytest.approx([0.0, 2.0, 10.0])
     spread = np.array([1.0, 2.0, 3.0, 4.0, 5.0])  # median 3, MAD 1 -> 1.4826 over the floor 0.75
-    assert round2.repaired(np.r_[np.full(10, 0.0), 6.0], "diagram_drift_ref", spread)[10] == pytest.approx(
-        3.0 / 1.4826
-    )
+    assert round2.repaired(np.r_[np.full(10, 0.0), 6.0], "diagram_drift_ref", spread)[10] == pytest.approx(3.0 / 1.4826)
     assert all(math.isnan(s) for s in round2.repaired(drift, "cka_drift", np.array([math.nan])))  # no healthy rate
 
 
