@@ -675,7 +675,7 @@ class FinetuneForgetting(Trainee):
 
     batch_size = 64
     switch = 300
-    ramp = 100
+    ramp = 200
     body_lr = 0.002
 
     def __init__(self, seed: int) -> None:
@@ -752,7 +752,7 @@ SCENARIOS: dict[str, Scenario] = {
                  "gradual", "clean_accuracy", True, steps=900, fault_step=300, check_every=10, build=ClassesDropped),
         Scenario("finetune_forgetting_images", "small CNN (pre-trained, then fine-tuned)",
                  "Fashion-MNIST: 10 classes, then footwear against the rest",
-                 "the body's learning rate ramps 0.002 -> 0.05 over 100 steps", "gradual", "linear_probe_accuracy",
+                 "the body's learning rate ramps 0.002 -> 0.05 over 200 steps", "gradual", "linear_probe_accuracy",
                  True, steps=900, fault_step=400, check_every=10, build=FinetuneForgetting),
         # Traps: no fault (the branch at the last step records the whole run once).
         Scenario("trap_neural_collapse", "small CNN", "2,048 Fashion-MNIST images", "none (terminal phase)",
