@@ -50,6 +50,7 @@ __all__ = [
     "PolicySettings",
     "ProbeSettings",
     "ScheduleSettings",
+    "SilentSettings",
     "TransformSettings",
     "resolve_weights",
 ]
@@ -557,6 +558,40 @@ class PolicySettings(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class SilentSettings(_Section):
+    """The silent path: a warning when the probe's representation drifts or degenerates, whatever the loss does.
+
+    The loud path (`PolicySettings`) waits for the loss; this one does not. Chosen on the silent suite's design
+    split (``benchmarks/silent/ROUND2.md``, stage 2: the drift family with the sentinels, trailing score, threshold
+    12, patience 2: no alarm on 60 healthy runs). Probe mode only: a streaming window has no fixed inputs to drift
+    from. At every check after ``warmup`` checks it measures, against the features and the persistence diagrams of
+    the last warm-up check (the reference), the diagram drift and 1 - linear CKA, each divided by the checks elapsed
+    since the reference, and scores each against its own trailing checks (the rule's robust z-score); a drift alarms
+    when its score is ``>= threshold`` at ``patience`` consecutive checks. The sentinels (``sentinels``) alarm at
+    once on a rank squeeze (effective rank <= 1.5), a cone (mean pairwise cosine of the raw features >= 0.95) or a
+    shrinkage (RMS radius <= 0.1 x the warm-up's).
+
+    Attributes:
+        enabled: watch for silent collapse (``silent_path`` as a flat option).
+        action: what a silent alarm does: ``"warn"`` (a warning, a logger marker and the reason in the history) or
+            ``"stop"`` (restoring the last healthy snapshot first, as the loud path's stop does)
+            (``silent_action``).
+        threshold: the drifts' robust z-score that counts (``silent_threshold``).
+        patience: consecutive checks a drift must stay at or above ``threshold`` (``silent_patience``).
+        warmup: checks before the reference is taken; the drifts and sentinels are judged after it
+            (``silent_warmup``).
+        sentinels: also alarm on the three absolute sentinels (``silent_sentinels``).
+    """
+
+    enabled: bool = _option(True, _boolean, alias="silent_path")
+    action: str = _option("warn", _choice(("warn", "stop")), alias="silent_action")
+    threshold: float = _option(12.0, _positive, alias="silent_threshold")
+    patience: int = _option(2, _integer(1), alias="silent_patience")
+    warmup: int = _option(10, _integer(2), alias="silent_warmup")
+    sentinels: bool = _option(True, _boolean, alias="silent_sentinels")
+
+
+@dataclasses.dataclass(frozen=True)
 class InterventionSettings(_Section):
     """How decisions are carried out by the training adapters.
 
@@ -619,6 +654,7 @@ _SECTIONS: dict[str, type[_Section]] = {
     "index": IndexSettings,
     "policy": PolicySettings,
     "interventions": InterventionSettings,
+    "silent": SilentSettings,
     "output": OutputSettings,
 }
 
@@ -667,6 +703,7 @@ class MonitorSettings:
         index: see `IndexSettings`.
         policy: see `PolicySettings`, or None.
         interventions: see `InterventionSettings`.
+        silent: see `SilentSettings` (the silent path).
         output: see `OutputSettings`.
         seed: seed of every random choice (probe subset, random projection, diagram subsample), >= 0.
 
@@ -684,6 +721,7 @@ class MonitorSettings:
     index: IndexSettings = dataclasses.field(default_factory=IndexSettings)
     policy: PolicySettings | None = None
     interventions: InterventionSettings = dataclasses.field(default_factory=InterventionSettings)
+    silent: SilentSettings = dataclasses.field(default_factory=SilentSettings)
     output: OutputSettings = dataclasses.field(default_factory=OutputSettings)
     seed: int = 0
 
