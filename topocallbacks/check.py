@@ -9,6 +9,7 @@ history file, the loggers and the distributed broadcast carry.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ __all__ = [
     "InterventionRecord",
     "Measurement",
     "Plan",
+    "diagram_drift",
     "measure",
     "record_from_dict",
 ]
@@ -70,6 +72,16 @@ def _drift(
         if reference is not None
     ]
     return min(drifts, key=sum) if drifts else None
+
+
+def diagram_drift(reference: Diagrams, diagrams: Diagrams) -> float:
+    """The diagram drift from ``reference`` to ``diagrams``, as the ``diagram_drift`` index measures it.
+
+    Both are finite H0 and H1 diagrams (`Measurement.diagrams`); the drift is the sum of the per-dimension
+    Wasserstein-1 distances.
+    """
+    found = _drift(reference, diagrams)
+    return math.nan if found is None else float(sum(found))
 
 
 _VALUES: dict[str, Callable[[NDArray[np.float64], CollapseReport, tuple[float, ...] | None], float | None]] = {

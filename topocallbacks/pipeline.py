@@ -26,6 +26,7 @@ from .functional.topology import _persistence_diagrams, _subsample
 from .mmhm import MMHM
 from .policy import Decision, Policy
 from .settings import MonitorSettings
+from .silent import SilentWatch
 from .transform import FeatureTransform
 
 __all__ = ["CheckPipeline", "CheckRequest", "Evaluation", "LayeredPipeline", "make_pipeline"]
@@ -211,17 +212,18 @@ class CheckPipeline(Stateful):
     """
 
     _state = StateFields(
-        version=3,
+        version=4,
         fields={
             "epsilon": "epsilon_",
             "transform": "transform",
             "policy": "policy",
-            "diagrams": "_diagrams",
-            "reference_diagrams": "_reference",
+            "diagrams": "last_diagrams",
+            "reference_diagrams": "reference_diagrams",
             "engine": "_engine_state",
             "checks": "checks_evaluated_",
             "stream_diverged": "stream_diverged_",
             "rescales": "rescales_",
+            "silent": "silent",
         },
         encode={"diagrams": _diagrams_to_lists, "reference_diagrams": _diagrams_to_lists},
         decode={"diagrams": _diagrams_from_lists, "reference_diagrams": _diagrams_from_lists},
@@ -229,6 +231,7 @@ class CheckPipeline(Stateful):
 
     def __init__(self, settings: MonitorSettings) -> None:
         self.settings = settings
+        self.streaming = settings.schedule.mode == "stream"  #: whether the pipeline watches a streaming window
         self.policy = Policy(settings.rule)
         self.transform = FeatureTransform(
             settings.transform, streaming=self.streaming, seed=settings.seed, window=settings.schedule.window
@@ -236,40 +239,29 @@ class CheckPipeline(Stateful):
         self.epsilon_: float | None = settings.index.epsilon
         self.engine_: MMHM | None = None
         self._engine_saved: dict[str, Any] | None = None  # a loaded engine state, until the engine exists again
-        self._diagrams: Diagrams | None = None  # the last check's
-        # The last check that was not flagged (index, collapse or divergence). Diagram drift is the smaller of the
-        # distances to the last check's diagrams and to these: a one-off excursion is not flagged again when the
-        # features come back, and a run that moved on after a marginal alarm is not measured against a frozen past.
-        self._reference: Diagrams | None = None
+        #: The last check's persistence diagrams (H0, H1; those diagram drift compares), or None before it.
+        self.last_diagrams: Diagrams | None = None
+        #: What the next check's drift is measured against: the diagrams of the last check that was not flagged
+        #: (index, collapse or divergence). Diagram drift is the smaller of the distances to the last check's diagrams
+        #: and to these: a one-off excursion is not flagged again when the features come back, and a run that moved
+        #: on after a marginal alarm is not measured against a frozen past.
+        self.reference_diagrams: Diagrams | None = None
         self.checks_evaluated_ = 0
         self.stream_diverged_ = False  # streaming: a batch with NaN or Inf arrived since the last check
         #: Streaming: how many times ε was recalibrated because a healthy window left DEGREE_BAND.
         self.rescales_ = 0
         self._recent = RecentBatches()  # streaming: the projected batches since the last check
-
-    @property
-    def streaming(self) -> bool:
-        """Whether the pipeline watches a streaming window."""
-        return self.settings.schedule.mode == "stream"
+        #: The silent path (probe mode, when on): drifts from the warm-up's last check and absolute sentinels.
+        self.silent = SilentWatch(settings.silent) if settings.silent.enabled and not self.streaming else None
 
     # --- evaluation ---------------------------------------------------------------------------------------
-
-    @property
-    def last_diagrams(self) -> Diagrams | None:
-        """The last check's persistence diagrams (H0, H1; those diagram drift compares), or None before it."""
-        return self._diagrams
-
-    @property
-    def reference_diagrams(self) -> Diagrams | None:
-        """What the next check's drift is measured against: the last check's whose index was not flagged."""
-        return self._reference
 
     def rewind(self, diagrams: Diagrams | None) -> None:
         """After a rollback: measure drift against ``diagrams`` (the snapshot's) and empty a streaming window.
 
         The window's points came from the abandoned steps.
         """
-        self._reference = self._diagrams = diagrams
+        self.reference_diagrams = self.last_diagrams = diagrams
         self._recent.clear()
         if self.streaming and self.engine_ is not None:
             self.engine_ = MMHM(epsilon=self.engine_.epsilon, window=self.engine_.window)
@@ -284,15 +276,15 @@ class CheckPipeline(Stateful):
             InputError: features of the wrong shape, or whose dimension changed since the first check.
         """
         start = time.perf_counter()
-        cloud = _as_cloud(features)
-        if cloud is None:
+        raw = _as_cloud(features)
+        if raw is None:
             return self._diverged(step, start, dynamics)
-        projected = self.transform.project(cloud)
+        projected = self.transform.project(raw)
         cloud = self.transform.normalise(projected)
         engine = self._engine(cloud)
         betti = engine._update(cloud)
         sentinels = sentinel_values([projected], projected, cloud, self.epsilon_)
-        return self._measure(cloud, (betti.b0, betti.b1), step, start, engine, dynamics, sentinels)
+        return self._measure(cloud, (betti.b0, betti.b1), step, start, engine, dynamics, sentinels, raw)
 
     def push(self, batches: Sequence[tuple[int, Any]]) -> None:
         """Streaming mode: add training batches' features ``[(step, (b, d)), ...]`` to the window, oldest first.
@@ -386,22 +378,30 @@ class CheckPipeline(Stateful):
         engine: MMHM,
         dynamics: Mapping[str, float | None] | None,
         sentinels: SentinelValues | None = None,
+        raw: NDArray[np.float64] | None = None,
     ) -> Evaluation:
         s = self.settings
         if self.epsilon_ is None:  # pragma: no cover - the engine exists, so ε was calibrated
             raise RuntimeError("the pipeline evaluated a cloud before calibrating ε")
-        alternative = None if self._reference is self._diagrams else self._reference
+        alternative = None if self.reference_diagrams is self.last_diagrams else self.reference_diagrams
         found = measure(
-            cloud, self.epsilon_, s.index, previous=self._diagrams, alternative=alternative, betti=betti, seed=s.seed
+            cloud,
+            self.epsilon_,
+            s.index,
+            previous=self.last_diagrams,
+            alternative=alternative,
+            betti=betti,
+            seed=s.seed,
         )
-        self._diagrams = found.diagrams
+        self.last_diagrams = found.diagrams
         value = found.index_value
         loss, grad_norm = _channels(dynamics)
         oriented = None if value is None else ORIENTATION[s.index.name] * value
         collapsed = None if sentinels is None else sentinels.describe() or None
         decision = self.policy.decide(step, oriented, loss=loss, grad_norm=grad_norm, collapsed=collapsed)
         if not {"index", "diverged", "collapse"} & set(decision.flagged):  # a loss alarm leaves it as it is
-            self._reference = found.diagrams
+            self.reference_diagrams = found.diagrams
+        decision = self.silent.judge(decision, raw, found.diagrams) if self.silent else decision
         self.checks_evaluated_ += 1
         record = CheckRecord(
             step=step,
@@ -421,6 +421,7 @@ class CheckPipeline(Stateful):
     def _diverged(self, step: int, start: float, dynamics: Mapping[str, float | None] | None) -> Evaluation:
         loss, grad_norm = _channels(dynamics)
         decision = self.policy.decide(step, None, diverged=True, loss=loss, grad_norm=grad_norm)
+        decision = self.silent.judge(decision, None, None) if self.silent else decision
         self.checks_evaluated_ += 1
         elapsed = (time.perf_counter() - start) * 1e3
         record = CheckRecord(step=step, status="diverged", index=self.settings.index.name, index_value=None,

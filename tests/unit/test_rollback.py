@@ -381,7 +381,9 @@ def test_a_marginal_alarm_does_not_freeze_the_reference():
             features[:, :32] *= 2.0
         return features
 
-    monitor = TopoMonitor(check_every=1, policy=old_rule(warmup=5), summary=False)
+    # The loud path's reference is under test: the silent path (which warns at step 21 on the new level, a lasting
+    # move from its warm-up reference) is off here and tested in test_silent_path.py.
+    monitor = TopoMonitor(check_every=1, policy=old_rule(warmup=5), summary=False, silent_path=False)
     records, diagrams = [], []
     for step in range(30):
         records.append(monitor.process(moved(step), step))

@@ -1,0 +1,229 @@
+"""The silent path: a warning when the probe's representation drifts or degenerates while the loss says nothing.
+
+The loud path (the policy) acts when the index and the training loss jump together; a collapse the loss does not
+show (issue 36: a fine-tune that destroys general features, contrastive pairs gone wrong) never reaches it. This
+part watches the probe's features themselves, as the silent suite's round 2 chose on its design split
+(``benchmarks/silent/ROUND2.md``, stage 2; `SilentSettings` holds the settings):
+
+* two drifts against the reference, the last warm-up check: the diagram drift (the H0 + H1 Wasserstein distances
+  the index measures) and 1 - linear CKA of the raw features, each divided by the checks elapsed since the
+  reference, each scored against its own trailing checks (`rule_scores`, the rule's robust z-score) and alarming at
+  ``threshold`` for ``patience`` consecutive checks;
+* three absolute sentinels on the raw features: a rank squeeze (effective rank <= `RANK_SQUEEZE`), a cone (mean
+  pairwise cosine >= `CONE`) and a shrinkage (RMS radius <= `SHRINK` x the warm-up's mean).
+
+Both are judged after the warm-up only. An alarm turns a check the policy left alone into ``settings.silent.action``
+(a warning by default) with a reason naming the signal and how far it moved; it is raised again only after a check
+without one. The benchmark's replay (``benchmarks/silent/silent_signals.py`` and ``round2.py``) computes the same
+values with the same formulas; ``tests/unit/test_silent_path.py`` compares them check by check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ._state import StateFields, Stateful
+from .check import Diagrams, diagram_drift
+from .functional import effective_rank
+from .policy import Decision, rule_holds, rule_scores
+from .settings import Action, PolicySettings, SilentSettings
+
+__all__ = ["CONE", "DRIFTS", "RANK_SQUEEZE", "SHRINK", "SilentWatch", "linear_cka", "mean_cosine", "rms_radius"]
+
+#: The sentinels' limits (the silent suite's pre-registered values): effective rank, mean cosine, radius share.
+RANK_SQUEEZE = 1.5
+CONE = 0.95
+SHRINK = 0.1
+#: The drifts, by the names the history and the loggers give them.
+DRIFTS = ("diagram_drift_ref", "cka_drift")
+
+
+def rms_radius(frame: NDArray[np.float64]) -> float:
+    """The root-mean-square distance of the rows from their mean."""
+    centred = frame - frame.mean(0)
+    return float(np.sqrt((centred**2).sum(1).mean()))
+
+
+def mean_cosine(frame: NDArray[np.float64]) -> float:
+    """The mean cosine over distinct pairs of rows (near 1: a cone)."""
+    unit = frame / np.maximum(np.linalg.norm(frame, axis=1, keepdims=True), 1e-12)
+    n = unit.shape[0]
+    total = float(np.square(unit.sum(0)).sum())
+    return float((total - float(np.square(unit).sum())) / (n * (n - 1)))
+
+
+def linear_cka(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
+    """Linear centred kernel alignment of two embeddings of the same inputs (1: the same up to rotation and scale)."""
+    a, b = a - a.mean(0), b - b.mean(0)
+    cross = float(np.square(a.T @ b).sum())
+    norm = math.sqrt(float(np.square(a.T @ a).sum()) * float(np.square(b.T @ b).sum()))
+    return cross / norm if norm > 0 else 0.0
+
+
+def _array_to_list(value: NDArray[np.float64] | None) -> Any:
+    return None if value is None else value.tolist()
+
+
+def _array_from_list(value: Any) -> NDArray[np.float64] | None:
+    return None if value is None else np.asarray(value, dtype=np.float64)
+
+
+def _series_to_lists(series: dict[str, list[float]]) -> dict[str, list[float | None]]:
+    return {name: [None if math.isnan(v) else v for v in values] for name, values in series.items()}
+
+
+def _series_from_lists(saved: dict[str, list[float | None]]) -> dict[str, list[float]]:
+    return {name: [math.nan if v is None else float(v) for v in values] for name, values in saved.items()}
+
+
+def _diagrams_to_lists(diagrams: Diagrams | None) -> Any:
+    return None if diagrams is None else [d.tolist() for d in diagrams]
+
+
+def _diagrams_from_lists(saved: Any) -> Diagrams | None:
+    return None if saved is None else [np.asarray(d, dtype=np.float64).reshape(-1, 2) for d in saved]
+
+
+class SilentWatch(Stateful):
+    """The silent path's state from check to check, and its judgement of each check (see the module).
+
+    Args:
+        settings: the silent path's settings.
+
+    Examples:
+        >>> import numpy as np
+        >>> from topocallbacks.settings import SilentSettings
+        >>> watch = SilentWatch(SilentSettings(warmup=2))
+        >>> rng = np.random.default_rng(0)
+        >>> [watch.observe(rng.normal(size=(64, 8)), None) for _ in range(3)]  # healthy: no alarm
+        [None, None, None]
+        >>> watch.observe(np.ones((64, 8)) + 1e-3 * rng.normal(size=(64, 8)), None).signals  # a cone, shrunk
+        ('cone', 'shrink')
+    """
+
+    _state = StateFields(
+        version=1,
+        fields={
+            "checks": "checks_",
+            "radii": "radii_",
+            "scale": "scale_",
+            "reference": "_reference",
+            "reference_diagrams": "_reference_diagrams",
+            "reference_check": "reference_check_",
+            "series": "series_",
+            "alarming": "alarming_",
+        },
+        encode={"reference": _array_to_list, "reference_diagrams": _diagrams_to_lists, "series": _series_to_lists},
+        decode={
+            "reference": _array_from_list,
+            "reference_diagrams": _diagrams_from_lists,
+            "series": _series_from_lists,
+        },
+    )
+
+    def __init__(self, settings: SilentSettings) -> None:
+        self.settings = settings
+        self.checks_ = 0  # the checks observed (a diverged one counts)
+        self.radii_: list[float] = []  # the warm-up checks' RMS radii
+        self.scale_: float | None = None  # their mean, from the last warm-up check on
+        self._reference: NDArray[np.float64] | None = None  # the raw features of the last warm-up check
+        self._reference_diagrams: Diagrams | None = None
+        self.reference_check_: int | None = None
+        #: Each drift's value at every check (NaN before the reference and at a diverged check).
+        self.series_: dict[str, list[float]] = {name: [] for name in DRIFTS}
+        self.alarming_ = False  # the last check alarmed (an alarm is raised again after a quiet check)
+
+    def observe(self, frame: NDArray[np.float64] | None, diagrams: Diagrams | None) -> SilentAlarm | None:
+        """Take one check; the alarm, when one is raised at this check.
+
+        Args:
+            frame: the check's raw features ``(n, d)`` (None: a diverged check).
+            diagrams: the persistence diagrams the index measured on them (None: none).
+        """
+        self.checks_ += 1
+        if frame is None:
+            self._extend(math.nan, math.nan)
+            self.alarming_ = False
+            return None
+        radius = rms_radius(frame)
+        if self.checks_ <= self.settings.warmup:
+            self.radii_.append(radius)
+        if self.checks_ == self.settings.warmup:
+            self.scale_ = float(np.mean(self.radii_)) or 1.0
+            self._reference, self._reference_diagrams = frame.copy(), diagrams
+            self.reference_check_ = self.checks_
+        if self._reference is None or self.checks_ == self.reference_check_ or self.reference_check_ is None:
+            self._extend(math.nan if self._reference is None else 0.0, math.nan if self._reference is None else 0.0)
+            return None
+        elapsed = self.checks_ - self.reference_check_
+        drift = math.nan
+        if diagrams is not None and self._reference_diagrams is not None:
+            drift = diagram_drift(self._reference_diagrams, diagrams) / elapsed
+        self._extend(drift, (1.0 - linear_cka(frame, self._reference)) / elapsed)
+        found = self._drifts_holding() + (self._sentinels(frame, radius) if self.settings.sentinels else [])
+        alarm = SilentAlarm(signals=tuple(name for name, _ in found), why="; ".join(why for _, why in found))
+        raise_now = bool(found) and not self.alarming_
+        self.alarming_ = bool(found)
+        return alarm if raise_now else None
+
+    def _extend(self, diagram: float, cka: float) -> None:
+        self.series_["diagram_drift_ref"].append(diagram)
+        self.series_["cka_drift"].append(cka)
+
+    def _drifts_holding(self) -> list[tuple[str, str]]:
+        s = self.settings
+        rule = PolicySettings(threshold=s.threshold, warmup=s.warmup)
+        found = []
+        for name in DRIFTS:
+            scores = rule_scores(self.series_[name], rule, direction=1)
+            if rule_holds(np.nan_to_num(scores, nan=-math.inf).tolist(), s.threshold, s.patience, s.warmup)[-1]:
+                value = self.series_[name][-1]
+                found.append((name, f"{name} {value:.3g} per check since the reference check, robust z "
+                                    f"{scores[-1]:.1f} >= {s.threshold:g} for {s.patience} checks"))  # fmt: skip
+        return found
+
+    def _sentinels(self, frame: NDArray[np.float64], radius: float) -> list[tuple[str, str]]:
+        rank, cosine = effective_rank(frame), mean_cosine(frame)
+        spread = radius / self.scale_ if self.scale_ else math.inf
+        found = []
+        if rank <= RANK_SQUEEZE:
+            found.append(("rank_squeeze", f"effective rank {rank:.2f} <= {RANK_SQUEEZE}"))
+        if cosine >= CONE:
+            found.append(("cone", f"mean pairwise cosine {cosine:.3f} >= {CONE}"))
+        if spread <= SHRINK:
+            found.append(("shrink", f"RMS radius {spread:.3f} x the warm-up's <= {SHRINK}"))
+        return found
+
+    def judge(self, decision: Decision, frame: NDArray[np.float64] | None, diagrams: Diagrams | None) -> Decision:
+        """Observe one check and return the loud path's ``decision`` with its alarm acted on (`observe`, `applied`)."""
+        return self.applied(decision, self.observe(frame, diagrams))
+
+    def applied(self, decision: Decision, alarm: SilentAlarm | None) -> Decision:
+        """``decision`` with this check's alarm acted on.
+
+        The silent action where the policy asked for nothing, else the policy's decision as it is (the loud path
+        decides first).
+        """
+        if alarm is None or decision.action is not Action.NONE:
+            return decision
+        action = Action(self.settings.action)
+        reason = (f"silent path: the probe's representation moved while the loss rule stayed quiet ({alarm.why}); "
+                  f"{action.value}")  # fmt: skip
+        return dataclasses.replace(decision, action=action, reason=reason, rule="silent",
+                                   flagged=(*decision.flagged, "silent"), checkpoint=action is Action.STOP)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class SilentAlarm:
+    """A silent alarm: which signals hold and why, in words.
+
+    The signals are among ``"diagram_drift_ref"``, ``"cka_drift"``, ``"rank_squeeze"``, ``"cone"`` and ``"shrink"``.
+    """
+
+    signals: tuple[str, ...]
+    why: str
