@@ -189,6 +189,26 @@ def report(runs: list[r1.Run], split: str) -> dict[str, Any]:
             "loss_rule": loss_rule, "default": default, "results": results}  # fmt: skip
 
 
+def shipped_cadence_runs(directory: Path, runs: list[r1.Run]) -> list[r1.Run]:
+    """Each run subsampled to the shipped default's cadence (``MonitorSettings().schedule.check_every`` steps, where
+    the recordings check every 10), with the default replayed there: ROUND2.md's second replay of the default."""
+    from silent_signals import training_signals
+
+    from topocallbacks.settings import MonitorSettings
+
+    every = MonitorSettings().schedule.check_every
+    out = []
+    for run in runs:
+        keep = run.steps % every == 0
+        with np.load(directory / f"{run.scenario}-seed{run.seed}.npz") as data:
+            kind = "healthy" if run.kind == "trap" else run.kind
+            steps = run.steps[keep]
+            values = training_signals(steps, data[f"{kind}/loss"], data[f"{kind}/grad_norm"])
+            values["default"] = r1.default_actions(data[f"{kind}/features"][keep], steps, values)
+        out.append(r1.Run(run.scenario, run.seed, run.kind, steps, values, run.fault, run.point))
+    return out
+
+
 def load_runs(directory: Path, split: str) -> list[r1.Run]:
     """Round 1's runs and signals for the split's recordings, with each run's healthy drift rates added."""
     classes, traps = SPLITS[split]
@@ -228,10 +248,17 @@ def write_markdown(payload: dict[str, Any], path: Path) -> None:
         "| signal | candidate | seeds caught / caught silently (of 6), per scenario | scenarios caught | "
         "median lead (steps) | healthy runs alarmed |",
         "|---|---|---|---|---|---|",
-        row("the default", payload["default"]),
+        row("the default (every 10 steps)", payload["default"]),
+        *([row("the default (every 100 steps, as shipped)", payload["default_shipped_cadence"])]
+          if "default_shipped_cadence" in payload else []),
         row("loss-only rule", payload["loss_rule"]),
         *(row(name, found) for name, found in payload["at_zero"].items()),
     ]  # fmt: skip
+    if "silence" in payload:
+        lines += ["", "The silence check on the evaluation seeds (ROUND2.md: a quiet loss-only rule, harm, room):",
+                  "", "| scenario | seeds passing (of 6) | passes |", "|---|---|---|",
+                  *(f"| {name} | {found['passed']} | {'yes' if found['passes'] else '**no**'} |"
+                    for name, found in payload["silence"].items())]  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -255,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     runs = load_runs(args.recordings, args.split)
     found = report(runs, args.split)
+    if args.split == "held_out":
+        scenarios = tuple(name for c in classes for name in CLASSES[c])
+        shipped = shipped_cadence_runs(args.recordings, runs)
+        found["default_shipped_cadence"] = {"combination": "default", **judge(shipped, scenarios, ("default",),
+                                                                              "trailing", 4.5, 1)}  # fmt: skip
+        found["silence"] = r1.silence_checks(args.recordings, list(scenarios), r1.EVALUATION_SEEDS)
     payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": commit, **found}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"silent_r2_{args.split}.json").write_text(json.dumps(payload, indent=1) + "\n")
