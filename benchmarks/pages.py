@@ -381,12 +381,20 @@ def _quoted(text: str) -> str:
     return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in lines)
 
 
-@block("silent-status", "silent_design.json", "silent_held_out.json")
+@block("silent-status", "silent_r2_design.json", "silent_r2_held_out.json")
 def silent_status() -> str:
-    """The README's lead: the silent suite's held-out split, then its design split, in a paragraph
-    (``silent_pages.status``)."""
-    status = suite("silent", "silent_pages").status
-    return _quoted(status(stored("silent_design.json"), stored("silent_held_out.json")))
+    """The README's lead: the silent suite's round 2, its held-out split first, in a paragraph
+    (``silent_pages.round2_status``)."""
+    status = suite("silent", "silent_pages").round2_status
+    return _quoted(status(stored("silent_r2_design.json"), stored("silent_r2_held_out.json")))
+
+
+@block("silent-round2", "silent_r2_design.json", "silent_r2_held_out.json")
+def silent_round2() -> str:
+    """The evidence page's round 2: the held-out split's page, then the design split's (round2.py's Markdown)."""
+    markdown = suite("silent", "round2").markdown
+    return "\n".join([markdown(stored("silent_r2_held_out.json")).rstrip("\n"), "",
+                      markdown(stored("silent_r2_design.json")).rstrip("\n")])  # fmt: skip
 
 
 @block("silent-heldout", "silent_design.json", "silent_held_out.json")

@@ -223,8 +223,13 @@ def load_runs(directory: Path, split: str) -> list[r1.Run]:
 
 
 def write_markdown(payload: dict[str, Any], path: Path) -> None:
+    """Write the split's page (`markdown`)."""
+    path.write_text(markdown(payload))
+
+
+def markdown(payload: dict[str, Any]) -> str:
     """The split's page: the choice, each family's and anchor's best at zero healthy alarms, the loss-only rule and
-    the default, per scenario."""
+    the default, per scenario (and on the held-out split, the silence check)."""
 
     def row(name: str, found: dict[str, Any] | None) -> str:
         if found is None:
@@ -259,7 +264,7 @@ def write_markdown(payload: dict[str, Any], path: Path) -> None:
                   "", "| scenario | seeds passing (of 6) | passes |", "|---|---|---|",
                   *(f"| {name} | {found['passed']} | {'yes' if found['passes'] else '**no**'} |"
                     for name, found in payload["silence"].items())]  # fmt: skip
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help="record the missing evaluation seeds first")
     parser.add_argument("--record-only", action="store_true", help="record the missing evaluation seeds, no more")
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--render", action="store_true", help="rewrite the .md from the stored .json only")
     args = parser.parse_args(argv)
+    if args.render:
+        stored = args.out / f"silent_r2_{args.split}.json"
+        write_markdown(json.loads(stored.read_text()), stored.with_suffix(".md"))
+        return 0
     classes, traps = SPLITS[args.split]
     if args.split == "held_out" and STAGE_2 not in ROUND2.read_text():
         parser.error("round 2's held-out split is recorded and evaluated only after its stage 2 (ROUND2.md)")

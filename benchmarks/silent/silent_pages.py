@@ -20,6 +20,8 @@ SHORT = {
     "generator_modes_circle": "S4b circle",
     "vae_kl_bug": "S5 VAE",
     "minilm_forgetting": "S6 MiniLM forgetting",
+    "classes_dropped": "S7 classes dropped",
+    "finetune_forgetting_images": "S8 image fine-tune",
 }
 
 
@@ -262,3 +264,39 @@ def status(payload: dict[str, Any], held_out: dict[str, Any] | None = None) -> s
         f"before their harm and touched {default['healthy_alarmed']}/{default['healthy_runs']} healthy runs; the "
         f"loss-only rule at the library's defaults caught {loss['runs_caught']}/{loss['runs']}. {held}"
     ).rstrip()
+
+
+# --- round 2 (ROUND2.md; round2.py's results) ------------------------------------------------------------------
+
+
+def _r2_seeds(row: dict[str, Any]) -> str:
+    """Seeds caught, and caught silently, per scenario: ``S7 5 (4 silently)``."""
+    return ", ".join(f"{_short(name)} {n} ({row['seeds_caught_silently'].get(name, 0)} silently)"
+                     for name, n in row["seeds_caught"].items())  # fmt: skip
+
+
+def round2_status(design: dict[str, Any], held_out: dict[str, Any]) -> str:
+    """The README's lead after round 2: the held-out split first (the default at both cadences, the loss-only rule,
+    the silence check), then what the silent path was chosen on."""
+    default, shipped, loss = held_out["default"], held_out["default_shipped_cadence"], held_out["loss_rule"]
+    silence = held_out["silence"]
+    passing = [name for name, found in silence.items() if found["passes"]]
+    chosen = design["chosen"]
+    scenarios = ", ".join(SHORT.get(name, name) for name in silence)
+    caught = [name for name in passing if default["seeds_caught"].get(name, 0) >= 5]
+    verdict = "caught " + ", ".join(_short(n) for n in caught) if caught else "caught no held-out scenario"
+    return (
+        f"**Silent collapse, what the loss does not show: a silent path, chosen on faults already seen, {verdict} "
+        f"among new ones.** The default now warns when the probe's features drift from where its warm-up left them "
+        f"or degenerate, whatever the loss does (`{chosen['combination']}`, trailing score, threshold "
+        f"{chosen['k']:g}, patience {chosen['p']}). On round 2's held-out split, recorded after that choice "
+        f"({scenarios} and the trap {', '.join(held_out['traps'])}: {default['healthy_runs']} healthy runs), "
+        f"{len(passing)} of the {len(silence)} scenarios ({', '.join(_short(n) for n in passing) or 'none'}) passed "
+        f"the silence check; checking every 10 steps the default caught {default['runs_caught']}/{default['runs']} "
+        f"faulted runs before their harm ({_r2_seeds(default)}) and touched {default['healthy_alarmed']}/"
+        f"{default['healthy_runs']} healthy runs; at the shipped cadence (a check every 100 steps, a 10-check "
+        f"warm-up) it caught {shipped['runs_caught']}/{shipped['runs']}; the loss-only rule caught "
+        f"{loss['runs_caught']}/{loss['runs']}. The choice was made on round 1's recordings, all seen: "
+        f"{chosen['healthy_runs']} healthy runs, none alarmed, and one scenario caught "
+        f"({_r2_seeds({**chosen, 'seeds_caught': {k: v for k, v in chosen['seeds_caught'].items() if v}})})."
+    )
