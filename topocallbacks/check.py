@@ -31,6 +31,8 @@ __all__ = [
     "Measurement",
     "Plan",
     "diagram_drift",
+    "diagrams_from_lists",
+    "diagrams_to_lists",
     "measure",
     "record_from_dict",
 ]
@@ -72,6 +74,16 @@ def _drift(
         if reference is not None
     ]
     return min(drifts, key=sum) if drifts else None
+
+
+def diagrams_to_lists(diagrams: Diagrams | None) -> Any:
+    """Diagrams as nested lists, for a saved state (None stays None)."""
+    return None if diagrams is None else [d.tolist() for d in diagrams]
+
+
+def diagrams_from_lists(saved: Any) -> Diagrams | None:
+    """`diagrams_to_lists` undone: ``(k, 2)`` float64 arrays (None stays None)."""
+    return None if saved is None else [np.asarray(d, dtype=np.float64).reshape(-1, 2) for d in saved]
 
 
 def diagram_drift(reference: Diagrams, diagrams: Diagrams) -> float:

@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 
 from ._state import StateFields, Stateful
 from ._validation import as_points
-from .check import ORIENTATION, CheckRecord, measure
+from .check import ORIENTATION, CheckRecord, diagrams_from_lists, diagrams_to_lists, measure
 from .exceptions import InputError, NonFiniteError
 from .functional.collapse import DEGREE_BAND, calibrate_epsilon, mean_degree
 from .functional.sentinels import SentinelValues, sentinel_values
@@ -32,14 +32,6 @@ from .transform import FeatureTransform
 __all__ = ["CheckPipeline", "CheckRequest", "Evaluation", "LayeredPipeline", "make_pipeline"]
 
 Diagrams = list[NDArray[np.float64]]
-
-
-def _diagrams_to_lists(diagrams: Diagrams | None) -> Any:
-    return None if diagrams is None else [d.tolist() for d in diagrams]
-
-
-def _diagrams_from_lists(saved: Any) -> Diagrams | None:
-    return None if saved is None else [np.asarray(d, dtype=np.float64).reshape(-1, 2) for d in saved]
 
 
 def _channels(dynamics: Mapping[str, float | None] | None) -> tuple[float | None, float | None]:
@@ -225,8 +217,8 @@ class CheckPipeline(Stateful):
             "rescales": "rescales_",
             "silent": "silent",
         },
-        encode={"diagrams": _diagrams_to_lists, "reference_diagrams": _diagrams_to_lists},
-        decode={"diagrams": _diagrams_from_lists, "reference_diagrams": _diagrams_from_lists},
+        encode={"diagrams": diagrams_to_lists, "reference_diagrams": diagrams_to_lists},
+        decode={"diagrams": diagrams_from_lists, "reference_diagrams": diagrams_from_lists},
     )
 
     def __init__(self, settings: MonitorSettings) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ._state import StateFields, Stateful
-from .check import Diagrams, diagram_drift
+from .check import Diagrams, diagram_drift, diagrams_from_lists, diagrams_to_lists
 from .functional import effective_rank
 from .policy import Decision, rule_holds, rule_scores
 from .settings import Action, PolicySettings, SilentSettings
@@ -81,14 +81,6 @@ def _series_from_lists(saved: dict[str, list[float | None]]) -> dict[str, list[f
     return {name: [math.nan if v is None else float(v) for v in values] for name, values in saved.items()}
 
 
-def _diagrams_to_lists(diagrams: Diagrams | None) -> Any:
-    return None if diagrams is None else [d.tolist() for d in diagrams]
-
-
-def _diagrams_from_lists(saved: Any) -> Diagrams | None:
-    return None if saved is None else [np.asarray(d, dtype=np.float64).reshape(-1, 2) for d in saved]
-
-
 class SilentWatch(Stateful):
     """The silent path's state from check to check, and its judgement of each check (see the module).
 
@@ -118,10 +110,10 @@ class SilentWatch(Stateful):
             "series": "series_",
             "alarming": "alarming_",
         },
-        encode={"reference": _array_to_list, "reference_diagrams": _diagrams_to_lists, "series": _series_to_lists},
+        encode={"reference": _array_to_list, "reference_diagrams": diagrams_to_lists, "series": _series_to_lists},
         decode={
             "reference": _array_from_list,
-            "reference_diagrams": _diagrams_from_lists,
+            "reference_diagrams": diagrams_from_lists,
             "series": _series_from_lists,
         },
     )

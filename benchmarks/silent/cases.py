@@ -596,22 +596,14 @@ DROPPED = (1, 7)
 FOOTWEAR = torch.tensor([5, 7, 9])
 
 
-class ClassSampler(Trainee):
-    """The small CNN classifier on Fashion-MNIST (S3's model and optimiser), its batches drawn with a weight per
-    class, ``weights(step, kind, fault)``. Harm metric: accuracy on the 1,024 clean held-out images of all ten
-    classes; the probe's features: the penultimate features of the first 512 of them."""
-
-    batch_size = 64
+class ClassSampler(Shortcut):
+    """S3's small CNN classifier, model, optimiser, harm metric and probe, its batches drawn with a weight per class,
+    ``weights(step, kind, fault)``, instead of a watermark. Harm metric: accuracy on the 1,024 clean held-out images
+    of all ten classes; the probe's features: the penultimate features of the first 512 of them."""
 
     def __init__(self, seed: int) -> None:
-        torch.manual_seed(seed)
-        model = CNN()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-        super().__init__(
-            seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05, "weights": self.weights(step, kind, fault)}
-        )
-        self.train_x, self.train_y = images("train")
-        self.eval_x, self.eval_y = held_out_images()
+        super().__init__(seed)
+        self._schedule = lambda step, kind, fault: {"lr": 0.05, "weights": self.weights(step, kind, fault)}
         self.pools = [(self.train_y == c).nonzero().squeeze(1) for c in range(10)]
 
     def weights(self, step: int, kind: str, fault: int) -> np.ndarray:
@@ -628,16 +620,6 @@ class ClassSampler(Trainee):
         index = self.batch(step, settings["weights"])
         logits, _ = self.model(self.train_x[index])
         return F.cross_entropy(logits, self.train_y[index])
-
-    @torch.no_grad()
-    def evaluate(self) -> tuple[float, np.ndarray]:
-        self.model.eval()
-        logits, features = self.model(self.eval_x)
-        return float((logits.argmax(1) == self.eval_y).float().mean()), features[:PROBE_SIZE].numpy()
-
-    def views(self) -> np.ndarray:
-        self.model.eval()
-        return image_views(self.eval_x, lambda x: self.model(x)[1])
 
 
 class ClassesDropped(ClassSampler):

@@ -99,18 +99,8 @@ def alarms(run: r1.Run, signal: str, score: str, k: float, p: int) -> np.ndarray
 
 
 def first_alarm(run: r1.Run, signals: tuple[str, ...], score: str, k: float, p: int) -> tuple[int | None, bool]:
-    """As round 1's `silent_evaluate.first_alarm`: the first alarm after the fault (faulted runs; alarms on the shared
-    prefix are the twin's), and whether a healthy run alarms after the warm-up."""
-    hit = np.zeros(run.steps.size, dtype=bool)
-    for signal in signals:
-        hit |= alarms(run, signal, score, k, p)
-    if "default" not in signals:
-        hit[:WARMUP] = False
-    steps = run.steps[hit]
-    if run.kind != "collapse":
-        return None, bool(steps.size)
-    after = steps[steps > run.fault]
-    return (int(after[0]) if after.size else None), False
+    """Round 1's `silent_evaluate.first_alarm` with round 2's `alarms` (score (ii-r) for ``frozen_r``)."""
+    return r1.first_alarm(run, signals, score, k, p, hits=lambda signal: alarms(run, signal, score, k, p))
 
 
 def loss_warned(run: r1.Run, until: int) -> bool:

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,12 +129,15 @@ def combinations() -> dict[str, tuple[str, ...]]:
     return out
 
 
-def first_alarm(run: Run, signals: tuple[str, ...], score: str, k: float, p: int) -> tuple[int | None, bool]:
+def first_alarm(run: Run, signals: tuple[str, ...], score: str, k: float, p: int,
+                hits: Callable[[str], np.ndarray] | None = None) -> tuple[int | None, bool]:  # fmt: skip
     """The first alarm after the fault (faulted runs) and whether the run alarms where a healthy run would (anywhere
-    after the warm-up for a healthy run; on the shared prefix for a faulted one)."""
+    after the warm-up for a healthy run; on the shared prefix for a faulted one). ``hits(signal)``: where a signal
+    alarms (default: `alarms` on the run's values; round 2 passes its repaired score)."""
     hit = np.zeros(run.steps.size, dtype=bool)
     for signal in signals:
-        hit |= alarms(run.values[SOURCES.get(signal, signal)], signal, score, k, p)
+        hit |= (hits(signal) if hits is not None else
+                alarms(run.values[SOURCES.get(signal, signal)], signal, score, k, p))  # fmt: skip
     if "default" not in signals:  # the default touches a run wherever it acts, its sentinels in the warm-up too
         hit[:WARMUP] = False
     steps = run.steps[hit]

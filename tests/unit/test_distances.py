@@ -10,15 +10,6 @@ from topocallbacks.functional._distances import (
 )
 
 
-@pytest.fixture(params=["numba", "numpy"])
-def kernels(request, monkeypatch):
-    """Both implementations of the ε decisions: the compiled pass (when numba is installed) and numpy."""
-    if request.param == "numba":
-        pytest.importorskip("numba")
-    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1" if request.param == "numba" else "0")
-    return request.param
-
-
 def direct_adjacency(points, epsilon):
     """The GUDHI/scipy decision: sqrt(sum of squared differences) <= ε, pair by pair."""
     adjacency = cdist(points, points) <= epsilon

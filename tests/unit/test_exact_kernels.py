@@ -98,15 +98,6 @@ def dominated_vertex(n, rows, cols):
     return None
 
 
-@pytest.fixture(params=["numba", "numpy"])
-def kernels(request, monkeypatch):
-    """Both implementations of the strong collapse: the compiled kernel (when numba is installed) and numpy."""
-    if request.param == "numba":
-        pytest.importorskip("numba")
-    monkeypatch.setenv("TOPOCALLBACKS_NUMBA", "1" if request.param == "numba" else "0")
-    return request.param
-
-
 @given(graph=any_graphs())
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_the_strong_collapse_core_keeps_the_betti_numbers_and_dominates_nothing(kernels, graph):
