@@ -98,11 +98,6 @@ def alarms(run: r1.Run, signal: str, score: str, k: float, p: int) -> np.ndarray
     return r1.alarms(run.values[source], signal, "frozen" if score == "frozen_r" else score, k, p)
 
 
-def first_alarm(run: r1.Run, signals: tuple[str, ...], score: str, k: float, p: int) -> tuple[int | None, bool]:
-    """Round 1's `silent_evaluate.first_alarm` with round 2's `alarms` (score (ii-r) for ``frozen_r``)."""
-    return r1.first_alarm(run, signals, score, k, p, hits=lambda signal: alarms(run, signal, score, k, p))
-
-
 def loss_warned(run: r1.Run, until: int) -> bool:
     """Whether the loss-only rule warned after the fault and at or before ``until``."""
     fired = r1.alarms(run.values["loss"], "loss_rule", "trailing", 4.5, 1)
@@ -113,22 +108,14 @@ def judge(runs: list[r1.Run], scenarios: tuple[str, ...], signals: tuple[str, ..
           p: int) -> dict[str, Any]:  # fmt: skip
     """One candidate on ``runs``: seeds caught (and caught silently) per scenario, scenarios caught, median lead,
     healthy runs alarmed."""
-    caught: dict[str, list[bool]] = {name: [] for name in scenarios}
+    found = r1.tally(runs, signals, score, k, p, hits=lambda run, signal: alarms(run, signal, score, k, p))
+    caught = {name: found.caught.get(name, []) for name in scenarios}
     silent: dict[str, int] = dict.fromkeys(scenarios, 0)
-    leads, alarmed, healthy = [], 0, 0
-    for run in runs:
-        if any(r1.SOURCES.get(s, s) not in run.values for s in signals):
-            continue  # an anchor a recording cannot give (LiDAR without views)
-        alarm, healthy_alarm = first_alarm(run, signals, score, k, p)
-        if run.kind != "collapse":
-            alarmed += healthy_alarm
-            healthy += 1
-            continue
-        hit = alarm is not None and run.point is not None and alarm < run.point
-        caught.setdefault(run.scenario, []).append(hit)
-        if hit:
-            leads.append(run.point - alarm)
-            silent[run.scenario] = silent.get(run.scenario, 0) + (not loss_warned(run, alarm))
+    leads = []
+    for run, alarm in found.hits:
+        leads.append((run.point or 0) - alarm)
+        silent[run.scenario] = silent.get(run.scenario, 0) + (not loss_warned(run, alarm))
+    alarmed, healthy = found.alarmed, found.healthy
     seeds = {name: sum(v) for name, v in caught.items()}
     return {
         "score": score, "k": k, "p": p, "signals": len(signals),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -191,24 +192,44 @@ def load_runs(directory: Path, scenarios: list[str], seeds: tuple[int, ...]) -> 
     return runs
 
 
-def judge(runs: list[Run], classes: tuple[str, ...], signals: tuple[str, ...], score: str, k: float,
-          p: int) -> dict[str, Any]:  # fmt: skip
-    """One candidate on ``runs``: seeds caught per scenario, classes caught, median lead, healthy runs alarmed."""
-    caught: dict[str, list[bool]] = {}
-    leads, alarmed, healthy = [], 0, 0
+@dataclasses.dataclass
+class Tally:
+    """One candidate's outcome over runs: per scenario whether each faulted run was caught, the caught runs with
+    their first alarm, and the healthy runs alarmed of those judged."""
+
+    caught: dict[str, list[bool]] = dataclasses.field(default_factory=dict)
+    hits: list[tuple[Run, int]] = dataclasses.field(default_factory=list)
+    alarmed: int = 0
+    healthy: int = 0
+
+
+def tally(runs: list[Run], signals: tuple[str, ...], score: str, k: float, p: int,
+          hits: Callable[[Run, str], np.ndarray] | None = None) -> Tally:  # fmt: skip
+    """Replay one candidate on every run (``hits(run, signal)``: where a signal alarms, as in `first_alarm`)."""
+    found = Tally()
     for run in runs:
         if any(SOURCES.get(signal, signal) not in run.values for signal in signals):
             continue  # an anchor a recording cannot give (LiDAR without views)
-        alarm, healthy_alarm = first_alarm(run, signals, score, k, p)
+        where = None if hits is None else functools.partial(hits, run)
+        alarm, healthy_alarm = first_alarm(run, signals, score, k, p, where)
         if run.kind != "collapse":
-            alarmed += healthy_alarm
-            healthy += 1
+            found.alarmed += healthy_alarm
+            found.healthy += 1
             continue
         # Alarms on the shared prefix are the twin's (its run holds the same checks up to the fault).
         hit = alarm is not None and run.point is not None and alarm < run.point
-        caught.setdefault(run.scenario, []).append(hit)
-        if hit:
-            leads.append(run.point - alarm)
+        found.caught.setdefault(run.scenario, []).append(hit)
+        if hit and alarm is not None:
+            found.hits.append((run, alarm))
+    return found
+
+
+def judge(runs: list[Run], classes: tuple[str, ...], signals: tuple[str, ...], score: str, k: float,
+          p: int) -> dict[str, Any]:  # fmt: skip
+    """One candidate on ``runs``: seeds caught per scenario, classes caught, median lead, healthy runs alarmed."""
+    found = tally(runs, signals, score, k, p)
+    caught, leads = found.caught, [run.point - alarm for run, alarm in found.hits if run.point is not None]
+    alarmed, healthy = found.alarmed, found.healthy
     by_class = {c: all(sum(caught.get(s, [])) >= 5 for s in CLASSES[c]) for c in classes if c in CLASSES}
     return {
         "score": score, "k": k, "p": p, "signals": len(signals), "classes_caught": sum(by_class.values()),
