@@ -563,7 +563,8 @@ class SilentSettings(_Section):
 
     The loud path (`PolicySettings`) waits for the loss; this one does not. Chosen on the silent suite's design
     split (``benchmarks/silent/ROUND2.md``, stage 2: the drift family with the sentinels, trailing score, threshold
-    12, patience 2: no alarm on 60 healthy runs). Probe mode only: a streaming window has no fixed inputs to drift
+    12, patience 2: no alarm on any of that split's healthy runs); the evidence page reports what it catches and
+    misses on the faults it was not chosen on. Probe mode only: a streaming window has no fixed inputs to drift
     from. At every check after ``warmup`` checks it measures, against the features and the persistence diagrams of
     the last warm-up check (the reference), the diagram drift and 1 - linear CKA, each divided by the checks elapsed
     since the reference, and scores each against its own trailing checks (the rule's robust z-score); a drift alarms

@@ -190,82 +190,6 @@ def targets_table(design: dict[str, Any], held_out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _caught(row: dict[str, Any] | None) -> list[str]:
-    """The scenarios a row catches on at least 5 of 6 seeds, by their short names."""
-    seeds = {} if row is None else row["seeds_caught"]
-    return [_short(name) for name, n in seeds.items() if n >= 5]
-
-
-def held_out_lead(held_out: dict[str, Any] | None) -> str:
-    """The held-out split's figures in two sentences (reported first), or nothing before it has run."""
-    if held_out is None:
-        return ""
-    default, loss = held_out["default"], held_out["loss_rule"]
-    silence = held_out["silence"]
-    passing = [name for name, found in silence.items() if found["passes"]]
-    scenarios = ", ".join(SHORT.get(name, name) for name in silence)
-    where = [f"{_short(name)} {n} of 6" + ("" if name in passing else ", a scenario failing the silence check")
-             for name, n in default["seeds_caught"].items() if n]  # fmt: skip
-    caught_where = f" ({'; '.join(where)})" if where else ""
-    rows = [row["at_zero"] for group in ("families", "anchors") for row in held_out[group].values()]
-    best = max((row["seeds_caught"].get(name, 0) for row in rows if row for name in passing), default=0)
-    on_passing = (
-        f", and on {'it' if len(passing) == 1 else 'them'} the best family or anchor at that budget caught "
-        f"{best} of 6 seeds"
-        if passing
-        else ""
-    )
-    return (
-        f"On the held-out split, run after the choice ({scenarios} and the trap {', '.join(held_out['traps'])}: "
-        f"{default['healthy_runs']} healthy runs), the default as shipped caught {default['runs_caught']}/"
-        f"{default['runs']} faulted runs before their harm{caught_where} and touched "
-        f"{default['healthy_alarmed']}/{default['healthy_runs']} healthy runs; the loss-only rule caught "
-        f"{loss['runs_caught']}/{loss['runs']}; {len(passing)} of the {len(silence)} held-out scenarios "
-        f"({', '.join(_short(n) for n in passing) or 'none'}) passed the silence check{on_passing}. "
-    )
-
-
-def status(payload: dict[str, Any], held_out: dict[str, Any] | None = None) -> str:
-    """The README's lead: what the default catches that the loss does not, on the design split (and the held-out
-    one once it has run), in a paragraph."""
-    default, loss = payload["default"], payload["loss_rule"]
-    silence = payload["silence"]
-    passing = [_short(name) for name, found in silence.items() if found["passes"]]
-    failing = {_short(name) for name, found in silence.items() if not found["passes"]}
-    anchors = []
-    for name, row in payload["anchors"].items():
-        caught = [
-            c + (", a scenario failing the silence check" if c in failing else "") for c in _caught(row["at_zero"])
-        ]
-        if caught:
-            anchors.append(f"{name} ({'; '.join(caught)})")
-    chosen = payload["chosen"]
-    verdict = (
-        "none caught a class (5 of its 6 seeds) before its harm without alarming on a healthy run, so **the "
-        "default has no silent path**"
-        if chosen is None
-        else f"the pre-registered choice caught {chosen['classes_caught']} classes with no healthy run alarmed"
-    )
-    anchor_text = (
-        f"Among the anchors at that budget only {'; '.join(anchors)} caught a scenario"
-        if anchors
-        else "No anchor caught a scenario at that budget"
-    )
-    held = "The held-out classes have not been run." if held_out is None else ""
-    return (
-        f"**Silent collapse, what the loss does not show, is not caught yet.** {held_out_lead(held_out)}In the "
-        f"pre-registered silent-collapse "
-        f"suite's {payload['split']} split ({len(silence)} scenarios of {len(payload['classes'])} classes, 6 seeds "
-        f"each, every faulted run beside its healthy twin, and a transfer fine-tune as a trap: "
-        f"{default['healthy_runs']} healthy runs), of {len(payload['results'])} candidate signals and rules "
-        f"(geometry, spectrum, drift against a reference, sentinels) {verdict}. {anchor_text}; only "
-        f"{len(passing)} of the {len(silence)} scenarios ({', '.join(passing)}) passed the silence check on their "
-        f"evaluation seeds. The default as shipped caught {default['runs_caught']}/{default['runs']} faulted runs "
-        f"before their harm and touched {default['healthy_alarmed']}/{default['healthy_runs']} healthy runs; the "
-        f"loss-only rule at the library's defaults caught {loss['runs_caught']}/{loss['runs']}. {held}"
-    ).rstrip()
-
-
 # --- round 2 (ROUND2.md; round2.py's results) ------------------------------------------------------------------
 
 
@@ -285,6 +209,10 @@ def round2_status(design: dict[str, Any], held_out: dict[str, Any]) -> str:
     scenarios = ", ".join(SHORT.get(name, name) for name in silence)
     caught = [name for name in passing if default["seeds_caught"].get(name, 0) >= 5]
     verdict = "caught " + ", ".join(_short(n) for n in caught) if caught else "caught no held-out scenario"
+    where = f" ({_r2_seeds(default)})" if default["runs_caught"] else ""
+    on_design = "; ".join(f"{_short(name)}: {chosen['seeds_caught'][name]} of 6 seeds, "
+                          f"{chosen['seeds_caught_silently'].get(name, 0)} before any loss-only warning"
+                          for name in chosen["scenarios_caught"])  # fmt: skip
     return (
         f"**Silent collapse, what the loss does not show: a silent path, chosen on faults already seen, {verdict} "
         f"among new ones.** The default now warns when the probe's features drift from where its warm-up left them "
@@ -293,10 +221,9 @@ def round2_status(design: dict[str, Any], held_out: dict[str, Any]) -> str:
         f"({scenarios} and the trap {', '.join(held_out['traps'])}: {default['healthy_runs']} healthy runs), "
         f"{len(passing)} of the {len(silence)} scenarios ({', '.join(_short(n) for n in passing) or 'none'}) passed "
         f"the silence check; checking every 10 steps the default caught {default['runs_caught']}/{default['runs']} "
-        f"faulted runs before their harm ({_r2_seeds(default)}) and touched {default['healthy_alarmed']}/"
-        f"{default['healthy_runs']} healthy runs; at the shipped cadence (a check every 100 steps, a 10-check "
-        f"warm-up) it caught {shipped['runs_caught']}/{shipped['runs']}; the loss-only rule caught "
-        f"{loss['runs_caught']}/{loss['runs']}. The choice was made on round 1's recordings, all seen: "
-        f"{chosen['healthy_runs']} healthy runs, none alarmed, and one scenario caught "
-        f"({_r2_seeds({**chosen, 'seeds_caught': {k: v for k, v in chosen['seeds_caught'].items() if v}})})."
+        f"faulted runs before their harm{where} and touched {default['healthy_alarmed']}/{default['healthy_runs']} "
+        f"healthy runs; at the shipped cadence (a check every 100 steps, a 10-check warm-up) it caught "
+        f"{shipped['runs_caught']}/{shipped['runs']}; the loss-only rule caught {loss['runs_caught']}/{loss['runs']}. "
+        f"The choice was made on round 1's recordings, all seen: {chosen['healthy_runs']} healthy runs, none "
+        f"alarmed, and {len(chosen['scenarios_caught'])} scenario(s) caught ({on_design})."
     )

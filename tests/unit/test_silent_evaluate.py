@@ -146,13 +146,8 @@ def test_the_page_says_when_no_candidate_is_eligible_and_shows_every_silence_che
     assert "commit `0123456789ab`" in text
     assert "| spectrum (family) | spectrum, " in text
     assert "| 5/6 (44-97 %) |" in text
-    assert "the pre-registered choice caught 1 classes" in pages.status(payload)
     payload["chosen"] = None
     assert "**No candidate was eligible.**" in pages.page(payload)
-    lead = pages.status(payload)
-    assert "**the default has no silent path**" in lead
-    assert "only 1 of the 1 scenarios (S5) passed the silence check" in lead
-    assert lead.endswith("The held-out classes have not been run.")
 
 
 def benchmark_pages():
@@ -229,29 +224,32 @@ def test_the_targets_are_judged_held_out_first_from_both_splits():
     assert "| does not apply |" in table
 
 
-def test_the_status_reports_the_held_out_split_first(evaluate):
+def r2_row(seeds, silently=None, healthy_alarmed=0, healthy_runs=18):
+    silently = silently or dict.fromkeys(seeds, 0)
+    return {"combination": "default", "score": "trailing", "k": 4.5, "p": 1, "seeds_caught": seeds,
+            "seeds_caught_silently": silently, "scenarios_caught": sorted(n for n, v in seeds.items() if v >= 5),
+            "runs": 6 * len(seeds), "runs_caught": sum(seeds.values()), "healthy_alarmed": healthy_alarmed,
+            "healthy_runs": healthy_runs, "median_lead": None}  # fmt: skip
+
+
+def test_round_two_status_leads_with_the_held_out_split_and_names_what_was_chosen_on_seen_data():
     pages = benchmark_pages()
-    found = evaluate.report(silent_runs(evaluate), ("S5",))
-    seeds = [{"reached": True, "quiet": True, "passed": True, "checks_before_harm": 3} for _ in range(6)]
-    silence = {"vae_kl_bug": {"passed": 6, "seeds": 6, "passes": True, "per_seed": seeds}}
-    design = {"split": "design", "classes": ["S5"], "traps": ["T2"], "silence": silence, **found}
-    held_out = {"split": "held_out", "classes": ["S6"], "traps": ["T1"],
-                "silence": {"minilm_forgetting": {**silence["vae_kl_bug"], "passes": False}},
-                "default": row({"minilm_forgetting": 2}, healthy_alarmed=1),
-                "loss_rule": row({"minilm_forgetting": 0}),
-                "families": {"drift": {"at_zero": row({"minilm_forgetting": 4})}},
-                "anchors": {"rankme": {"at_zero": None}}}  # fmt: skip
-    lead = pages.status(design, held_out)
-    first, design_part = lead.index("On the held-out split"), lead.index("In the pre-registered")
-    assert first < design_part
-    assert "S6 MiniLM forgetting and the trap T1: 24 healthy runs" in lead
-    assert (
-        "caught 2/6 faulted runs before their harm (S6 2 of 6, a scenario failing the silence check) and touched "
-        "1/24 healthy runs" in lead
-    )
-    assert "0 of the 1 held-out scenarios (none) passed the silence check." in lead
-    assert "have not been run" not in lead
-    held_out["silence"]["minilm_forgetting"]["passes"] = True  # now the best row's seeds on it are told
-    lead = pages.status(design, held_out)
-    assert "(S6 2 of 6) and touched" in lead
-    assert "passed the silence check, and on it the best family or anchor at that budget caught 4 of 6 seeds." in lead
+    chosen = {**r2_row({"minilm_forgetting": 6, "vae_kl_bug": 1}, {"minilm_forgetting": 3}, healthy_runs=60),
+              "combination": "drift+sentinels", "k": 12.0, "p": 2}  # fmt: skip
+    design = {"chosen": chosen}
+    silence = {"classes_dropped": {"passes": True}, "finetune_forgetting_images": {"passes": False}}
+    held_out = {"traps": ["T3"], "silence": silence,
+                "default": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0}, healthy_alarmed=6),
+                "default_shipped_cadence": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0}),
+                "loss_rule": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0})}  # fmt: skip
+    lead = pages.round2_status(design, held_out)
+    assert lead.startswith("**Silent collapse, what the loss does not show: a silent path, chosen on faults already "
+                           "seen, caught no held-out scenario among new ones.**")  # fmt: skip
+    assert lead.index("held-out split") < lead.index("round 1's recordings, all seen")
+    assert "1 of the 2 scenarios (S7) passed the silence check" in lead
+    assert "caught 0/12 faulted runs before their harm and touched 6/18 healthy runs" in lead
+    assert "1 scenario(s) caught (S6: 6 of 6 seeds, 3 before any loss-only warning)" in lead
+    held_out["default"] = r2_row({"classes_dropped": 5, "finetune_forgetting_images": 0}, {"classes_dropped": 4})
+    lead = pages.round2_status(design, held_out)
+    assert "caught S7 among new ones" in lead
+    assert "(S7 5 (4 silently), S8 0 (0 silently))" in lead
