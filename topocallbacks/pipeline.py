@@ -25,7 +25,7 @@ from .functional.sentinels import SentinelValues, sentinel_values
 from .functional.topology import _persistence_diagrams, _subsample
 from .mmhm import MMHM
 from .policy import Decision, Policy
-from .settings import MonitorSettings
+from .settings import Action, MonitorSettings
 from .silent import SilentWatch
 from .transform import FeatureTransform
 
@@ -508,9 +508,13 @@ class LayeredPipeline(Stateful):
     def _create(self, names: Sequence[str]) -> None:
         rule = self.settings.rule
         observing = rule.replace(action="none", on_diverged="none")
+        quiet = dataclasses.replace(self.settings.silent, enabled=False)
         for i, name in enumerate(names):
             acting = i == 0 and self.layer_rule == "primary"
-            pipeline = CheckPipeline(dataclasses.replace(self.settings, policy=rule if acting else observing))
+            # The silent path watches the primary layer only (its warning is the check's, like the decision).
+            silent = self.settings.silent if i == 0 else quiet
+            pipeline = CheckPipeline(dataclasses.replace(self.settings, policy=rule if acting else observing,
+                                                         silent=silent))  # fmt: skip
             if acting:
                 pipeline.policy = self.policy  # the primary layer's policy is the one that decides
             self.pipelines[name] = pipeline
@@ -550,14 +554,16 @@ class LayeredPipeline(Stateful):
             records[name] = dataclasses.replace(evaluation.record, layer=name)
         primary = next(iter(records))
         if self.layer_rule != "primary":
-            records[primary] = dataclasses.replace(records[primary], decision=self._decide(records, step, dynamics))
+            own, combined = records[primary].decision, self._decide(records, step, dynamics)
+            silent = own.rule == "silent" and combined.action is Action.NONE  # the rule is quiet, the silent path not
+            records[primary] = dataclasses.replace(records[primary], decision=own if silent else combined)
         first = records.pop(primary)
         figures = evaluations[primary].figures
         return Evaluation(record=first, shared=self.share(), figures=figures, others=list(records.values()))
 
     def _decide(self, records: Mapping[str, CheckRecord], step: int, dynamics: Any) -> Decision:
         """The check's decision under ``layer_rule`` "any", "all" or k, from each layer's own verdict."""
-        holding = {name: r.decision for name, r in records.items() if r.decision.rule is not None}
+        holding = {name: r.decision for name, r in records.items() if r.decision.rule not in (None, "silent")}
         k = self.required(len(records))
         diverged = any(d.rule == "diverged" for d in holding.values())
         loss, grad_norm = _channels(dynamics)

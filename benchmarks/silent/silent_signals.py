@@ -32,6 +32,7 @@ from topocallbacks.check import measure
 from topocallbacks.functional import calibrate_epsilon, effective_rank
 from topocallbacks.functional._distances import pairwise_distances
 from topocallbacks.settings import IndexSettings
+from topocallbacks.silent import linear_cka, mean_cosine, rms_radius
 from topocallbacks.transform import FeatureTransform
 
 #: The policy's warm-up (checks): the scale and the references are fixed at its last check.
@@ -101,11 +102,6 @@ def lidar(views: np.ndarray, delta: float = 1e-4) -> float:
     return float(np.exp(-(share * np.log(share)).sum()))
 
 
-def rms_radius(frame: np.ndarray) -> float:
-    centred = frame - frame.mean(0)
-    return float(np.sqrt((centred**2).sum(1).mean()))
-
-
 def norm_std(frame: np.ndarray) -> float:
     """Lightly's collapse level: the mean per-dimension std of the L2-normalised rows, times sqrt(dim) (1: spread
     over the sphere; 0: one direction)."""
@@ -119,22 +115,6 @@ def anisotropy(frame: np.ndarray) -> float:
     values = np.linalg.eigvalsh(np.cov(frame, rowvar=False).reshape(frame.shape[1], frame.shape[1]))
     total = float(values.sum())
     return float(values[-1] / total) if total > 0 else 1.0
-
-
-def mean_cosine(frame: np.ndarray) -> float:
-    """The mean cosine over distinct pairs of the raw rows (near 1: a cone)."""
-    unit = frame / np.maximum(np.linalg.norm(frame, axis=1, keepdims=True), 1e-12)
-    n = unit.shape[0]
-    total = float(np.square(unit.sum(0)).sum())
-    return (total - float(np.square(unit).sum())) / (n * (n - 1))
-
-
-def linear_cka(a: np.ndarray, b: np.ndarray) -> float:
-    """Linear centred kernel alignment of two embeddings of the same inputs (1: the same up to rotation and scale)."""
-    a, b = a - a.mean(0), b - b.mean(0)
-    cross = float(np.square(a.T @ b).sum())
-    norm = math.sqrt(float(np.square(a.T @ a).sum()) * float(np.square(b.T @ b).sum()))
-    return cross / norm if norm > 0 else 0.0
 
 
 def modes(cloud: np.ndarray, epsilon: float, min_share: float = MIN_MODE_SHARE) -> int:

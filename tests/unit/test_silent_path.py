@@ -117,3 +117,21 @@ def test_bad_settings_name_the_option_and_the_value():
         MonitorSettings().merged({"silent_patience": 0})
     assert MonitorSettings().silent == SilentSettings(enabled=True, action="warn", threshold=12.0, patience=2,
                                                       warmup=10, sentinels=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("layer_rule", ["primary", "any"])
+def test_with_several_layers_the_silent_path_watches_the_primary_layer_and_only_warns(layer_rule):
+    from topocallbacks.pipeline import LayeredPipeline
+
+    settings = MonitorSettings().merged({"layers": ["a", "b"], "policy": {"layer_rule": layer_rule}})
+    pipeline = LayeredPipeline(settings)
+    cone, healthy = frames(kind="cone"), frames(kind="none", seed=1)
+    decisions = [pipeline.evaluate({"a": cone[i], "b": healthy[i]}, step=10 * i).record.decision
+                 for i in range(len(cone))]  # fmt: skip
+    silent = [d for d in decisions if d.rule == "silent"]
+    assert [d.action for d in silent] == [Action.WARN]
+    assert all(d.action in (Action.NONE, Action.WARN) for d in decisions)  # a silent alarm never rolls back
+    assert [p.silent is not None for p in pipeline.pipelines.values()] == [True, False]
+    swapped = LayeredPipeline(settings)  # the drift on the other layer: not the primary's, no warning
+    quiet = [swapped.evaluate({"a": healthy[i], "b": cone[i]}, step=10 * i).record.decision for i in range(len(cone))]
+    assert all(d.rule != "silent" for d in quiet)
