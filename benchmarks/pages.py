@@ -392,9 +392,9 @@ def silent_status() -> str:
 @block("silent-round2", "silent_r2_design.json", "silent_r2_held_out.json")
 def silent_round2() -> str:
     """The evidence page's round 2: the held-out split's page, then the design split's (round2.py's Markdown)."""
-    markdown = suite("silent", "round2").markdown
-    return "\n".join([markdown(stored("silent_r2_held_out.json")).rstrip("\n"), "",
-                      markdown(stored("silent_r2_design.json")).rstrip("\n")])  # fmt: skip
+    markdown, design = suite("silent", "round2").markdown, stored("silent_r2_design.json")
+    return "\n".join([markdown(stored("silent_r2_held_out.json"), design["chosen"]).rstrip("\n"), "",
+                      markdown(design).rstrip("\n")])  # fmt: skip
 
 
 @block("silent-heldout", "silent_design.json", "silent_held_out.json")

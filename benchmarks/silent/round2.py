@@ -200,18 +200,22 @@ def load_runs(directory: Path, split: str) -> list[r1.Run]:
 
 
 def write_markdown(payload: dict[str, Any], path: Path) -> None:
-    """Write the split's page (`markdown`)."""
-    path.write_text(markdown(payload))
+    """Write the split's page (`markdown`; the held-out page with the design split's stored choice)."""
+    design = path.parent / "silent_r2_design.json"
+    choice = json.loads(design.read_text())["chosen"] if payload["split"] == "held_out" and design.exists() else None
+    path.write_text(markdown(payload, choice))
 
 
-def markdown(payload: dict[str, Any]) -> str:
+def markdown(payload: dict[str, Any], choice: dict[str, Any] | None = None) -> str:
     """The split's page: the choice, each family's and anchor's best at zero healthy alarms, the loss-only rule and
     the default, per scenario (and on the held-out split, the silence check)."""
 
     def row(name: str, found: dict[str, Any] | None) -> str:
         if found is None:
             return f"| {name} | none | - | - | - | - |"
-        what = f"{found['combination']}, {found['score']}, k {found['k']:g}, p {found['p']}"
+        what = {"default": "`MonitorSettings()`", "loss_rule": "`Policy` on the loss alone, its defaults"}.get(
+            found["combination"], f"{found['combination']}, {found['score']}, k {found['k']:g}, p {found['p']}"
+        )
         seeds = ", ".join(
             f"{s} {n}/{found['seeds_caught_silently'].get(s, 0)}" for s, n in found["seeds_caught"].items()
         )
@@ -220,12 +224,17 @@ def markdown(payload: dict[str, Any]) -> str:
                 f"{found['healthy_alarmed']}/{found['healthy_runs']} |")  # fmt: skip
 
     chosen = payload["chosen"]
+    verdict = "Chosen: nothing."
+    if payload["split"] == "held_out":
+        verdict = ("Nothing is chosen on this split: it tests the design split's choice, which the library ships as "
+                   "its silent path (the default's rows).")  # fmt: skip
+    elif chosen is not None:
+        verdict = f"Chosen: `{chosen['combination']}`, score {chosen['score']}, k {chosen['k']:g}, p {chosen['p']}."
     lines = [
         f"Round 2, split **{payload['split']}** (classes {', '.join(payload['classes'])}; traps "
         f"{', '.join(payload['traps'])}); evaluation seeds 0-5; evaluated at commit `{payload['commit'][:12]}`.",
         "",
-        "Chosen: " + ("nothing" if chosen is None else
-                      f"`{chosen['combination']}`, score {chosen['score']}, k {chosen['k']:g}, p {chosen['p']}") + ".",
+        verdict,
         "",
         "| signal | candidate | seeds caught / caught silently (of 6), per scenario | scenarios caught | "
         "median lead (steps) | healthy runs alarmed |",
@@ -233,6 +242,8 @@ def markdown(payload: dict[str, Any]) -> str:
         row("the default (every 10 steps)", payload["default"]),
         *([row("the default (every 100 steps, as shipped)", payload["default_shipped_cadence"])]
           if "default_shipped_cadence" in payload else []),
+        *([row("the design split's choice", next(r for r in payload["results"] if all(
+            r[key] == choice[key] for key in ("combination", "score", "k", "p"))))] if choice else []),
         row("loss-only rule", payload["loss_rule"]),
         *(row(name, found) for name, found in payload["at_zero"].items()),
     ]  # fmt: skip
