@@ -94,8 +94,8 @@ class SilentWatch(Stateful):
         >>> rng = np.random.default_rng(0)
         >>> [watch.observe(rng.normal(size=(64, 8)), None) for _ in range(3)]  # healthy: no alarm
         [None, None, None]
-        >>> watch.observe(np.ones((64, 8)) + 1e-3 * rng.normal(size=(64, 8)), None).signals  # a cone, shrunk
-        ('cone', 'shrink')
+        >>> watch.observe(np.ones((64, 8)) + 1e-3 * rng.normal(size=(64, 8)), None).signals  # one point
+        ('rank_squeeze', 'cone', 'shrink')
     """
 
     _state = StateFields(
