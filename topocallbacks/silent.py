@@ -7,8 +7,8 @@ part watches the probe's features themselves, as the silent suite's round 2 chos
 
 * two drifts against the reference, the last warm-up check: the diagram drift (the H0 + H1 Wasserstein distances
   the index measures) and 1 - linear CKA of the raw features, each divided by the checks elapsed since the
-  reference, each scored against its own trailing checks (`rule_scores`, the rule's robust z-score) and alarming at
-  ``threshold`` for ``patience`` consecutive checks;
+  reference, each scored against its own trailing checks (`TrailingRule`: the rule's robust z-score, as
+  `rule_scores` gives it) and alarming at ``threshold`` for ``patience`` consecutive checks;
 * three absolute sentinels on the raw features: a rank squeeze (effective rank <= `RANK_SQUEEZE`), a cone (mean
   pairwise cosine >= `CONE`) and a shrinkage (RMS radius <= `SHRINK` x the warm-up's mean).
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -30,10 +31,14 @@ from numpy.typing import NDArray
 from ._state import StateFields, Stateful
 from .check import Diagrams, diagram_drift, diagrams_from_lists, diagrams_to_lists
 from .functional import effective_rank
-from .policy import Decision, rule_holds, rule_scores
+from .policy import Decision
+from .policy.scores import Reference, at_threshold, score_value
 from .settings import Action, PolicySettings, SilentSettings
 
-__all__ = ["CONE", "DRIFTS", "RANK_SQUEEZE", "SHRINK", "SilentWatch", "linear_cka", "mean_cosine", "rms_radius"]
+__all__ = [
+    "CONE", "DRIFTS", "RANK_SQUEEZE", "SHRINK", "SilentWatch", "TrailingRule",
+    "linear_cka", "mean_cosine", "rms_radius",
+]  # fmt: skip
 
 #: The sentinels' limits (the silent suite's pre-registered values): effective rank, mean cosine, radius share.
 RANK_SQUEEZE = 1.5
@@ -79,6 +84,44 @@ def _series_to_lists(series: dict[str, list[float]]) -> dict[str, list[float | N
 
 def _series_from_lists(saved: dict[str, list[float | None]]) -> dict[str, list[float]]:
     return {name: [math.nan if v is None else float(v) for v in values] for name, values in saved.items()}
+
+
+class TrailingRule:
+    """One drift's trailing robust z-score and patience, check by check.
+
+    At every check, the score and the hold that `rule_scores` and `rule_holds` give the series so far (the same
+    reference, warm-up and patience), without scoring the whole series again.
+
+    Args:
+        settings: the silent path's settings (threshold, patience, warm-up).
+    """
+
+    def __init__(self, settings: SilentSettings) -> None:
+        self.rule = PolicySettings(threshold=settings.threshold, warmup=settings.warmup)
+        self.patience = settings.patience
+        self.reference = Reference(2 * self.rule.zscore_window, self.rule.zscore_window)
+        self.warm: list[float] = []  # the finite values of the warm-up checks (the rule's baseline)
+        self.checks = 0
+        self.run = 0  # consecutive checks at or above the threshold
+
+    def add(self, value: float) -> float | None:
+        """Score the next check's ``value`` (None: no score: the warm-up, or not finite); `holds` after it."""
+        score = None
+        if math.isfinite(value):
+            if self.checks < self.rule.warmup:
+                self.warm.append(value)
+            else:
+                baseline = float(np.mean(self.warm)) if self.warm else None
+                score = score_value(self.rule, self.reference.values, value, baseline, 1)
+            self.reference.add(value, at_threshold(score, self.rule.threshold))
+        self.checks += 1
+        self.run = self.run + 1 if score is not None and score >= self.rule.threshold else 0
+        return score
+
+    @property
+    def holds(self) -> bool:
+        """Whether the rule holds at the last check (``patience`` consecutive scores at or above the threshold)."""
+        return self.run >= self.patience
 
 
 class SilentWatch(Stateful):
@@ -129,6 +172,20 @@ class SilentWatch(Stateful):
         #: Each drift's value at every check (NaN before the reference and at a diverged check).
         self.series_: dict[str, list[float]] = {name: [] for name in DRIFTS}
         self.alarming_ = False  # the last check alarmed (an alarm is raised again after a quiet check)
+        self._rules = {name: TrailingRule(settings) for name in DRIFTS}  # derived from series_ (see load_state_dict)
+        self._scores: dict[str, float | None] = dict.fromkeys(DRIFTS)  # the last check's
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict`; each drift's trailing rule is replayed from its saved series.
+
+        Raises:
+            InputError: missing keys or another version.
+        """
+        super().load_state_dict(state)
+        self._rules = {name: TrailingRule(self.settings) for name in DRIFTS}
+        for name, values in self.series_.items():
+            for value in values:
+                self._scores[name] = self._rules[name].add(value)
 
     def observe(self, frame: NDArray[np.float64] | None, diagrams: Diagrams | None) -> SilentAlarm | None:
         """Take one check; the alarm, when one is raised at this check.
@@ -164,19 +221,19 @@ class SilentWatch(Stateful):
         return alarm if raise_now else None
 
     def _extend(self, diagram: float, cka: float) -> None:
-        self.series_["diagram_drift_ref"].append(diagram)
-        self.series_["cka_drift"].append(cka)
+        for name, value in zip(DRIFTS, (diagram, cka), strict=True):
+            self.series_[name].append(value)
+            self._scores[name] = self._rules[name].add(value)
 
     def _drifts_holding(self) -> list[tuple[str, str]]:
         s = self.settings
-        rule = PolicySettings(threshold=s.threshold, warmup=s.warmup)
         found = []
         for name in DRIFTS:
-            scores = rule_scores(self.series_[name], rule, direction=1)
-            if rule_holds(np.nan_to_num(scores, nan=-math.inf).tolist(), s.threshold, s.patience, s.warmup)[-1]:
+            if self._rules[name].holds:
                 value = self.series_[name][-1]
-                found.append((name, f"{name} {value:.3g} per check since the reference check, robust z "
-                                    f"{scores[-1]:.1f} >= {s.threshold:g} for {s.patience} checks"))  # fmt: skip
+                why = (f"{name} {value:.3g} per check since the reference check, robust z {self._scores[name]:.1f} >= "
+                       f"{s.threshold:g} for {s.patience} checks")  # fmt: skip
+                found.append((name, why))
         return found
 
     def _sentinels(self, frame: NDArray[np.float64], radius: float) -> list[tuple[str, str]]:

@@ -135,3 +135,29 @@ def test_with_several_layers_the_silent_path_watches_the_primary_layer_and_only_
     swapped = LayeredPipeline(settings)  # the drift on the other layer: not the primary's, no warning
     quiet = [swapped.evaluate({"a": healthy[i], "b": cone[i]}, step=10 * i).record.decision for i in range(len(cone))]
     assert all(d.rule != "silent" for d in quiet)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_incremental_trailing_rule_scores_and_holds_as_the_rule_does_on_the_whole_series(seed):
+    from topocallbacks.policy import rule_holds, rule_scores
+    from topocallbacks.settings import PolicySettings
+    from topocallbacks.silent import TrailingRule
+
+    rng = np.random.default_rng(seed)
+    series = np.abs(rng.normal(1.0, 0.1, size=80))
+    series[:9] = math.nan  # before the reference, as the drifts are
+    series[rng.choice(np.arange(10, 80), 6, replace=False)] = math.nan  # diverged checks
+    series[40 + seed :] += 5.0 * (1 + seed)  # a lasting jump
+    settings = SilentSettings(patience=1 + seed % 3)
+    rule = TrailingRule(settings)
+    scores, holds = [], []
+    for value in series:
+        score = rule.add(float(value))
+        scores.append(math.nan if score is None else score)
+        holds.append(rule.holds)
+    policy = PolicySettings(threshold=settings.threshold, warmup=settings.warmup)
+    expected = rule_scores(series, policy, direction=1)
+    assert np.array_equal(np.array(scores), expected, equal_nan=True)
+    assert holds == rule_holds(np.nan_to_num(expected, nan=-math.inf).tolist(), settings.threshold,
+                               settings.patience, settings.warmup).tolist()  # fmt: skip
+    assert any(holds)
