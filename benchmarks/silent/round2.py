@@ -13,7 +13,6 @@ counts design **scenarios** caught (>= 5 of 6 seeds), over the 60 healthy runs o
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -99,9 +98,22 @@ def alarms(run: r1.Run, signal: str, score: str, k: float, p: int) -> np.ndarray
 
 
 def loss_warned(run: r1.Run, until: int) -> bool:
-    """Whether the loss-only rule warned after the fault and at or before ``until``."""
-    fired = r1.alarms(run.values["loss"], "loss_rule", "trailing", 4.5, 1)
-    return bool(((run.steps > run.fault) & (run.steps <= until) & fired).any())
+    """Whether the loss-only rule warned after the fault and at or before ``until`` (its replay is kept with the
+    run's values: every candidate asks it again)."""
+    if "loss_rule/fired" not in run.values:
+        run.values["loss_rule/fired"] = r1.alarms(run.values["loss"], *r1.LOSS_RULE)
+    return bool(((run.steps > run.fault) & (run.steps <= until) & run.values["loss_rule/fired"]).any())
+
+
+def replayed(runs: list[r1.Run], scenarios: tuple[str, ...], name: str) -> dict[str, Any]:
+    """The default (``"default"``) or the loss-only rule (``"loss_rule"``) judged on ``runs``: each acts as it
+    would, so its row is scored as the loss-only rule is (`silent_evaluate.LOSS_RULE`)."""
+    return {"combination": name, **judge(runs, scenarios, (name,), *r1.LOSS_RULE[1:])}
+
+
+def scenarios_of(split: str) -> tuple[str, ...]:
+    """The faulted scenarios of a split, in its classes' order."""
+    return tuple(name for c in SPLITS[split][0] for name in CLASSES[c])
 
 
 def judge(runs: list[r1.Run], scenarios: tuple[str, ...], signals: tuple[str, ...], score: str, k: float,
@@ -150,8 +162,7 @@ def best_at_zero(results: list[dict[str, Any]]) -> dict[str, Any] | None:
 def report(runs: list[r1.Run], split: str) -> dict[str, Any]:
     """Round 2's report of one split: the choice (design only: eligible at zero healthy alarms, at least one
     scenario caught), each family and anchor at the same budget, the loss-only rule and the default as shipped."""
-    classes, _ = SPLITS[split]
-    scenarios = tuple(name for c in classes for name in CLASSES[c])
+    scenarios = scenarios_of(split)
     results = evaluate(runs, scenarios, r1.combinations())
     best = best_at_zero(results)
     chosen = best if split == "design" and best is not None and best["scenarios_caught"] else None
@@ -160,10 +171,9 @@ def report(runs: list[r1.Run], split: str) -> dict[str, Any]:
     pools["sentinels"] = evaluate(runs, scenarios, {"sentinels": r1.SENTINELS})
     for name in r1.ANCHORS:
         pools[name] = evaluate(runs, scenarios, {name: (name,)})
-    loss_rule = {"combination": "loss_rule", **judge(runs, scenarios, ("loss_rule",), "trailing", 4.5, 1)}
-    default = {"combination": "default", **judge(runs, scenarios, ("default",), "trailing", 4.5, 1)}
     return {"chosen": chosen, "at_zero": {name: best_at_zero(pool) for name, pool in pools.items()},
-            "loss_rule": loss_rule, "default": default, "results": results}  # fmt: skip
+            "loss_rule": replayed(runs, scenarios, "loss_rule"), "default": replayed(runs, scenarios, "default"),
+            "results": results}  # fmt: skip
 
 
 def shipped_cadence_runs(directory: Path, runs: list[r1.Run]) -> list[r1.Run]:
@@ -188,8 +198,7 @@ def shipped_cadence_runs(directory: Path, runs: list[r1.Run]) -> list[r1.Run]:
 
 def load_runs(directory: Path, split: str) -> list[r1.Run]:
     """Round 1's runs and signals for the split's recordings, with each run's healthy drift rates added."""
-    classes, traps = SPLITS[split]
-    scenarios = [s for c in classes for s in CLASSES[c]] + [TRAPS[t] for t in traps]
+    scenarios = [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
     runs = r1.load_runs(directory, scenarios, r1.EVALUATION_SEEDS)
     for run in runs:
         with np.load(directory / f"{run.scenario}-seed{run.seed}.npz") as data:
@@ -256,14 +265,8 @@ def markdown(payload: dict[str, Any], choice: dict[str, Any] | None = None) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--split", choices=sorted(SPLITS), default="design")
-    parser.add_argument("--recordings", type=Path, default=r1.RECORDINGS / "evaluation")
-    parser.add_argument("--out", type=Path, default=r1.RESULTS)
-    parser.add_argument("--record", action="store_true", help="record the missing evaluation seeds first")
+    parser = r1.parser_for(__doc__, SPLITS)
     parser.add_argument("--record-only", action="store_true", help="record the missing evaluation seeds, no more")
-    parser.add_argument("--jobs", type=int, default=1)
-    parser.add_argument("--render", action="store_true", help="rewrite the .md from the stored .json only")
     args = parser.parse_args(argv)
     if args.render:
         stored = args.out / f"silent_r2_{args.split}.json"
@@ -273,18 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.split == "held_out" and STAGE_2 not in ROUND2.read_text():
         parser.error("round 2's held-out split is recorded and evaluated only after its stage 2 (ROUND2.md)")
     commit = r1._commit()
+    scenarios = scenarios_of(args.split)
     if args.record or args.record_only:
-        r1.record_missing([s for c in classes for s in CLASSES[c]] + [TRAPS[t] for t in traps], args.recordings,
-                          args.jobs)  # fmt: skip
+        r1.record_missing([*scenarios, *(TRAPS[t] for t in traps)], args.recordings, args.jobs)
         if args.record_only:
             return 0
     runs = load_runs(args.recordings, args.split)
     found = report(runs, args.split)
     if args.split == "held_out":
-        scenarios = tuple(name for c in classes for name in CLASSES[c])
-        shipped = shipped_cadence_runs(args.recordings, runs)
-        found["default_shipped_cadence"] = {"combination": "default", **judge(shipped, scenarios, ("default",),
-                                                                              "trailing", 4.5, 1)}  # fmt: skip
+        found["default_shipped_cadence"] = replayed(shipped_cadence_runs(args.recordings, runs), scenarios, "default")
         found["silence"] = r1.silence_checks(args.recordings, list(scenarios), r1.EVALUATION_SEEDS)
     payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": commit, **found}
     args.out.mkdir(parents=True, exist_ok=True)

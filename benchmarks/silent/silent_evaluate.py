@@ -399,14 +399,21 @@ def write_markdown(payload: dict[str, Any], path: Path) -> None:
     path.write_text(page(payload))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--split", choices=sorted(SPLITS), default="design")
+def parser_for(description: str | None, splits: dict[str, Any]) -> argparse.ArgumentParser:
+    """The evaluation scripts' command line (this one's and round 2's): the split, where the recordings and results
+    are, recording first, worker processes, rendering the stored results again."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--split", choices=sorted(splits), default="design")
     parser.add_argument("--recordings", type=Path, default=RECORDINGS / "evaluation")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--record", action="store_true", help="record the missing evaluation seeds first")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--render", action="store_true", help="rewrite the .md from the stored .json only")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = parser_for(__doc__, SPLITS)
     args = parser.parse_args(argv)
     if args.render:
         stored = args.out / f"silent_{args.split}.json"
