@@ -397,6 +397,12 @@ def silent_round2() -> str:
                       markdown(design).rstrip("\n")])  # fmt: skip
 
 
+@block("silent-where-harm", "silent_where_harm.json")
+def silent_where_harm() -> str:
+    """The evidence page's check of where the classifier scenarios' harm lives (``where_harm.markdown``)."""
+    return str(suite("silent", "where_harm").markdown(stored("silent_where_harm.json"))).rstrip("\n")
+
+
 @block("silent-heldout", "silent_design.json", "silent_held_out.json")
 def silent_heldout() -> str:
     """The evidence page's held-out split (``silent_pages.page``) and the pre-registered targets judged on both
