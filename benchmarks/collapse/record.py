@@ -44,6 +44,9 @@ def _segment(trainee, scenario, kind: str, start: int, stop: int, checks: bool, 
     views = getattr(trainee, "views", None)  # a trainee that gives LiDAR's views (the silent suite's) records them
     if views is not None:
         out["views"] = []
+    outputs = getattr(trainee, "outputs", None)  # a classifier's probe logits (the silent suite's round 3)
+    if outputs is not None:
+        out["outputs"] = []
     for step in range(start, stop + 1):
         if checks and step % scenario.check_every == 0:
             metric, features = trainee.evaluate()
@@ -52,6 +55,8 @@ def _segment(trainee, scenario, kind: str, start: int, stop: int, checks: bool, 
             out["features"].append(features.astype(np.float16))
             if views is not None:
                 out["views"].append(views().astype(np.float16))
+            if outputs is not None:
+                out["outputs"].append(outputs().astype(np.float32))
         if step == stop:
             break
         loss, norm = trainee.train_step(step, kind)
@@ -89,7 +94,7 @@ def record(name: str, seed: int, directory: Path = RECORDINGS, progress=None, sc
     for kind in KINDS:
         trainee.restore(snapshot)
         branch = _segment(trainee, scenario, kind, branch_start, scenario.steps, True, progress)
-        branch = {key: values[1:] if key in ("check_steps", "metric", "features", "views") else values
+        branch = {key: values[1:] if key in ("check_steps", "metric", "features", "views", "outputs") else values
                   for key, values in branch.items()}  # fmt: skip
         for key in prefix:
             arrays[f"{kind}/{key}"] = np.asarray(prefix[key] + branch[key])

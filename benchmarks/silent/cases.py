@@ -175,6 +175,12 @@ class Shortcut(Trainee):
         self.model.eval()
         return image_views(self.eval_x, lambda x: self.model(x)[1])
 
+    @torch.no_grad()
+    def outputs(self) -> np.ndarray:
+        """The probe's logits (round 3's second watched place: the classifier's output, ROUND3.md)."""
+        self.model.eval()
+        return self.model(self.eval_x[:PROBE_SIZE])[0].numpy()
+
 
 # --- S4: a generator whose real sampler loses modes -----------------------------------------------------------
 
@@ -596,6 +602,13 @@ DROPPED = (1, 7)
 FOOTWEAR = torch.tensor([5, 7, 9])
 
 
+def weighted_batch(rng: np.random.Generator, pools: list[torch.Tensor], size: int, weights: np.ndarray) -> torch.Tensor:
+    """``size`` training indices, each drawn from a class chosen with ``weights`` (``pools``: each class's indices)."""
+    counts = np.bincount(rng.choice(len(pools), size, p=weights / weights.sum()), minlength=len(pools))
+    return torch.cat([pool[torch.from_numpy(rng.integers(0, pool.numel(), n))]
+                      for pool, n in zip(pools, counts, strict=True) if n])  # fmt: skip
+
+
 class ClassSampler(Shortcut):
     """S3's small CNN classifier, model, optimiser, harm metric and probe, its batches drawn with a weight per class,
     ``weights(step, kind, fault)``, instead of a watermark. Harm metric: accuracy on the 1,024 clean held-out images
@@ -611,10 +624,7 @@ class ClassSampler(Shortcut):
 
     def batch(self, step: int, weights: np.ndarray) -> torch.Tensor:
         """The training images of ``step``'s batch (indices): each drawn from a class chosen with ``weights``."""
-        rng = self.rng(step)
-        counts = np.bincount(rng.choice(10, self.batch_size, p=weights / weights.sum()), minlength=10)
-        return torch.cat([pool[torch.from_numpy(rng.integers(0, pool.numel(), n))]
-                          for pool, n in zip(self.pools, counts, strict=True) if n])  # fmt: skip
+        return weighted_batch(self.rng(step), self.pools, self.batch_size, weights)
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
         index = self.batch(step, settings["weights"])
@@ -704,6 +714,124 @@ class FinetuneForgetting(Trainee):
         self.binary_head.load_state_dict(state["binary_head"])
 
 
+# --- round 3 (ROUND3.md; held out): a class leaves another data set, two labels merge, a long tail ---------------
+
+#: S9's dropped digit (ROUND3.md's draw: ``numpy.random.default_rng(39).integers(10)``).
+DIGIT_DROPPED = 9
+#: S10's label-mapping bug: class ``a``'s labels become ``b`` (``numpy.random.default_rng(310).choice(10, 2,
+#: replace=False)``): sandal -> trouser.
+MERGED = (5, 1)
+
+
+def faded(step: int, fault: int, fade: int) -> float:
+    """The share of a fault that fades in linearly over ``fade`` steps from ``fault``: 0 before it, 1 after.
+
+    Examples:
+        >>> [faded(s, 300, 200) for s in (299, 300, 400, 500, 900)]
+        [0.0, 0.0, 0.5, 1.0, 1.0]
+    """
+    return min(max((step - fault) / fade, 0.0), 1.0)
+
+
+class DigitsMLP(nn.Module):
+    """S9's classifier: 64 -> 256 -> 64 -> 10 with ReLU; the 64-d layer is the watched features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU())
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.body(x)
+        return self.head(features), features
+
+
+class DigitsClassDropped(Trainee):
+    """S9: an MLP on scikit-learn's digits (a fixed half for training, the other held out), batches of 32 drawn with
+    a weight per class; from the fault step the weight of `DIGIT_DROPPED` falls linearly to 0 over ``fade`` steps.
+    Harm metric: accuracy on the held-out half; the probe: the features and logits of 512 held-out digits."""
+
+    batch_size = 32
+    fade = 200
+
+    def __init__(self, seed: int) -> None:
+        from sklearn.datasets import load_digits
+
+        torch.manual_seed(seed)
+        model = DigitsMLP()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        super().__init__(seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05, "weights": self.weights(
+            step, kind, fault)})  # fmt: skip
+        x, y = load_digits(return_X_y=True)
+        order = np.random.default_rng(39).permutation(len(y))
+        train, held = order[: len(y) // 2], order[len(y) // 2 :]
+        self.train_x, self.train_y = torch.tensor(x[train] / 16.0, dtype=torch.float32), torch.tensor(y[train])
+        self.eval_x, self.eval_y = torch.tensor(x[held] / 16.0, dtype=torch.float32), torch.tensor(y[held])
+        self.pools = [(self.train_y == c).nonzero().squeeze(1) for c in range(10)]
+
+    def weights(self, step: int, kind: str, fault: int) -> np.ndarray:
+        out = np.ones(10)
+        if kind == "collapse":
+            out[DIGIT_DROPPED] = 1.0 - faded(step, fault, self.fade)
+        return out
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        index = weighted_batch(self.rng(step), self.pools, self.batch_size, settings["weights"])
+        logits, _ = self.model(self.train_x[index])
+        return F.cross_entropy(logits, self.train_y[index])
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, np.ndarray]:
+        self.model.eval()
+        logits, features = self.model(self.eval_x)
+        return float((logits.argmax(1) == self.eval_y).float().mean()), features[:PROBE_SIZE].numpy()
+
+    @torch.no_grad()
+    def outputs(self) -> np.ndarray:
+        self.model.eval()
+        return self.model(self.eval_x[:PROBE_SIZE])[0].numpy()
+
+    @torch.no_grad()
+    def views(self) -> np.ndarray:
+        """LiDAR's views: each of the first probe digits with fixed Gaussian pixel noise (sd 0.1), per view."""
+        self.model.eval()
+        generator = torch.Generator().manual_seed(999)
+        batch = self.eval_x[:LIDAR_SAMPLES]
+        noisy = [batch + 0.1 * torch.randn(batch.shape, generator=generator) for _ in range(LIDAR_VIEWS)]
+        return torch.stack([self.model(v)[1] for v in noisy], dim=1).numpy()
+
+
+class LabelsMerged(Shortcut):
+    """S10: S3's CNN classifier on clean images; from the fault step a share of class ``a``'s training labels,
+    growing linearly to all of them over ``fade`` steps, become class ``b`` (`MERGED`; a label-mapping bug).
+    Harm metric: accuracy on the 1,024 clean held-out images of all ten classes."""
+
+    fade = 200
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self._schedule = lambda step, kind, fault: {"lr": 0.05, "share": faded(step, fault, self.fade)
+                                                    if kind == "collapse" else 0.0}  # fmt: skip
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        rng = self.rng(step)
+        index = torch.from_numpy(rng.integers(0, self.train_x.shape[0], self.batch_size))
+        y = self.train_y[index].clone()
+        a, b = MERGED
+        moved = torch.from_numpy(rng.random(self.batch_size) < settings["share"]) & (y == a)
+        y[moved] = b
+        logits, _ = self.model(self.train_x[index])
+        return F.cross_entropy(logits, y)
+
+
+class LongTail(ClassSampler):
+    """T4: S7's classifier trained throughout on a long-tailed sampler, class ``c`` with weight ``0.6 ** c`` (the
+    rarest about 1 % of a batch); healthy."""
+
+    def weights(self, step: int, kind: str, fault: int) -> np.ndarray:
+        return 0.6 ** np.arange(10)
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
@@ -736,6 +864,12 @@ SCENARIOS: dict[str, Scenario] = {
                  "Fashion-MNIST: 10 classes, then footwear against the rest",
                  "the body's learning rate ramps 0.002 -> 0.05 over 200 steps", "gradual", "linear_probe_accuracy",
                  True, steps=900, fault_step=400, check_every=10, build=FinetuneForgetting),
+        # Round 3 (ROUND3.md), held out.
+        Scenario("digits_class_dropped", "MLP (64-256-64-10)", "scikit-learn digits",
+                 "the sampler drops digit 9 over 200 steps", "gradual", "clean_accuracy", True, steps=900,
+                 fault_step=300, check_every=10, build=DigitsClassDropped),
+        Scenario("labels_merged", "small CNN", "Fashion-MNIST", "sandal labels become trouser over 200 steps",
+                 "gradual", "clean_accuracy", True, steps=900, fault_step=300, check_every=10, build=LabelsMerged),
         # Traps: no fault (the branch at the last step records the whole run once).
         Scenario("trap_neural_collapse", "small CNN", "2,048 Fashion-MNIST images", "none (terminal phase)",
                  "none", "accuracy", True, steps=1500, fault_step=1500, check_every=10, build=NeuralCollapse),
@@ -743,5 +877,7 @@ SCENARIOS: dict[str, Scenario] = {
                  "accuracy", True, steps=600, fault_step=600, check_every=10, build=Transfer),
         Scenario("trap_classes_added", "small CNN", "Fashion-MNIST: 8 classes, then 10", "none (two classes added)",
                  "none", "accuracy", True, steps=900, fault_step=900, check_every=10, build=ClassesAdded),
+        Scenario("trap_long_tail", "small CNN", "Fashion-MNIST, class c drawn with weight 0.6^c", "none (a long tail)",
+                 "none", "accuracy", True, steps=900, fault_step=900, check_every=10, build=LongTail),
     ]
 }  # fmt: skip
