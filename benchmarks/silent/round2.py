@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +118,11 @@ def scenarios_of(split: str) -> tuple[str, ...]:
 
 
 def judge(runs: list[r1.Run], scenarios: tuple[str, ...], signals: tuple[str, ...], score: str, k: float,
-          p: int) -> dict[str, Any]:  # fmt: skip
+          p: int, alarm: Callable[..., np.ndarray] | None = None) -> dict[str, Any]:  # fmt: skip
     """One candidate on ``runs``: seeds caught (and caught silently) per scenario, scenarios caught, median lead,
-    healthy runs alarmed."""
-    found = r1.tally(runs, signals, score, k, p, hits=lambda run, signal: alarms(run, signal, score, k, p))
+    healthy runs alarmed (``alarm``: where a signal alarms, `alarms` unless given; round 3 passes its own)."""
+    where = alarms if alarm is None else alarm
+    found = r1.tally(runs, signals, score, k, p, hits=lambda run, signal: where(run, signal, score, k, p))
     caught = {name: found.caught.get(name, []) for name in scenarios}
     silent: dict[str, int] = dict.fromkeys(scenarios, 0)
     leads = []

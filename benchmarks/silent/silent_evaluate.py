@@ -152,6 +152,11 @@ def default_actions(frames: np.ndarray, steps: np.ndarray, values: dict[str, np.
     """Where the library's default (``MonitorSettings()``: its check pipeline and rule, the training loss and
     gradient norm since the last check passed as the adapters pass them) decides anything but nothing (1.0), replayed
     open-loop on a run's recorded features: its first action is where it would first touch the run."""
+    return default_replay(frames, steps, values)[0]
+
+
+def default_replay(frames: np.ndarray, steps: np.ndarray, values: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """`default_actions`, and where of those the default's silent path decided (its reason starts "silent path")."""
     from topocallbacks.pipeline import CheckPipeline
     from topocallbacks.settings import MonitorSettings
 
@@ -160,12 +165,13 @@ def default_actions(frames: np.ndarray, steps: np.ndarray, values: dict[str, np.
         return value if math.isfinite(value) else None
 
     pipeline = CheckPipeline(MonitorSettings())
-    out = np.zeros(len(frames))
+    fired, silent = np.zeros(len(frames)), np.zeros(len(frames))
     for i, (frame, step) in enumerate(zip(frames, steps, strict=True)):
         dynamics = {"loss": channel("loss", i), "grad_norm": channel("grad_norm", i)}
         record = pipeline.evaluate(frame, int(step), dynamics).record
-        out[i] = float(record is not None and record.decision.fired)
-    return out
+        fired[i] = float(record is not None and record.decision.fired)
+        silent[i] = float(fired[i] == 1.0 and record is not None and record.decision.reason.startswith("silent path"))
+    return fired, silent
 
 
 def load_runs(directory: Path, scenarios: list[str], seeds: tuple[int, ...]) -> list[Run]:

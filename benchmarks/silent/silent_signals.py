@@ -53,7 +53,13 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 DIRECTIONS: dict[str, int] = {
     "spread": -1, "norm_std": -1, "anisotropy": 1, "mean_cosine": 1, "modes": -1, "rankme": -1,
     "diagram_drift_ref": 1, "cka_drift": 1, "rank_squeeze": 1, "cone": 1, "shrink": 1, "lidar": -1,
+    "coverage": -1, "output_entropy": -1,
 }  # fmt: skip
+#: Round 3's family (ROUND3.md), computed from a classifier's probe logits where they are recorded: kept apart from
+#: `FAMILIES`, whose candidates rounds 1 and 2 registered.
+OUTPUTS = ("coverage", "output_entropy")
+#: A class is covered when the probe's argmax names it for at least this share of the probe (6 of 512 points).
+MIN_CLASS_SHARE = 0.01
 TOPOLOGICAL = ("modes", "diagram_drift_ref")
 
 
@@ -124,6 +130,37 @@ def modes(cloud: np.ndarray, epsilon: float, min_share: float = MIN_MODE_SHARE) 
     _, labels = connected_components(adjacency, directed=False)
     sizes = np.bincount(labels)
     return int((sizes >= max(1, math.ceil(min_share * cloud.shape[0]))).sum())
+
+
+def coverage(logits: np.ndarray, min_share: float = MIN_CLASS_SHARE) -> int:
+    """The classes that the argmax of ``logits`` ``(n, classes)`` names for at least ``min_share`` of the ``n`` points.
+
+    Examples:
+        >>> coverage(np.eye(3)[[0] * 95 + [1] * 4 + [2]], min_share=0.05)
+        1
+    """
+    counts = np.bincount(np.asarray(logits).argmax(1), minlength=np.shape(logits)[1])
+    return int((counts >= max(1, math.ceil(min_share * len(logits)))).sum())
+
+
+def output_entropy(logits: np.ndarray) -> float:
+    """The entropy (nats) of the histogram of the argmax of ``logits`` ``(n, classes)``: log(classes) when the
+    classes are named equally often, 0 when one is named for every point.
+
+    Examples:
+        >>> math.isclose(output_entropy(np.eye(4)[[0, 1, 2, 3]]), math.log(4)), output_entropy(np.eye(4)[[2, 2]])
+        (True, 0.0)
+    """
+    counts = np.bincount(np.asarray(logits).argmax(1), minlength=np.shape(logits)[1]).astype(np.float64)
+    share = counts[counts > 0] / counts.sum()
+    return float(-(share * np.log(share)).sum()) + 0.0
+
+
+def output_signals(outputs: np.ndarray) -> dict[str, np.ndarray]:
+    """The outputs family at every check of a run (``outputs``: the probe's logits, ``(checks, n, classes)``)."""
+    frames = np.asarray(outputs, dtype=np.float64)
+    return {"coverage": np.array([float(coverage(f)) for f in frames]),
+            "output_entropy": np.array([output_entropy(f) for f in frames])}  # fmt: skip
 
 
 def feature_signals(frames: np.ndarray, state: dict[str, Any] | None = None) -> tuple[dict[str, np.ndarray], dict]:

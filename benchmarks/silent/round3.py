@@ -1,0 +1,340 @@
+"""Round 3 of the silent suite (``benchmarks/silent/ROUND3.md``): admission, the classifiers watched at their logits
+too, the outputs family, and the rule for whether the default keeps a silent path.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/round3.py --split design --record
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/round3.py --split held_out --record --jobs 2
+
+The classifier scenarios (`CLASSIFIERS`) are recorded into ``recordings/round3/`` with their probe logits; the
+design split's classifiers are recorded again there (same seeds, same code) and their features must equal round 2's
+recordings, checked on loading. Each run is judged at two *places*: its watched features, and its outputs (a
+classifier's logits; elsewhere the same features). A scenario counts at a place where it is *admitted* (its silence
+check passes, with room, and its harm is in that place: `admitted`). Candidates are round 2's at both places, and the
+outputs family alone and with each of round 2's combinations at the outputs place. Writes
+``benchmarks/results/silent_r3_<split>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import round2 as r2  # noqa: E402
+import silent_evaluate as r1  # noqa: E402
+from silent_signals import OUTPUTS, feature_signals, output_signals, training_signals  # noqa: E402
+from where_harm import interval, linear_probe  # noqa: E402
+
+from topocallbacks.policy import rule_holds  # noqa: E402
+
+CLASSES = {**r2.CLASSES, "S9": ("digits_class_dropped",), "S10": ("labels_merged",)}
+TRAPS = {**r2.TRAPS, "T4": "trap_long_tail"}
+SPLITS = {
+    "design": (("S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8"), ("T1", "T2", "T3")),
+    "held_out": (("S9", "S10"), ("T4",)),
+}
+#: The scenarios recorded with their probe logits (``recordings/round3/``).
+CLASSIFIERS = frozenset({"watermark_shortcut", "classes_dropped", "trap_classes_added", "digits_class_dropped",
+                         "labels_merged", "trap_long_tail"})  # fmt: skip
+#: Scenarios whose harm metric is a fixed function of the watched features (a linear probe, active units, modes
+#: covered, pair accuracy of the embedding): admitted at the features by their metric (ROUND3.md).
+FEATURE_METRICS = frozenset({"simsiam_no_stopgrad", "contrastive_no_negatives", "minilm_pairs_no_negatives",
+                             "generator_modes_grid", "generator_modes_circle", "vae_kl_bug", "minilm_forgetting",
+                             "finetune_forgetting_images"})  # fmt: skip
+PLACES = ("features", "outputs")
+ROUND3 = HERE / "ROUND3.md"
+STAGE_2 = "## Stage 2: the chosen silent path (round 3)"
+
+
+def scenarios_of(split: str) -> tuple[str, ...]:
+    """The faulted scenarios of a split, in its classes' order."""
+    return tuple(name for c in SPLITS[split][0] for name in CLASSES[c])
+
+
+def recording(directory: Path, name: str, seed: int) -> Path:
+    """Where a scenario's evaluation seed is recorded (the classifiers with their logits in ``round3/``)."""
+    return (directory / "round3" if name in CLASSIFIERS else directory) / f"{name}-seed{seed}.npz"
+
+
+def probe_labels(name: str) -> np.ndarray:
+    """The labels of a classifier scenario's probe (the first 512 of its held-out inputs)."""
+    from cases import PROBE_SIZE, SCENARIOS
+
+    return SCENARIOS[name].build(0).eval_y[:PROBE_SIZE].numpy()
+
+
+def admitted(directory: Path, name: str) -> dict[str, Any]:
+    """ROUND3.md's admission of one faulted scenario at each place: its silence check with room on >= 5 of 6 seeds,
+    and its harm at the place (by its metric, or by the watched features' linear probe at the 5 % point)."""
+    from silence import check
+
+    checks = [check(recording(directory, name, seed)) for seed in r1.EVALUATION_SEEDS]
+    silent = sum(c["quiet"] and c["reached"] and c["room"] and c["twin_covers_modes"] for c in checks) >= 5
+    found: dict[str, Any] = {"silence_passed": silent}
+    probe = None
+    if name in CLASSIFIERS:
+        labels = probe_labels(name)
+        differences = []
+        for seed in r1.EVALUATION_SEEDS:
+            with np.load(recording(directory, name, seed)) as data:
+                point = next((c["five_percent_point"] for c in checks if c["seed"] == seed), None)
+                if point is None:
+                    continue
+                i = int(np.flatnonzero(data["collapse/check_steps"] == point)[0])
+                differences.append(linear_probe(data["collapse/features"][i], labels)
+                                   - linear_probe(data["healthy/features"][i], labels))  # fmt: skip
+        probe = interval(differences) if len(differences) >= 2 else None
+    found["linear_probe_difference"] = probe
+    harm_in_features = name in FEATURE_METRICS or (probe is not None and probe["high"] < 0)
+    found["features"] = silent and harm_in_features
+    # A classifier's accuracy is the argmax of its logits: its harm is in its outputs; elsewhere the outputs place
+    # is the features.
+    found["outputs"] = silent and (name in CLASSIFIERS or harm_in_features)
+    return found
+
+
+def run_values(data: Any, kind: str, steps: np.ndarray, place: str) -> dict[str, np.ndarray]:
+    """Every signal of one run at one place: round 2's (with the drifts' warm rates), the training channels, the
+    default's replay (any action, and the silent path's alone) and the outputs family (NaN where no logits)."""
+    frames = data[f"{kind}/outputs"] if place == "outputs" and f"{kind}/outputs" in data.files else None
+    watched = frames if frames is not None else data[f"{kind}/features"]
+    values, _ = feature_signals(watched)
+    values.update(training_signals(steps, data[f"{kind}/loss"], data[f"{kind}/grad_norm"]))
+    for name, rates in r2.warm_rates(watched).items():
+        values[f"{name}/warm_rates"] = rates
+    values["default"], values["default_silent"] = r1.default_replay(watched, steps, values)
+    if f"{kind}/views" in data.files and place == "features":
+        from silent_signals import lidar
+
+        values["lidar"] = np.array([lidar(v) for v in data[f"{kind}/views"]])
+    outputs = output_signals(frames) if frames is not None else {s: np.full(steps.size, math.nan) for s in OUTPUTS}
+    return {**values, **outputs}
+
+
+def load_runs(directory: Path, split: str, place: str) -> list[r1.Run]:
+    """The split's runs with their signals at ``place``."""
+    from silence import harm_point
+
+    names = [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
+    runs = []
+    for name, seed in itertools.product(names, r1.EVALUATION_SEEDS):
+        with np.load(recording(directory, name, seed)) as data:
+            if name in CLASSIFIERS and split == "design":
+                same_features(directory, name, seed, data)
+            trap, fault = name.startswith("trap_"), int(data["fault_step"])
+            point = None
+            if not trap:
+                metrics = data["collapse/metric"], data["healthy/metric"]
+                point = harm_point(data["collapse/check_steps"], *metrics, fault, bool(data["higher_is_better"]))
+            for kind in ("healthy",) if trap else ("collapse", "healthy"):
+                steps = data[f"{kind}/check_steps"]
+                values = run_values(data, kind, steps, place)
+                runs.append(r1.Run(name, seed, "trap" if trap else kind, steps, values, fault, point))
+    return runs
+
+
+def same_features(directory: Path, name: str, seed: int, data: Any) -> None:
+    """ROUND3.md: a design classifier recorded again with its logits must hold round 2's features exactly."""
+    with np.load(directory / f"{name}-seed{seed}.npz") as before:
+        for kind in ("collapse", "healthy"):
+            if f"{kind}/features" in before.files and not np.array_equal(before[f"{kind}/features"],
+                                                                         data[f"{kind}/features"]):  # fmt: skip
+                raise RuntimeError(f"{name} seed {seed}: the re-recorded {kind} features differ from round 2's")
+
+
+def alarms(run: r1.Run, signal: str, score: str, k: float, p: int) -> np.ndarray:
+    """Round 2's alarms, with the outputs family's: ``coverage`` under score (ii-r) counts the classes lost since
+    the reference check, as round 2's mode counter."""
+    if signal == "default_silent":
+        return np.nan_to_num(run.values[signal], nan=0.0) >= 1.0
+    if signal == "coverage" and score == "frozen_r":
+        found = r2.repaired(run.values[signal], "modes")
+        return rule_holds(np.nan_to_num(found, nan=-math.inf), k, p, r1.WARMUP)
+    return r2.alarms(run, signal, score, k, p)
+
+
+def candidates(place: str) -> dict[str, tuple[str, ...]]:
+    """Round 2's combinations, and at the outputs place the outputs family alone and with each of them."""
+    found = dict(r1.combinations())
+    if place == "outputs":
+        found["outputs"] = OUTPUTS
+        found.update({f"outputs+{name}": OUTPUTS + signals for name, signals in r1.combinations().items()})
+    return found
+
+
+def judge(runs: list[r1.Run], scenarios: tuple[str, ...], signals: tuple[str, ...], score: str, k: float,
+          p: int) -> dict[str, Any]:  # fmt: skip
+    """Round 2's judgement with round 3's alarms."""
+    return r2.judge(runs, scenarios, signals, score, k, p, alarm=alarms)
+
+
+def evaluate(runs: list[r1.Run], scenarios: tuple[str, ...], chosen: dict[str, tuple[str, ...]]) -> list[dict]:
+    """Every candidate of ``chosen`` at every score, ``k`` and ``p``."""
+    return [{"combination": name, **judge(runs, scenarios, signals, score, k, p)}
+            for (name, signals), score, k, p in itertools.product(chosen.items(), r2.SCORES, r1.THRESHOLDS,
+                                                                   r1.PATIENCES)]  # fmt: skip
+
+
+def replayed(runs: list[r1.Run], scenarios: tuple[str, ...], name: str) -> dict[str, Any]:
+    """The default (``"default"``, or its silent path alone, ``"default_silent"``) or the loss-only rule judged as
+    each acts (scored as the loss-only rule is)."""
+    return {"combination": name, **judge(runs, scenarios, (name,), *r1.LOSS_RULE[1:])}
+
+
+def place_report(runs: list[r1.Run], admitted_here: tuple[str, ...], choosing: bool, place: str) -> dict[str, Any]:
+    """One place's results: every candidate, the best at zero healthy alarms, each family and anchor there, the
+    loss-only rule and the default (and its silent path alone)."""
+    results = [{"place": place, **row} for row in evaluate(runs, admitted_here, candidates(place))]
+    pools = {family: [r for r in results if r["combination"] in (family, f"{family}+sentinels")]
+             for family in ("geometry", "spectrum", "drift")}  # fmt: skip
+    if place == "outputs":
+        pools["outputs"] = [r for r in results if r["combination"].startswith("outputs")]
+    for name in (*r1.ANCHORS, "sentinels"):
+        signals = r1.SENTINELS if name == "sentinels" else (name,)
+        pools[name] = [{"place": place, **row} for row in evaluate(runs, admitted_here, {name: signals})]
+    best = r2.best_at_zero(results)
+    return {
+        "best": best if choosing and best is not None and best["scenarios_caught"] else None,
+        "at_zero": {name: r2.best_at_zero(pool) for name, pool in pools.items()},
+        "loss_rule": replayed(runs, admitted_here, "loss_rule"), "default": replayed(runs, admitted_here, "default"),
+        "default_silent": replayed(runs, admitted_here, "default_silent"), "results": results,
+    }  # fmt: skip
+
+
+def at_shipped_cadence(directory: Path, runs: list[r1.Run], place: str) -> list[r1.Run]:
+    """Each run subsampled to the shipped default's cadence (``MonitorSettings().schedule.check_every`` steps), with
+    the default (and its silent path alone) replayed there at ``place``."""
+    from topocallbacks.settings import MonitorSettings
+
+    every = MonitorSettings().schedule.check_every
+    out = []
+    for run in runs:
+        keep = run.steps % every == 0
+        kind = "healthy" if run.kind == "trap" else run.kind
+        with np.load(recording(directory, run.scenario, run.seed)) as data:
+            key = f"{kind}/outputs" if place == "outputs" and f"{kind}/outputs" in data.files else f"{kind}/features"
+            steps = run.steps[keep]
+            values = training_signals(steps, data[f"{kind}/loss"], data[f"{kind}/grad_norm"])
+            values["default"], values["default_silent"] = r1.default_replay(data[key][keep], steps, values)
+        out.append(r1.Run(run.scenario, run.seed, run.kind, steps, values, run.fault, run.point))
+    return out
+
+
+def report(directory: Path, split: str) -> dict[str, Any]:
+    """Round 3's report of one split: admission, each place's results, the choice (design: across both places, by
+    ROUND2.md's order) and, on the held-out split, the keep rule."""
+    scenarios = scenarios_of(split)
+    admission = {name: admitted(directory, name) for name in scenarios}
+    places = {}
+    for place in PLACES:
+        here = tuple(name for name in scenarios if admission[name][place])
+        runs = load_runs(directory, split, place)
+        places[place] = place_report(runs, here, split == "design", place)
+        shipped = at_shipped_cadence(directory, runs, place)
+        places[place]["shipped"] = {name: replayed(shipped, here, name) for name in ("default", "default_silent")}
+    bests = [found["best"] for found in places.values() if found["best"] is not None]
+    out = {"admission": admission, "places": places, "chosen": min(bests, key=r2.rank) if bests else None}
+    if split == "held_out":
+        out["keep"] = keep_rule(places)
+    return out
+
+
+def keep_rule(places: dict[str, Any]) -> dict[str, Any]:
+    """ROUND3.md's rule, at the shipped cadence: the default keeps its silent path on when, at some place, the
+    default catches an admitted held-out scenario and its silent path alarms on at most 1 of the held-out healthy
+    runs."""
+    rows = {place: {"caught": found["shipped"]["default"]["scenarios_caught"],
+                    "silent_alarmed": found["shipped"]["default_silent"]["healthy_alarmed"],
+                    "healthy": found["shipped"]["default_silent"]["healthy_runs"]}
+            for place, found in places.items()}  # fmt: skip
+    keep = any(row["caught"] and row["silent_alarmed"] <= 1 for row in rows.values())
+    return {"by_place": rows, "keep": keep}
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    """The split's page: admission, then per place the default (both cadences), the loss-only rule, the choice and
+    each family's and anchor's best at zero healthy alarms; on the held-out split, the keep rule."""
+    lines = [f"Round 3, split **{payload['split']}** (classes {', '.join(payload['classes'])}; traps "
+             f"{', '.join(payload['traps'])}); evaluation seeds 0-5; evaluated at commit `{payload['commit'][:12]}`.",
+             "", "Admission (ROUND3.md: the silence check with room, and the harm where the monitor watches):", "",
+             "| scenario | silence check | linear probe of the watched features at the 5 % point, faulted - twin "
+             "(95 % interval) | admitted at the features | at the outputs |", "|---|---|---|---|---|"]  # fmt: skip
+    for name, found in payload["admission"].items():
+        d = found["linear_probe_difference"]
+        probe = "-" if d is None else f"{d['mean']:+.3f} ({d['low']:+.3f} to {d['high']:+.3f})"
+        yes = {True: "yes", False: "no"}
+        lines.append(f"| {name} | {'passes' if found['silence_passed'] else 'fails'} | {probe} | "
+                     f"{yes[found['features']]} | {yes[found['outputs']]} |")  # fmt: skip
+    chosen = payload.get("chosen")
+    if payload["split"] == "design":
+        lines += ["", "Chosen: nothing." if chosen is None else
+                  f"Chosen: `{chosen['combination']}` at the {chosen['place']}, score {chosen['score']}, "
+                  f"k {chosen['k']:g}, p {chosen['p']}."]  # fmt: skip
+    for place, found in payload["places"].items():
+        rows = [("the default (every 10 steps)", found["default"]),
+                ("the default, shipped cadence", found["shipped"]["default"]),
+                ("its silent path alone, shipped cadence", found["shipped"]["default_silent"]),
+                ("loss-only rule", found["loss_rule"]),
+                *([("best at zero healthy alarms", found["best"])] if found.get("best") else []),
+                *found["at_zero"].items()]  # fmt: skip
+        lines += ["", f"At the **{place}**:", "", "| signal | candidate | seeds caught / caught silently (of 6), per "
+                  "admitted scenario | scenarios caught | median lead (steps) | healthy runs alarmed |",
+                  "|---|---|---|---|---|---|", *(_row(name, row) for name, row in rows)]  # fmt: skip
+    if "keep" in payload:
+        keep = payload["keep"]
+        lines += ["", "The keep rule (ROUND3.md, at the shipped cadence): the default keeps its silent path on: "
+                  f"**{'yes' if keep['keep'] else 'no'}**.", "",
+                  "| place | admitted held-out scenarios the default catches | healthy runs its silent path alarms |",
+                  "|---|---|---|", *(f"| {place} | {', '.join(row['caught']) or 'none'} | "
+                                     f"{row['silent_alarmed']}/{row['healthy']} |"
+                                     for place, row in keep["by_place"].items())]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _row(name: str, found: dict[str, Any] | None) -> str:
+    if found is None:
+        return f"| {name} | none | - | - | - | - |"
+    what = {"default": "`MonitorSettings()`", "default_silent": "`MonitorSettings().silent`",
+            "loss_rule": "`Policy` on the loss alone"}.get(found["combination"],
+            f"{found['combination']}, {found['score']}, k {found['k']:g}, p {found['p']}")  # fmt: skip
+    seeds = ", ".join(f"{s} {n}/{found['seeds_caught_silently'].get(s, 0)}" for s, n in found["seeds_caught"].items())
+    lead = "-" if found["median_lead"] is None else f"{found['median_lead']:.0f}"
+    return (f"| {name} | {what} | {seeds or '-'} | {', '.join(found['scenarios_caught']) or 'none'} | {lead} | "
+            f"{found['healthy_alarmed']}/{found['healthy_runs']} |")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = r1.parser_for(__doc__, SPLITS)
+    args = parser.parse_args(argv)
+    stored = args.out / f"silent_r3_{args.split}.json"
+    if args.render:
+        stored.with_suffix(".md").write_text(markdown(json.loads(stored.read_text())))
+        return 0
+    if args.split == "held_out" and STAGE_2 not in ROUND3.read_text():
+        parser.error("round 3's held-out split is recorded and evaluated only after its stage 2 (ROUND3.md)")
+    commit = r1._commit()
+    scenarios = [*scenarios_of(args.split), *(TRAPS[t] for t in SPLITS[args.split][1])]
+    if args.record:
+        r1.record_missing(sorted(set(scenarios) & CLASSIFIERS), args.recordings / "round3", args.jobs)
+        r1.record_missing(sorted(set(scenarios) - CLASSIFIERS), args.recordings, args.jobs)
+    classes, traps = SPLITS[args.split]
+    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": commit,
+               **report(args.recordings, args.split)}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    stored.write_text(json.dumps(payload, indent=1) + "\n")
+    stored.with_suffix(".md").write_text(markdown(payload))
+    print(f"round 3, {args.split}: chosen {payload.get('chosen')}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
