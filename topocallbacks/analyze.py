@@ -139,13 +139,11 @@ def analyze(
         out_dir: the folder to write into (created if needed); nothing is written elsewhere.
         probe: model checkpoints: the probe inputs, a ``.pt``/``.npy`` file or a tensor, array, list or mapping
             (``input_ids``, ``attention_mask``) of inputs; unused for feature arrays.
-        layers: module names or patterns to analyse (one probe pass each); feature files: the layer names in
-            them. Default: every layer of feature files; for Hugging Face models of a type with a preset (gpt2,
-            llama, vit, resnet), the preset's layer; else required.
+        layers: module names or patterns to analyse (one probe pass each), or feature files' layer names (default:
+            all); for a Hugging Face model type with a preset (gpt2, llama, vit, resnet) the preset's, else required.
         factory: builds the model: ``"module:function"``, ``"path/to/file.py:function"`` or a callable
             returning a ``torch.nn.Module``; required for Lightning checkpoints, optional for Hugging Face ones.
-        trust_checkpoints: load files that need arbitrary unpickling (``weights_only=False``, with a warning)
-            instead of refusing them.
+        trust_checkpoints: load files that need arbitrary unpickling, with a warning, instead of refusing them.
         weights: add a row per Linear/Conv weight matrix with its weight-space topology (model checkpoints).
         settings: the monitor settings to measure with (transform, index, ε calibration, policy...); default:
             every option at its default (a Hugging Face preset's, when its layer is used).

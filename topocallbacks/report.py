@@ -959,10 +959,7 @@ def write_report_page(
     if title is not None and not isinstance(title, str):
         raise InputError(f"`title` must be a string or None, got {type(title).__name__}")
     out = output_folder(out_dir)
-    checks = sorted((r for r in records if isinstance(r, CheckRecord)), key=lambda c: c.step)
-    interventions = sorted((r for r in records if isinstance(r, InterventionRecord)), key=lambda i: i.step)
-    if not checks:
-        raise InputError(f"`history` ({source}) holds no check records: there is nothing to plot")
+    checks, interventions = _checks_and_interventions(records, source)
     events = _events(checks, interventions)
     figures = _figures(checks, interventions, diagrams, events)
     heading = title or "topocallbacks report"
@@ -984,6 +981,21 @@ def write_report_page(
     path = out / "index.html"
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def _checks_and_interventions(
+    records: Sequence[Record], source: str
+) -> tuple[list[CheckRecord], list[InterventionRecord]]:
+    """The check records and the intervention records, each in step order.
+
+    Raises:
+        InputError: no record is a check (``source`` says where the records came from).
+    """
+    checks = sorted((r for r in records if isinstance(r, CheckRecord)), key=lambda c: c.step)
+    interventions = sorted((r for r in records if isinstance(r, InterventionRecord)), key=lambda i: i.step)
+    if not checks:
+        raise InputError(f"`history` ({source}) holds no check records: there is nothing to plot")
+    return checks, interventions
 
 
 def _curves_html(checks: Sequence[CheckRecord], figures: Figures) -> list[str]:

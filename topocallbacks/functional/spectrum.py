@@ -66,14 +66,24 @@ def eigenspectrum_decay(features: Any, *, rtol: float | None = None) -> float:
         inf
     """
     cloud = as_points(features, "features")
-    if rtol is None:
-        tolerance = max(cloud.shape) * FLOAT32_EPS
-    else:
-        tolerance = check_number(rtol, "rtol", low=0.0, high=1.0, low_open=False)
+    tolerance = _null_tolerance(rtol, cloud.shape)
     values = _singular_values(cloud, center=True)
     if values.size:
         values = values[values > tolerance * values[0]]
     return math.inf if values.size < 2 else _power_law_exponent(values)
+
+
+def _null_tolerance(rtol: float | None, shape: tuple[int, ...]) -> float:
+    """The share of the largest singular value at or below which one counts as null (``rtol``, or the default).
+
+    The default, for ``rtol=None``, is ``max(n, d) * float32 eps`` for a cloud of ``shape`` ``(n, d)``.
+
+    Raises:
+        InputError: ``rtol`` outside ``[0, 1)``.
+    """
+    if rtol is None:
+        return max(shape) * FLOAT32_EPS
+    return check_number(rtol, "rtol", low=0.0, high=1.0, low_open=False)
 
 
 def _power_law_exponent(values: NDArray[np.float64]) -> float:

@@ -74,41 +74,33 @@ def neural_persistence(
     r"""Neural persistence of one layer (Rieck et al., ICLR 2019).
 
     The layer is the complete bipartite graph between its ``n`` input and ``m`` output neurons, edge ``(i, j)``
-    weighted by $w'_{ij} = |w_{ij}| / w_{\max}$ with $w_{\max}$ the largest ``|w|`` (of the layer, or
-    ``max_weight``, e.g. the whole network's as in the paper's Algorithm 1). The filtration is *descending*: every
-    vertex is present at 1 and an edge enters at $w'$, heaviest first. Its 0-dimensional persistence diagram
-    has one point $(1, w'_e)$ per edge ``e`` of a maximum spanning tree (``n + m - 1`` merges, found by
-    Kruskal's union-find), and the one component that never dies is paired with 0, i.e. the point ``(1, 0)``, as
-    in the authors' implementation (``BorgwardtLab/Neural-Persistence``, ``src/tda.py``: ``unpairedData=0``).
-    With persistence $\mathrm{pers}(c, d) = c - d$,
+    weighted by $w'_{ij} = |w_{ij}| / w_{\max}$ with $w_{\max}$ the largest ``|w|`` (of the layer, or ``max_weight``,
+    e.g. the whole network's as in the paper's Algorithm 1). The filtration is *descending*: every vertex is present
+    at 1 and an edge enters at $w'$, heaviest first. Its 0-dimensional persistence diagram has one point $(1, w'_e)$
+    per edge ``e`` of a maximum spanning tree (``n + m - 1`` merges, found by Kruskal's algorithm), and the one
+    component that never dies is paired with 0, i.e. the point ``(1, 0)``, as in the authors' implementation
+    (``BorgwardtLab/Neural-Persistence``, ``src/tda.py``: ``unpairedData=0``). With persistence $c - d$ of $(c, d)$,
 
     .. math:: NP = \Big(1 + \sum_{e \in \mathrm{MST}} (1 - w'_e)^p\Big)^{1/p}.
 
-    ``normalize=True`` divides by $(n + m - 1)^{1/p}$, the paper's upper bound (Theorem 1) with
-    $\max w' - \min w' = 1$, which is what the authors' implementation divides by (``tp / sqrt(n - 1)`` with
-    ``p = 2`` and ``n = rows + columns``). With the layer's own maximum (the default) the normalised value lies in
-    ``(0, 1]``; with a larger ``max_weight`` it can exceed 1 slightly, as in the authors' network-wide
-    normalisation.
-
-    Range: $[1, (n + m - 1)^{1/p}]$ with the layer's own maximum. Invariant to permuting rows or columns, to
-    transposing, to signs and to scaling the weights by a positive constant. Constant matrix (every ``|w|`` equal):
-    every merge happens at 1, so ``NP = 1`` (normalised: $1 / (n + m - 1)^{1/p}$). Random Gaussian matrix
-    of 64 x 64: about 4.1 (normalised about 0.37; 4.0-4.4 over seeds).
+    Range: $[1, (n + m - 1)^{1/p}]$ with the layer's own maximum (normalised: ``(0, 1]``), a little beyond with a
+    larger ``max_weight``. Invariant to permuting rows or columns, to transposing, to signs and to scaling the weights
+    by a positive constant. Constant matrix (every ``|w|`` equal): every merge happens at 1, so ``NP = 1`` (normalised:
+    $1 / (n + m - 1)^{1/p}$). Random Gaussian matrix of 64 x 64: about 4.1 (normalised about 0.37; 4.0-4.4 over seeds).
 
     Args:
         weight: a ``(out, in)`` weight matrix, or a kernel ``(out, in, ...)`` read as ``(out, in * ...)``; array-like
             or torch tensor (any device).
         order: the norm's exponent ``p`` (``>= 1``; the paper uses 2).
-        normalize: divide by $(n + m - 1)^{1/p}$.
-        max_weight: the $w_{\max}$ to divide by (``>=`` the layer's largest ``|w|``), or None for the
-            layer's own.
+        normalize: divide by $(n + m - 1)^{1/p}$, the paper's upper bound (Theorem 1) with $\max w' - \min w' = 1$,
+            as the authors' implementation does (``tp / sqrt(n - 1)`` with ``p = 2`` and ``n = rows + columns``).
+        max_weight: the $w_{\max}$ to divide by (``>=`` the layer's largest ``|w|``), or None for the layer's own.
 
     Returns:
         The neural persistence, a float.
 
     Raises:
-        InputError: not a matrix, non-numeric, all weights zero, ``order < 1``, or ``max_weight`` below the
-            layer's largest ``|w|``.
+        InputError: not a matrix, non-numeric, all weights zero, ``order < 1``, or ``max_weight < max |w|``.
         NonFiniteError: NaN or Inf weights.
 
     Examples:

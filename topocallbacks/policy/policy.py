@@ -31,6 +31,15 @@ def _delegated(part: str, name: str, doc: str) -> Any:
     )
 
 
+def _channels_state(save: str, load: str, doc: str) -> Any:
+    """A read-write attribute that the channel scores keep: read by their method ``save``, set by their ``load``."""
+    return property(
+        lambda self: getattr(self._channels, save)(),
+        lambda self, state: getattr(self._channels, load)(state),
+        doc=doc,
+    )
+
+
 class Policy(Stateful):
     """Rules over the watched channels' history, with warm-up, patience, cooldown and escalation.
 
@@ -209,22 +218,8 @@ class Policy(Stateful):
         return None if self.checks_decided_ <= self.settings.warmup else self._channels.baseline(self._channels.index)
 
     # The saved state keeps its flat layout (version 7): each key reads and sets the part that owns it.
-
-    @property
-    def _channel_state(self) -> dict[str, dict[str, Any]]:
-        return self._channels.state()
-
-    @_channel_state.setter
-    def _channel_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        self._channels.load(state)
-
-    @property
-    def _unwatched_state(self) -> dict[str, dict[str, Any]]:
-        return self._channels.unwatched_state()
-
-    @_unwatched_state.setter
-    def _unwatched_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        self._channels.load_unwatched(state)
+    _channel_state = _channels_state("state", "load", "The watched channels' states, by name.")
+    _unwatched_state = _channels_state("unwatched_state", "load_unwatched", "The unwatched channels' states, by name.")
 
     # The rule's and the escalation's counters, under the policy's public names (read and set by the saved state).
     recent_ = _delegated("_rule", "recent", "The last ``trend_window`` index values, for the trend rule.")
