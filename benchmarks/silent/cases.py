@@ -806,7 +806,7 @@ class LabelsMerged(Shortcut):
     growing linearly to all of them over ``fade`` steps, become class ``b`` (`MERGED`; a label-mapping bug).
     Harm metric: accuracy on the 1,024 clean held-out images of all ten classes."""
 
-    fade = 300
+    fade = 400
 
     def __init__(self, seed: int) -> None:
         super().__init__(seed)
@@ -868,7 +868,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("digits_class_dropped", "MLP (64-256-64-10)", "scikit-learn digits",
                  "the sampler drops digit 9 over 200 steps", "gradual", "clean_accuracy", True, steps=900,
                  fault_step=300, check_every=10, build=DigitsClassDropped),
-        Scenario("labels_merged", "small CNN", "Fashion-MNIST", "sandal labels become trouser over 300 steps",
+        Scenario("labels_merged", "small CNN", "Fashion-MNIST", "sandal labels become trouser over 400 steps",
                  "gradual", "clean_accuracy", True, steps=900, fault_step=300, check_every=10, build=LabelsMerged),
         # Traps: no fault (the branch at the last step records the whole run once).
         Scenario("trap_neural_collapse", "small CNN", "2,048 Fashion-MNIST images", "none (terminal phase)",
