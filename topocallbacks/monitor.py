@@ -161,7 +161,7 @@ class PartViews:
     @property
     def keeps_snapshots(self) -> bool:
         """Whether the rule in effect keeps snapshots (it can roll back or stop)."""
-        return self.rescuer.keeps_snapshots
+        return self.rescuer.healthy.wanted
 
     @property
     def lr_factor_(self) -> float:
