@@ -161,7 +161,7 @@ class PartViews:
     @property
     def keeps_snapshots(self) -> bool:
         """Whether the rule in effect keeps snapshots (it can roll back or stop)."""
-        return self.rescuer.keeps_snapshots
+        return self.rescuer.healthy.wanted
 
     @property
     def lr_factor_(self) -> float:
@@ -184,7 +184,8 @@ class CheckFeed:
 
     A due check's features (a probe pass, or the streaming window) and the training channels since the last check
     go to the `Runner` with the step its decision is applied at; the records collected carry the budget's plan,
-    which the schedule (and, for a smaller probe, a new pipeline) follows.
+    which the schedule (and, for a smaller probe, a new pipeline) follows, and the other ranks adopt rank 0's
+    learning-rate factor with them.
     """
 
     settings: MonitorSettings
@@ -192,15 +193,25 @@ class CheckFeed:
     pipeline: CheckPipeline | LayeredPipeline
     schedule: Schedule
     runner: Runner
+    rescuer: Rescuer
     intake: Intake
     budget: Budget
     history: list[Record]
     autocast: AutocastFactory | None
     emit: Callable[..., None]
 
-    def _add_batch(self, step: int, features: Any) -> None:
+    def _stream_batch(self, step: int, features: Any, lag: int | None = None) -> bool:
+        """Streaming: add this step's batch to the window (rank 0 keeps it), and check the window when a check is due.
+
+        Returns whether a check was due (then submitted, its decision applied after ``lag`` steps; None: the
+        schedule's).
+        """
         if features is not None and rank_and_world()[0] == 0:
             self.intake.add_batch(step, features)
+        if not self.schedule.due(step):
+            return False
+        self._submit_window(step, features, lag)
+        return True
 
     def _dynamics(self) -> dict[str, float | None] | None:
         return self.intake.take_dynamics(read=rank_and_world()[0] == 0)
@@ -242,6 +253,12 @@ class CheckFeed:
         """Rank 0: the deciding record with the layers' moves, the interval's cost and the budget's new plan."""
         record = with_layer_moves([r for r in self.history if isinstance(r, CheckRecord)], records)
         return self.budget.measure(record, self.schedule, self.pipeline.policy.checks_decided_, self.runner.worker)
+
+    def _share_extra(self) -> dict[str, Any]:
+        return {"lr_factor": self.rescuer.lr_factor_}
+
+    def _adopt_shared(self, shared: Mapping[str, Any]) -> None:
+        self.rescuer.lr_factor_ = float(shared["lr_factor"])
 
     def _follow(self, plan: Plan) -> None:
         """Take the budget's plan; a smaller probe restarts the calibration (a new pipeline, in the same worker)."""
@@ -334,9 +351,7 @@ class TopoMonitor(PartViews, CheckFeed, Stateful):
         """
         self.record_dynamics(loss, grad_norm)
         if self.schedule.streaming:
-            self._add_batch(step, features)
-            if self.schedule.due(step):
-                self._submit_window(step, features)
+            self._stream_batch(step, features)
         elif self.schedule.due(step):
             if model is None:
                 raise InputError(f"a check is due at step {step}: on_step needs the `model` in probe mode")
@@ -382,10 +397,8 @@ class TopoMonitor(PartViews, CheckFeed, Stateful):
         """
         if not self.schedule.streaming:
             raise InputError("observe() is for streaming mode; create the monitor with mode='stream'")
-        self._add_batch(step, features)
-        if not self.schedule.due(step):
+        if not self._stream_batch(step, features, lag=0):
             return None
-        self._submit_window(step, features, lag=0)
         records = self._collect(step)
         return records[0] if records else None
 
@@ -458,12 +471,6 @@ class TopoMonitor(PartViews, CheckFeed, Stateful):
         return report_of(self.history, self.pipeline, out_dir, title=title)
 
     # --- internals ----------------------------------------------------------------------------------------------
-
-    def _share_extra(self) -> dict[str, Any]:
-        return {"lr_factor": self.rescuer.lr_factor_}
-
-    def _adopt_shared(self, shared: Mapping[str, Any]) -> None:
-        self.rescuer.lr_factor_ = float(shared["lr_factor"])
 
     @property
     def _probe_spec_state(self) -> dict[str, Any] | None:

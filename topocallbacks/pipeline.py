@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -190,7 +190,85 @@ class CheckRequest:
         return pipeline.evaluate_window(self.step, self.dynamics)
 
 
-class CheckPipeline(Stateful):
+class StreamingWindow:
+    """Streaming mode's window, a base of `CheckPipeline`: the training batches on their way into the engine.
+
+    Each batch keeps at most ``points_per_batch`` seeded rows and joins the window in the transform's frame (the
+    window is re-expressed when the frame moves); the newest batches wait for the next check's sentinels, and a
+    window whose mean degree left `DEGREE_BAND` gets a new ε. The state it works on is the pipeline's (saved there).
+    """
+
+    settings: MonitorSettings
+    streaming: bool
+    transform: FeatureTransform
+    epsilon_: float | None
+    engine_: MMHM | None
+    stream_diverged_: bool
+    rescales_: int
+    _recent: RecentBatches
+    _engine: Callable[[NDArray[np.float64]], MMHM]  # the pipeline's engine, created at the first check
+
+    def push(self, batches: Sequence[tuple[int, Any]]) -> None:
+        """Streaming mode: add training batches' features ``[(step, (b, d)), ...]`` to the window, oldest first.
+
+        Each batch keeps a seeded subset of at most ``points_per_batch`` rows (the training adapters' capture keeps
+        it already); a batch with NaN or Inf is left out and makes the next check a diverged one. The batches go
+        into the window in one push: the window ends up with the same points as after one push per batch.
+        """
+        clouds: list[NDArray[np.float64]] = []
+        for step, features in batches:
+            cloud = _as_cloud(features, min_samples=1)
+            if cloud is None:
+                self.stream_diverged_ = True
+                continue
+            cloud = _batch_rows(cloud, self.settings, step)
+            if self.transform.track(cloud):  # the features drifted out of the frame: re-express the window
+                self._push_clouds(clouds)
+                clouds = []
+                self._reframe()
+            projected = self.transform.project(cloud)
+            self._recent.add(projected)
+            clouds.append(self.transform.normalise(projected))
+        self._push_clouds(clouds)
+        self._recent.trim()
+
+    def _push_clouds(self, clouds: list[NDArray[np.float64]]) -> None:
+        if clouds:
+            joined = np.concatenate(clouds) if len(clouds) > 1 else clouds[0]
+            self._engine(joined)._push_batch(joined)
+
+    def _reframe(self) -> None:
+        """Adopt the transform's new frame and re-express the window in it (the engine rebuilds from the points)."""
+        scale, offset = self.transform.reframe()
+        old = self.engine_
+        if old is None or old.n_points == 0:
+            return
+        self.engine_ = _rebuilt(old, old.epsilon, old.points * scale + offset)
+
+    def _rescaled(self, engine: MMHM) -> MMHM:
+        """Streaming: the engine at a new ε when the window's mean degree left `DEGREE_BAND` (else as is).
+
+        Only for a calibrated ε (not a fixed ``index.epsilon``) and a check whose newest points are not collapsed:
+        a collapse keeps the scale it is measured at.
+        """
+        if self.settings.index.epsilon is not None or not _degree_left_band(engine):
+            return engine
+        epsilon = calibrate_epsilon(engine.points, self.settings.index, self.settings.seed, size=engine.window)
+        self.epsilon_, self.engine_ = epsilon, _rebuilt(engine, epsilon, engine.points)
+        self.rescales_ += 1
+        return self.engine_
+
+    def _empty_window(self) -> None:
+        """Forget the batches since the last check and, streaming, the window's points (ε and the window's size stay).
+
+        After a rollback: they came from the abandoned steps.
+        """
+        self._recent.clear()
+        if self.streaming and self.engine_ is not None:
+            self.engine_ = MMHM(epsilon=self.engine_.epsilon, window=self.engine_.window)
+
+
+class CheckPipeline(StreamingWindow, Stateful):
     """Everything a check depends on from one check to the next, and the evaluation itself.
 
     Args:
@@ -254,9 +332,7 @@ class CheckPipeline(Stateful):
         The window's points came from the abandoned steps.
         """
         self.reference_diagrams = self.last_diagrams = diagrams
-        self._recent.clear()
-        if self.streaming and self.engine_ is not None:
-            self.engine_ = MMHM(epsilon=self.engine_.epsilon, window=self.engine_.window)
+        self._empty_window()
 
     def evaluate(self, features: Any, step: int, dynamics: Mapping[str, float | None] | None = None) -> Evaluation:
         """Probe mode: evaluate one check of features ``(n, d)``.
@@ -278,43 +354,6 @@ class CheckPipeline(Stateful):
         sentinels = sentinel_values([projected], projected, cloud, self.epsilon_)
         return self._measure(cloud, (betti.b0, betti.b1), step, start, engine, dynamics, sentinels, raw)
 
-    def push(self, batches: Sequence[tuple[int, Any]]) -> None:
-        """Streaming mode: add training batches' features ``[(step, (b, d)), ...]`` to the window, oldest first.
-
-        Each batch keeps a seeded subset of at most ``points_per_batch`` rows (the training adapters' capture keeps
-        it already); a batch with NaN or Inf is left out and makes the next check a diverged one. The batches go
-        into the window in one push: the window ends up with the same points as after one push per batch.
-        """
-        clouds: list[NDArray[np.float64]] = []
-        for step, features in batches:
-            cloud = _as_cloud(features, min_samples=1)
-            if cloud is None:
-                self.stream_diverged_ = True
-                continue
-            cloud = _batch_rows(cloud, self.settings, step)
-            if self.transform.track(cloud):  # the features drifted out of the frame: re-express the window
-                self._push_clouds(clouds)
-                clouds = []
-                self._reframe()
-            projected = self.transform.project(cloud)
-            self._recent.add(projected)
-            clouds.append(self.transform.normalise(projected))
-        self._push_clouds(clouds)
-        self._recent.trim()
-
-    def _push_clouds(self, clouds: list[NDArray[np.float64]]) -> None:
-        if clouds:
-            joined = np.concatenate(clouds) if len(clouds) > 1 else clouds[0]
-            self._engine(joined)._push_batch(joined)
-
-    def _reframe(self) -> None:
-        """Adopt the transform's new frame and re-express the window in it (the engine rebuilds from the points)."""
-        scale, offset = self.transform.reframe()
-        old = self.engine_
-        if old is None or old.n_points == 0:
-            return
-        self.engine_ = _rebuilt(old, old.epsilon, old.points * scale + offset)
-
     def evaluate_window(self, step: int, dynamics: Mapping[str, float | None] | None = None) -> Evaluation:
         """Streaming mode: evaluate the window (the record is None while it holds fewer than 2 points)."""
         start = time.perf_counter()
@@ -329,19 +368,6 @@ class CheckPipeline(Stateful):
             engine = self._rescaled(engine)
         betti = engine.betti_numbers()
         return self._measure(engine.points, (betti.b0, betti.b1), step, start, engine, dynamics, sentinels)
-
-    def _rescaled(self, engine: MMHM) -> MMHM:
-        """Streaming: the engine at a new ε when the window's mean degree left `DEGREE_BAND` (else as is).
-
-        Only for a calibrated ε (not a fixed ``index.epsilon``) and a check whose newest points are not collapsed:
-        a collapse keeps the scale it is measured at.
-        """
-        if self.settings.index.epsilon is not None or not _degree_left_band(engine):
-            return engine
-        epsilon = calibrate_epsilon(engine.points, self.settings.index, self.settings.seed, size=engine.window)
-        self.epsilon_, self.engine_ = epsilon, _rebuilt(engine, epsilon, engine.points)
-        self.rescales_ += 1
-        return self.engine_
 
     # --- internals ----------------------------------------------------------------------------------------
 

@@ -39,20 +39,50 @@ class MonitorHooks(Protocol):
 class HealthySnapshots:
     """Keeps the snapshots of healthy states a rollback goes back to, or none, saying why, where they cannot be kept.
 
-    Before the first one in host memory, ``snapshots + 1`` copies of every rank's state must fit in half of the
-    memory available (rank 0 deciding); a sharded strategy or an actuator without snapshots turns them off, with one
-    warning.
+    They are wanted while the rule can roll back or stop (`wanted`); a rollback or a stop goes back to the newest one
+    taken before the alarm's onset that every rank holds (`target`). Before the first one in host memory,
+    ``snapshots + 1`` copies of every rank's state must fit in half of the memory available (rank 0 deciding); a
+    sharded strategy or an actuator without snapshots turns them off, with one warning.
 
     Args:
         settings: the monitor's settings.
     """
 
     def __init__(self, settings: MonitorSettings) -> None:
+        self.settings = settings
         #: The healthy snapshots a ``rollback`` goes back to.
         self.store = SnapshotStore(settings.interventions.snapshots, settings.interventions.snapshot_dir)
         #: Why no snapshots are kept although the rule can use them (a sharded strategy, too little host memory, an
         #: actuator without snapshots), or None. Rollback decisions then warn, and say why.
         self.off: str | None = None
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the rule in effect can roll back or stop (then healthy checks keep snapshots).
+
+        A rollback goes back to one; a stop restores one first, so that it never leaves the weights of the fault.
+        """
+        rule = self.settings.rule
+        reachable = {rule.action, rule.on_diverged}
+        if Action.LOWER_LR.value in reachable:
+            reachable.add(rule.after_max_lr_cuts)
+        if Action.ROLLBACK.value in reachable:
+            reachable.add(rule.after_max_rollbacks)
+        return bool(reachable & {Action.ROLLBACK.value, Action.STOP.value})
+
+    def target(self, decision: Decision, record: CheckRecord, step: int) -> Snapshot | None:
+        """The snapshot a rollback (or a stop) goes back to: the newest one taken before the alarm's onset."""
+        onset = decision.step if decision.onset is None else decision.onset
+        if step > record.step:
+            # In the background a healthy check's snapshot is taken when its decision is applied, `lag` steps
+            # after the check: go back to one taken before the last check before the onset, which that check
+            # saw healthy.
+            onset -= self.settings.schedule.check_every - 1
+        # Every rank goes back to the same step: the newest snapshot before the onset that every rank holds (a
+        # rank whose copy failed lacks one), or none anywhere, so that no rank restores alone.
+        held = all_gather_object([s.step for s in self.store.snapshots if s.step < onset])
+        common = set(held[0]).intersection(*held[1:])
+        return self.store.at(max(common)) if common else None
 
     def keep(self, actuator: Actuator, step: int, diagrams: Any, *, loss: float | None, lr_factor: float,
              rollback_cut: float) -> None:  # fmt: skip
@@ -97,7 +127,7 @@ class HealthySnapshots:
 class Rescuer(Stateful):
     """Carries decisions out through an [`Actuator`][topocallbacks.interventions.Actuator], with healthy snapshots.
 
-    While the rule can roll back or stop (`keeps_snapshots`), every healthy check's state is kept
+    While the rule can roll back or stop (`HealthySnapshots.wanted`), every healthy check's state is kept
     (`HealthySnapshots`: where none can be kept, rollbacks warn). A rollback restores the newest snapshot taken
     before the alarm's onset, in place, skips the next ``rollback_skip`` updates and cuts the rates as its decision
     says (``rollback_order``; the cuts compound over rollbacks, relative to those a snapshot already holds). A stop
@@ -128,20 +158,6 @@ class Rescuer(Stateful):
         self.pending_skip_ = False  # a rollback's skip waits for the loss to flag at the next check (skip "later")
         self.recent_losses_: list[float] = []  # the training loss of the last two checks (``stop_restores``)
 
-    @property
-    def keeps_snapshots(self) -> bool:
-        """Whether the rule in effect can roll back or stop (then healthy checks keep snapshots).
-
-        A rollback goes back to one; a stop restores one first, so that it never leaves the weights of the fault.
-        """
-        rule = self.settings.rule
-        reachable = {rule.action, rule.on_diverged}
-        if Action.LOWER_LR.value in reachable:
-            reachable.add(rule.after_max_lr_cuts)
-        if Action.ROLLBACK.value in reachable:
-            reachable.add(rule.after_max_rollbacks)
-        return bool(reachable & {Action.ROLLBACK.value, Action.STOP.value})
-
     def act(self, record: CheckRecord, actuator: Actuator, monitor: MonitorHooks) -> InterventionRecord | None:
         """Carry out ``record``'s decision at its ``applied_step``, or keep a healthy snapshot; the intervention."""
         decision = record.decision
@@ -155,7 +171,7 @@ class Rescuer(Stateful):
         confirmed = self.pending_skip_ and "loss" in decision.flagged
         self.pending_skip_ = False
         if not decision.fired:
-            if record.ok and decision.healthy and self.keeps_snapshots and self.healthy.off is None:
+            if record.ok and decision.healthy and self.healthy.wanted and self.healthy.off is None:
                 self.healthy.keep(actuator, step, monitor.reference_diagrams(), loss=record.loss,
                                   lr_factor=self.lr_factor_, rollback_cut=self.rollback_cut_)  # fmt: skip
             if confirmed:
@@ -163,7 +179,7 @@ class Rescuer(Stateful):
             return None
         target: Snapshot | None = None
         if decision.action in (Action.ROLLBACK, Action.STOP):
-            target = self._target(decision, record, step)
+            target = self.healthy.target(decision, record, step)
         decision, target = self._as_carried_out(decision, target)
         return self._carry_out(decision, actuator, step, target, monitor, confirmed)
 
@@ -182,28 +198,7 @@ class Rescuer(Stateful):
         the rescue checkpoint, which so holds both.
         """
         undone = None if target is None else self._updates_undone(target, step)
-        done: list[str] = []
-        if decision.action is Action.WARN:
-            if rank_and_world()[0] == 0:
-                checked = "" if step == decision.step else f" (a check of step {decision.step}'s features)"
-                warnings.warn(f"topocallbacks at step {step}{checked}: {decision.reason}", RuntimeWarning, stacklevel=4)
-            done.append("warned")
-        elif decision.action is Action.LOWER_LR and decision.lr_factor is not None:
-            done.append(actuator.scale_learning_rate(decision.lr_factor))
-        elif decision.action is Action.ROLLBACK:
-            if target is None:  # pragma: no cover - `_as_carried_out` makes a rollback with no snapshot another action
-                raise RuntimeError("a rollback decision reached the rescuer without a snapshot to go back to")
-            done.append(self._roll_back(actuator, target, step, decision, monitor, confirmed))
-            if decision.lr_factor is not None:
-                done.append(actuator.scale_learning_rate(decision.lr_factor))
-        elif decision.action is Action.STOP:
-            if target is not None:  # the last healthy state first: a stop never leaves the weights of the fault
-                done.append(self._roll_back(actuator, target, step, decision, monitor, confirmed))
-            done.append(actuator.request_stop())
-            kept = target or (self.healthy.store.snapshots[-1] if self.healthy.store.snapshots else None)
-            if kept is not None:  # the last healthy state to a file too
-                where = actuator.save_snapshot(kept.load(), f"topo-last-healthy-step{kept.step}")
-                done.append(f"last healthy state (step {kept.step}) {where}")
+        done = self._take_action(decision, actuator, step, target, monitor, confirmed)
         stop = decision.action is Action.STOP
         save = decision.checkpoint or (stop and self.settings.interventions.checkpoint_on_stop)
         tag = f"topo-{decision.action.value}-step{step}"
@@ -225,21 +220,34 @@ class Rescuer(Stateful):
             actuator.save_checkpoint(tag)
         return entry
 
-    # --- the decision's target ------------------------------------------------------------------------------
+    def _take_action(self, decision: Decision, actuator: Actuator, step: int, target: Snapshot | None,
+                     monitor: MonitorHooks, confirmed: bool) -> list[str]:  # fmt: skip
+        """Do ``decision``'s action at ``step`` through ``actuator``; what was done, in words."""
+        done: list[str] = []
+        if decision.action is Action.WARN:
+            if rank_and_world()[0] == 0:
+                checked = "" if step == decision.step else f" (a check of step {decision.step}'s features)"
+                warnings.warn(f"topocallbacks at step {step}{checked}: {decision.reason}", RuntimeWarning, stacklevel=5)
+            done.append("warned")
+        elif decision.action is Action.LOWER_LR and decision.lr_factor is not None:
+            done.append(actuator.scale_learning_rate(decision.lr_factor))
+        elif decision.action is Action.ROLLBACK:
+            if target is None:  # pragma: no cover - `_as_carried_out` makes a rollback with no snapshot another action
+                raise RuntimeError("a rollback decision reached the rescuer without a snapshot to go back to")
+            done.append(self._roll_back(actuator, target, step, decision, monitor, confirmed))
+            if decision.lr_factor is not None:
+                done.append(actuator.scale_learning_rate(decision.lr_factor))
+        elif decision.action is Action.STOP:
+            if target is not None:  # the last healthy state first: a stop never leaves the weights of the fault
+                done.append(self._roll_back(actuator, target, step, decision, monitor, confirmed))
+            done.append(actuator.request_stop())
+            kept = target or (self.healthy.store.snapshots[-1] if self.healthy.store.snapshots else None)
+            if kept is not None:  # the last healthy state to a file too
+                where = actuator.save_snapshot(kept.load(), f"topo-last-healthy-step{kept.step}")
+                done.append(f"last healthy state (step {kept.step}) {where}")
+        return done
 
-    def _target(self, decision: Decision, record: CheckRecord, step: int) -> Snapshot | None:
-        """The snapshot a rollback (or a stop) goes back to: the newest one taken before the alarm's onset."""
-        onset = decision.step if decision.onset is None else decision.onset
-        if step > record.step:
-            # In the background a healthy check's snapshot is taken when its decision is applied, `lag` steps
-            # after the check: go back to one taken before the last check before the onset, which that check
-            # saw healthy.
-            onset -= self.settings.schedule.check_every - 1
-        # Every rank goes back to the same step: the newest snapshot before the onset that every rank holds (a
-        # rank whose copy failed lacks one), or none anywhere, so that no rank restores alone.
-        held = all_gather_object([s.step for s in self.healthy.store.snapshots if s.step < onset])
-        common = set(held[0]).intersection(*held[1:])
-        return self.healthy.store.at(max(common)) if common else None
+    # --- the decision's target ------------------------------------------------------------------------------
 
     def _as_carried_out(self, decision: Decision, target: Snapshot | None) -> tuple[Decision, Snapshot | None]:
         """The decision as carried out, and the snapshot it restores (None: none).

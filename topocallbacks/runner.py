@@ -121,7 +121,121 @@ def _adopt_rank0(
     return [CheckRecord.from_dict(r) for r in shared["records"]]
 
 
-class Runner(Stateful):
+class WorkerLife:
+    """Rank 0's background worker, a base of `Runner`: started on use or beforehand, its replies taken, replaced.
+
+    The worker cannot take training down: one that dies, fails or does not answer within ``timeout`` seconds is
+    killed and replaced once (the new one starts from the mirror's state and gets the checks the old one had not
+    answered, in order); after a second failure the checks run in the training loop. Each time one warning says
+    what happened. No result of a killed worker can arrive later: its pipes are closed with it. The state it works
+    on is the runner's.
+    """
+
+    settings_dict: dict[str, Any]
+    pipeline: CheckPipeline | LayeredPipeline
+    threads: int
+    timeout: float
+    failures: int
+    _worker: WorkerProcess | None
+    _synced: bool
+    _pending: collections.deque[_Pending]
+
+    @property
+    def in_loop(self) -> bool:
+        """Whether the checks run in the training loop from now on, whatever the schedule (the worker failed twice)."""
+        return self.failures >= 2
+
+    @property
+    def worker(self) -> str:
+        """Rank 0: ``"ready"`` (a worker set up its pipeline), ``"starting"`` or ``"failed"`` (none, or it died)."""
+        return "failed" if self._worker is None or self.in_loop else self._worker.status
+
+    def prestart(self) -> None:
+        """Rank 0: start a worker now, beside the checks in the loop, so that it is ready if they move to it.
+
+        The training runs on the CPU then: the worker gets at most the cores its threads leave free (one at least).
+        """
+        if rank_and_world()[0] == 0 and self._worker is None and not self.in_loop:
+            self.threads = min(self.threads, max(1, (os.cpu_count() or 1) - torch.get_num_threads()))
+            try:
+                self._start_worker()
+            except (RuntimeError, OSError) as failure:  # the checks stay in the loop; one would start on use
+                warnings.warn(f"topocallbacks: could not start the background worker ({failure})", RuntimeWarning,
+                              stacklevel=3)  # fmt: skip
+                self.close()
+
+    def close(self) -> None:
+        """Stop the worker (the next background check starts a new one from the pipeline's state)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def _evaluate(self, pending: _Pending, request: CheckRequest) -> None:
+        """Evaluate a check in the training loop (the time it takes is the loop's)."""
+        pending.evaluate(request, self.pipeline)
+        self._synced = self._worker is None
+
+    def _start_worker(self) -> WorkerProcess:
+        """The worker, started from the mirror's state, or brought to it if checks were evaluated here beside it."""
+        if self._worker is None:
+            self._worker = WorkerProcess(self.settings_dict, self.pipeline.state_dict(), threads=self.threads)
+        elif not self._synced:
+            self._worker.request(Start(self.settings_dict, self.pipeline.state_dict()))
+        self._synced = True
+        return self._worker
+
+    def _receive(self, pending: _Pending) -> float:
+        """Rank 0: wait for the worker's evaluations up to ``pending``'s; the seconds waited for it."""
+        waited = 0.0
+        while pending.evaluation is None:
+            item = next(i for i in self._pending if i.evaluation is None)  # the oldest unanswered, in order
+            if self._worker is None:  # pragma: no cover - an unanswered check always has a worker
+                raise RuntimeError("a background check is pending without a worker")
+            try:
+                answer, seconds = self._worker.reply(self.timeout)
+            except WorkerFailed as failure:
+                start = time.perf_counter()
+                self._recover(failure)
+                waited += time.perf_counter() - start
+                continue
+            self.pipeline.receive(answer.shared)  # the mirror follows the worker at once
+            item.answered(answer)
+            if item is pending:
+                waited += seconds
+        return waited
+
+    def _recover(self, failure: WorkerFailed) -> None:
+        """The worker failed: kill it, then replace it once (resending what it owed), or evaluate here from now on."""
+        if self._worker is not None:
+            self._worker.kill()
+            self._worker = None
+        self.failures += 1
+        owed = [item for item in self._pending if item.evaluation is None and item.request is not None]
+        if failure.in_check and owed:
+            # The check itself raised there: run it here, where its error is what the loop would have raised.
+            self._evaluate(owed[0], owed[0].request)
+            owed = owed[1:]
+        if self.in_loop:
+            what = f"the checks run in the training loop from now on ({len(owed)} pending evaluated there)"
+        else:
+            what = f"a new worker starts from the last state received and gets the {len(owed)} check(s) it owed"
+        warnings.warn(f"topocallbacks: {failure}; {what}. Training goes on.", RuntimeWarning, stacklevel=5)
+        for item in owed:
+            if self.in_loop:
+                self._evaluate(item, item.request)
+            else:
+                try:
+                    self._start_worker().request(item.request)
+                except WorkerFailed as again:
+                    self._recover(again)
+                    return
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker process does not pickle (ddp_spawn pickles callbacks): it is started again on use.
+        return {**self.__dict__, "_worker": None}
+
+
+class Runner(WorkerLife, Stateful):
     """Evaluates checks and hands back their records when their step comes, the same on every rank.
 
     Rank 0 evaluates a check at once with ``pipeline`` (in the training loop) or sends it to a worker process
@@ -130,10 +244,7 @@ class Runner(Stateful):
     come, waiting for a late worker there (the record's ``wait_ms``), and other ranks adopt rank 0's records and
     pipeline state (one broadcast per collected check).
 
-    The worker cannot take training down: one that dies, fails or does not answer within ``timeout`` seconds is
-    killed and replaced once (the new one starts from the mirror's state and gets the checks the old one had not
-    answered, in order); after a second failure the checks run in the training loop. Each time one warning says
-    what happened. No result of a killed worker can arrive later: its pipes are closed with it.
+    The worker's life (started on use, replaced once when it fails, then the checks in the loop) is `WorkerLife`'s.
 
     Args:
         settings_dict: the monitor's settings as a dict (what a worker is started with).
@@ -167,33 +278,9 @@ class Runner(Stateful):
         self.failures = 0
 
     @property
-    def in_loop(self) -> bool:
-        """Whether the checks run in the training loop from now on, whatever the schedule (the worker failed twice)."""
-        return self.failures >= 2
-
-    @property
     def pending(self) -> int:
         """Checks submitted whose records were not collected yet."""
         return len(self._pending)
-
-    @property
-    def worker(self) -> str:
-        """Rank 0: ``"ready"`` (a worker set up its pipeline), ``"starting"`` or ``"failed"`` (none, or it died)."""
-        return "failed" if self._worker is None or self.in_loop else self._worker.status
-
-    def prestart(self) -> None:
-        """Rank 0: start a worker now, beside the checks in the loop, so that it is ready if they move to it.
-
-        The training runs on the CPU then: the worker gets at most the cores its threads leave free (one at least).
-        """
-        if rank_and_world()[0] == 0 and self._worker is None and not self.in_loop:
-            self.threads = min(self.threads, max(1, (os.cpu_count() or 1) - torch.get_num_threads()))
-            try:
-                self._start_worker()
-            except (RuntimeError, OSError) as failure:  # the checks stay in the loop; one would start on use
-                warnings.warn(f"topocallbacks: could not start the background worker ({failure})", RuntimeWarning,
-                              stacklevel=3)  # fmt: skip
-                self.close()
 
     def submit(
         self, request: CheckRequest, apply_at: int, *, background: bool, probe_ms: float = 0.0, prestart: bool = False
@@ -211,20 +298,11 @@ class Runner(Stateful):
         if background and not self.in_loop:
             pending.request = request
             try:
-                worker = self._start_worker()
-                if not self._synced:  # checks were evaluated here since it started: it starts from the mirror
-                    worker.request(Start(self.settings_dict, self.pipeline.state_dict()))
-                    self._synced = True
-                worker.request(request)
+                self._start_worker().request(request)
             except WorkerFailed as failure:
                 self._recover(failure)
         else:
             self._evaluate(pending, request)
-
-    def _evaluate(self, pending: _Pending, request: CheckRequest) -> None:
-        """Evaluate a check in the training loop (the time it takes is the loop's)."""
-        pending.evaluate(request, self.pipeline)
-        self._synced = self._worker is None
 
     def collect(
         self, step: int, *, final: bool = False, annotate: Annotate | None = None, emit: Emit | None = None
@@ -276,66 +354,6 @@ class Runner(Stateful):
         self.pipeline = pipeline
         self._synced = self._worker is None
 
-    def close(self) -> None:
-        """Stop the worker (the next background check starts a new one from the pipeline's state)."""
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
-
-    # --- internals ------------------------------------------------------------------------------------------
-
-    def _start_worker(self) -> WorkerProcess:
-        if self._worker is None:
-            self._worker = WorkerProcess(self.settings_dict, self.pipeline.state_dict(), threads=self.threads)
-            self._synced = True
-        return self._worker
-
-    def _receive(self, pending: _Pending) -> float:
-        """Rank 0: wait for the worker's evaluations up to ``pending``'s; the seconds waited for it."""
-        waited = 0.0
-        while pending.evaluation is None:
-            item = next(i for i in self._pending if i.evaluation is None)  # the oldest unanswered, in order
-            if self._worker is None:  # pragma: no cover - an unanswered check always has a worker
-                raise RuntimeError("a background check is pending without a worker")
-            try:
-                answer, seconds = self._worker.reply(self.timeout)
-            except WorkerFailed as failure:
-                start = time.perf_counter()
-                self._recover(failure)
-                waited += time.perf_counter() - start
-                continue
-            self.pipeline.receive(answer.shared)  # the mirror follows the worker at once
-            item.answered(answer)
-            if item is pending:
-                waited += seconds
-        return waited
-
-    def _recover(self, failure: WorkerFailed) -> None:
-        """The worker failed: kill it, then replace it once (resending what it owed), or evaluate here from now on."""
-        if self._worker is not None:
-            self._worker.kill()
-            self._worker = None
-        self.failures += 1
-        owed = [item for item in self._pending if item.evaluation is None and item.request is not None]
-        if failure.in_check and owed:
-            # The check itself raised there: run it here, where its error is what the loop would have raised.
-            self._evaluate(owed[0], owed[0].request)
-            owed = owed[1:]
-        if self.in_loop:
-            what = f"the checks run in the training loop from now on ({len(owed)} pending evaluated there)"
-        else:
-            what = f"a new worker starts from the last state received and gets the {len(owed)} check(s) it owed"
-        warnings.warn(f"topocallbacks: {failure}; {what}. Training goes on.", RuntimeWarning, stacklevel=5)
-        for item in owed:
-            if self.in_loop:
-                self._evaluate(item, item.request)
-            else:
-                try:
-                    self._start_worker().request(item.request)
-                except WorkerFailed as again:
-                    self._recover(again)
-                    return
-
     @property
     def _pending_state(self) -> list[dict[str, Any]]:
         if rank_and_world()[0] == 0 and self._pending:
@@ -346,7 +364,3 @@ class Runner(Stateful):
     def _pending_state(self, value: list[Mapping[str, Any]]) -> None:
         shared = self.pipeline.share()
         self._pending = collections.deque(_Pending.from_dict(item, shared) for item in value)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A worker process does not pickle (ddp_spawn pickles callbacks): it is started again on use.
-        return {**self.__dict__, "_worker": None}
