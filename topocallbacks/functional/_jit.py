@@ -187,44 +187,34 @@ def _rips_edges(points: Any, limit: Any) -> Any:  # pragma: no cover - compiled 
 
     ``sqrt(sum_k (p_ik - p_jk)**2)`` accumulated coordinate by coordinate from 0, GUDHI's ``Euclidean_distance``
     (no fast-math: the same operations in the same order, so the same lengths to the last bit), kept when at most
-    ``limit``, as ``RipsComplex`` keeps them.
+    ``limit``, as ``RipsComplex`` keeps them. Each row's sums are accumulated for all its pairs at once, a
+    coordinate at a time, from a transposed copy of the points: the loop over pairs is contiguous and vectorises,
+    and each pair's sum still takes its terms in GUDHI's order.
     """
     n, d = points.shape
     pairs = n * (n - 1) // 2
     rows = np.empty(pairs, dtype=np.int32)
     cols = np.empty(pairs, dtype=np.int32)
     lengths = np.empty(pairs, dtype=np.float64)
-    sums = np.empty(4)
+    columns = np.ascontiguousarray(points.T)  # columns[k, j]: coordinate k of point j
+    sums = np.empty(max(n, 1))
     count = 0
-    for i in range(n):
-        j = i + 1
-        while j < n:
-            # Four pairs at once (four independent sums, each in GUDHI's order), then the rest one by one.
-            width = 4 if j + 4 <= n else 1
-            if width == 4:
-                s0 = s1 = s2 = s3 = 0.0
-                for k in range(d):
-                    x = points[i, k]
-                    a0, a1, a2, a3 = x - points[j, k], x - points[j + 1, k], x - points[j + 2, k], x - points[j + 3, k]
-                    s0 += a0 * a0
-                    s1 += a1 * a1
-                    s2 += a2 * a2
-                    s3 += a3 * a3
-                sums[0], sums[1], sums[2], sums[3] = s0, s1, s2, s3
-            else:
-                s0 = 0.0
-                for k in range(d):
-                    a0 = points[i, k] - points[j, k]
-                    s0 += a0 * a0
-                sums[0] = s0
-            for t in range(width):
-                length = np.sqrt(sums[t])
-                if length <= limit:
-                    rows[count] = i
-                    cols[count] = j + t
-                    lengths[count] = length
-                    count += 1
-            j += width
+    for i in range(n - 1):
+        first, m = i + 1, n - i - 1  # the pairs (i, first + t), t < m
+        for t in range(m):
+            sums[t] = 0.0
+        for k in range(d):
+            x = points[i, k]
+            for t in range(m):
+                a = x - columns[k, first + t]
+                sums[t] += a * a
+        for t in range(m):
+            length = np.sqrt(sums[t])
+            if length <= limit:
+                rows[count] = i
+                cols[count] = first + t
+                lengths[count] = length
+                count += 1
     return rows[:count].copy(), cols[:count].copy(), lengths[:count].copy()
 
 
