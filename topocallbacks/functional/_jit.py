@@ -42,6 +42,28 @@ def _next_bit(bits: Any, word: Any) -> Any:  # pragma: no cover - compiled by nu
     return bits ^ low, word * 64 + _DE_BRUIJN_INDEX[((low * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
 
 
+def _dominated(packed: Any, degree: Any, v: Any) -> bool:  # pragma: no cover - compiled by numba
+    """Whether a neighbour ``u`` of ``v`` has ``N[v] ⊆ N[u]`` (``packed``: closed neighbourhoods as bit rows).
+
+    Only neighbours of at least ``v``'s closed degree (``degree``) can hold ``N[v]``; the others are skipped.
+    """
+    words = packed.shape[1]
+    for w in range(words):
+        bits = packed[v, w]
+        while bits != 0:
+            bits, u = _next_bit(bits, w)
+            if u == v or degree[u] < degree[v]:
+                continue
+            inside = True
+            for k in range(words):
+                if packed[v, k] & ~packed[u, k]:
+                    inside = False
+                    break
+            if inside:
+                return True
+    return False
+
+
 def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover - compiled by numba
     """The vertices left by strong collapses one vertex at a time, checked from a queue, until none is dominated.
 
@@ -62,24 +84,7 @@ def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover
         head = (head + 1) % n
         size -= 1
         queued[v] = False
-        if not alive[v] or degree[v] == 1:
-            continue
-        dominated = False
-        for w in range(words):
-            bits = packed[v, w]
-            while bits != 0 and not dominated:
-                bits, u = _next_bit(bits, w)
-                if u == v or degree[u] < degree[v]:
-                    continue
-                inside = True
-                for k in range(words):
-                    if packed[v, k] & ~packed[u, k]:
-                        inside = False
-                        break
-                dominated = inside
-            if dominated:
-                break
-        if not dominated:
+        if not alive[v] or degree[v] == 1 or not _dominated(packed, degree, v):
             continue
         alive[v] = False
         word, bit = v // 64, np.uint64(1) << np.uint64(v % 64)
@@ -309,7 +314,8 @@ def _compiled() -> Kernels | None:
         import numba  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return None
-    numba.extending.register_jitable(_next_bit)  # the kernels call it: compiled into them
+    for helper in (_next_bit, _dominated):  # the kernels call them: compiled into them
+        numba.extending.register_jitable(helper)
     jit = numba.njit(cache=True, nogil=True)
     kernels = Kernels(
         core=jit(_core_mask),
