@@ -282,6 +282,30 @@ def test_a_rebuild_defers_the_degrees_to_the_next_incremental_update():
     np.testing.assert_array_equal(engine._degree, engine._adjacency.sum(axis=1))
 
 
+@pytest.mark.parametrize("path", ["auto", "edge"])
+def test_an_edge_update_where_no_edge_flipped_keeps_the_totals_without_building_the_modules(path):
+    cloud = clustered(200, 6, 4, seed=5)
+    epsilon = paper_epsilon(cloud)
+    engine = MMHM(epsilon=epsilon, path=path)
+    engine.update(cloud)  # a rebuild: totals only, the modules wait for an incremental update that needs them
+    engine.cost_model.coefficients_["rebuild"]["const"] = 10.0  # auto: the edge path, whatever the machine
+    rng = np.random.default_rng(0)
+    for _ in range(2):  # every point moves, no edge flips
+        jitter = cloud + rng.normal(scale=1e-12 * epsilon, size=cloud.shape)
+        assert engine.update(jitter) == F.betti_numbers(jitter, epsilon)
+        stats = engine.last_stats
+        assert (stats.path, stats.operations, stats.edges_added, stats.edges_removed) == ("edge", 0, 0, 0)
+        assert engine._totals is not None  # nothing to apply: no modules built
+    moved = jitter.copy()
+    moved[:5] += 0.3 * epsilon
+    engine.cost_model.coefficients_["edge"] = dict.fromkeys(engine.cost_model.coefficients_["edge"], 0.0)
+    assert engine.update(moved) == F.betti_numbers(moved, epsilon)
+    assert engine.last_stats.path in ("edge", "vertex")
+    assert engine.last_stats.operations > 0
+    assert engine._totals is None  # the first update with something to apply built them
+    assert_degrees_current_or_deferred(engine)
+
+
 @pytest.mark.parametrize("column", [0, 1, 2])
 def test_a_point_moved_in_any_one_coordinate_is_seen(column):
     cloud = clustered(60, 3, 3, seed=6)

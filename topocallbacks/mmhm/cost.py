@@ -142,8 +142,9 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe:
         # graph pass's joined edge lists are gone by then.
         words = (n + 63) // 64
         return max(graph_pass, 2 * pairs + 48 * edges + 4 * min(edges, DOMINATION_CHUNK) * words * 8)
-    # After the pass: the adjacency, the two flip masks and the joined edge lists (32 bytes per edge).
-    return max(graph_pass, pairs * 3 + 32 * edges)
+    # After the pass: the new adjacency, the old one overwritten by the flip mask, and the joined edge lists (32
+    # bytes per edge); the flipped edges are listed from the mask without a triangle copy.
+    return max(graph_pass, pairs * 2 + 32 * edges)
 
 
 def predict_module_build_bytes(n: int, edges: int) -> int:

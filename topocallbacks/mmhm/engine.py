@@ -714,16 +714,17 @@ class MMHM:
         flips = np.bitwise_xor(previous, adjacency, out=previous)
         n_flips = int(np.count_nonzero(flips)) // 2
         edge = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=n_flips, mean_degree=common, rows=moved.size)
-        edge = self._with_pending_modules(edge, n, edges)
+        if n_flips:  # with no flip the edge path has nothing to apply, and needs no modules
+            edge = self._with_pending_modules(edge, n, edges)
         if self.path == "auto":
             path, reason, _ = self._choose(f"{context}, {n_flips} edges flipped", edge, rebuild)
         else:
             path, reason = "edge", "forced"
         if path == "edge":
             deadline = self._deadline(start, rebuild)
-            upper = np.triu(flips, 1)
+            flipped = _upper_edges(flips) if n_flips else (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp))
             self._adjacency = np.bitwise_xor(flips, adjacency, out=flips)  # the old graph again
-            self._edge_path(upper, start, reason, edge, common, deadline, rows_done=moved.size)
+            self._edge_path(flipped, start, reason, edge, common, deadline, rows_done=moved.size)
         else:
             self._adjacency = adjacency
             self._rebuild(start, reason, flipped=n_flips, rows_done=moved.size, estimate=rebuild)
@@ -783,13 +784,16 @@ class MMHM:
             learn=False,
         )
 
-    def _begin_incremental(self, deadline: float | None) -> float | None:
-        """Build the modules if a rebuild left only totals and reset the operation counters.
+    def _begin_incremental(self, deadline: float | None, operations: int) -> float | None:
+        """Reset the operation counters and, if there are ``operations`` to apply, build the modules.
 
-        Returns the deadline moved by the build's time: the one-off build does not count against the path.
+        The modules are built only if a rebuild left only totals, and only for an update that edits the graph: one
+        with nothing to apply (an edge update where no edge flipped) leaves the complex, and so the totals, as they
+        are. Returns the deadline moved by the build's time: the one-off build does not count against the path.
         """
-        self._ensure_modules()
         self._ops = self._certified = 0
+        if operations:
+            self._ensure_modules()
         return None if deadline is None else deadline + self._setup_seconds
 
     def _past(self, deadline: float | None) -> bool:
@@ -807,8 +811,8 @@ class MMHM:
         deadline: float | None,
     ) -> None:
         """Delete the ``evicted`` slots, then insert ``new_points`` into ``slots``, one certificate each."""
-        deadline = self._begin_incremental(deadline)
         total = evicted.size + slots.size
+        deadline = self._begin_incremental(deadline, total)
         degree = 2 * self.n_edges / max(self.n_points, 1)
         planned = path_features(
             "vertex", n=self._alive.size, d=self._points.shape[1], edges=self.n_edges, ops=total, mean_degree=degree
@@ -847,7 +851,7 @@ class MMHM:
 
     def _edge_path(
         self,
-        flips: NDArray[np.bool_],
+        flipped: tuple[NDArray[np.intp], NDArray[np.intp]],
         start: float,
         reason: str,
         estimate: CostEstimate,
@@ -855,12 +859,12 @@ class MMHM:
         deadline: float | None,
         rows_done: int | None = None,
     ) -> None:
-        """Apply the exact edge diff: removals first, then insertions, one certificate each.
+        """Apply the exact edge diff ``flipped`` (its edges ``rows < cols``): removals first, then insertions.
 
-        ``rows_done``: rows of the new ε-graph computed for the diff (None: all of them).
+        One certificate each. ``rows_done``: rows of the new ε-graph computed for the diff (None: all of them).
         """
-        deadline = self._begin_incremental(deadline)
-        rows, cols = np.nonzero(flips)
+        rows, cols = flipped
+        deadline = self._begin_incremental(deadline, rows.size)
         present = self._adjacency[rows, cols]
         n, d = self._points.shape
         planned = path_features("edge", n=n, d=d, edges=self.n_edges, ops=rows.size, mean_degree=common, rows=rows_done)
