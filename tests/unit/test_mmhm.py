@@ -13,6 +13,7 @@ from topocallbacks import MMHM, InputError, NonFiniteError
 from topocallbacks import functional as F
 from topocallbacks.functional._distances import epsilon_adjacency, epsilon_edges
 from topocallbacks.mmhm import CostModel
+from topocallbacks.mmhm.cost import predict_module_build_bytes
 
 PATHS = ["auto", "vertex", "edge", "rebuild"]
 
@@ -547,6 +548,23 @@ def test_memory_prediction_matches_tracemalloc_within_30_percent(path, moved):
     tracemalloc.stop()
     assert engine.last_stats.path == path
     assert engine.last_stats.predicted_bytes == pytest.approx(peak, rel=0.3)
+
+
+@pytest.mark.parametrize("fill", [300, 800])  # a streaming window a third full (its adjacency copied), and full
+def test_module_build_memory_prediction_matches_tracemalloc_within_30_percent(fill):
+    import tracemalloc
+
+    cloud = clustered(800, 32, 6, seed=7)
+    engine = MMHM(epsilon=paper_epsilon(cloud), window=800, path="rebuild")
+    engine.push(cloud[:fill])  # a rebuild: totals only
+    copied = 0 if engine._alive.all() else engine.n_points
+    predicted = predict_module_build_bytes(800, engine.n_edges, copied)
+    tracemalloc.start()
+    engine._ensure_modules()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert predicted == pytest.approx(peak, rel=0.3)
+    assert engine.betti_numbers() == F.betti_numbers(engine.points, engine.epsilon)
 
 
 @pytest.mark.parametrize("start", [60, 100])  # the window filling, and full (the new points replace the oldest)

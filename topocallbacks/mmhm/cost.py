@@ -147,9 +147,15 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe:
     return max(graph_pass, pairs * 2 + 32 * edges)
 
 
-def predict_module_build_bytes(n: int, edges: int) -> int:
-    """Peak bytes of splitting a rebuilt complex into modules: an n x n copy, its upper triangle, the edges."""
-    return 2 * n * n + 40 * edges
+def predict_module_build_bytes(n: int, edges: int, copied: int = 0) -> int:
+    """Peak bytes of splitting a rebuilt complex of ``n`` slots into modules.
+
+    The degrees' bit rows (n x n / 8 bytes), 45 bytes per edge (the edge list, the components and the sparse graph
+    they are found on), and, when some slots are empty (a streaming window not yet full), the adjacency of the
+    ``copied`` points alive (the rows gathered on the way are freed before the edges are listed); otherwise the
+    adjacency is read in place.
+    """
+    return n * n // 8 + 45 * edges + copied * copied
 
 
 def predict_gudhi_bytes(path: str, edges: int) -> int:
