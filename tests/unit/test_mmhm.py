@@ -289,7 +289,9 @@ def test_an_edge_update_where_no_edge_flipped_keeps_the_totals_without_building_
     epsilon = paper_epsilon(cloud)
     engine = MMHM(epsilon=epsilon, path=path)
     engine.update(cloud)  # a rebuild: totals only, the modules wait for an incremental update that needs them
-    engine.cost_model.coefficients_["rebuild"]["const"] = 10.0  # auto: the edge path, whatever the machine
+    # A model that prices the edge path far above a rebuild: with no flip the edge path is taken all the same (it
+    # applies nothing, where a rebuild would recompute the Betti numbers).
+    engine.cost_model.coefficients_["edge"]["const"] = 10.0
     rng = np.random.default_rng(0)
     for _ in range(2):  # every point moves, no edge flips
         jitter = cloud + rng.normal(scale=1e-12 * epsilon, size=cloud.shape)
@@ -297,9 +299,12 @@ def test_an_edge_update_where_no_edge_flipped_keeps_the_totals_without_building_
         stats = engine.last_stats
         assert (stats.path, stats.operations, stats.edges_added, stats.edges_removed) == ("edge", 0, 0, 0)
         assert engine._totals is not None  # nothing to apply: no modules built
+        if path == "auto":
+            assert stats.reason == "200 of 200 points moved, no edge flipped: nothing to apply"
     moved = jitter.copy()
     moved[:5] += 0.3 * epsilon
     engine.cost_model.coefficients_["edge"] = dict.fromkeys(engine.cost_model.coefficients_["edge"], 0.0)
+    engine.cost_model.coefficients_["rebuild"]["const"] = 10.0
     assert engine.update(moved) == F.betti_numbers(moved, epsilon)
     assert engine.last_stats.path in ("edge", "vertex")
     assert engine.last_stats.operations > 0

@@ -26,7 +26,8 @@ Paths
     ``vertex`` (streaming, or a probe update where few points moved: delete and re-insert them), ``edge`` (a probe
     update where every point moved a little but few edges flipped), and ``rebuild`` (from scratch, per module). An
     online cost model (`topocallbacks.mmhm.cost`) predicts each path's time and picks the cheapest, so the
-    engine never does much worse than rebuilding.
+    engine never does much worse than rebuilding. A probe update whose new graph has no flipped edge takes the edge
+    path without asking the model: it has nothing to apply, where a rebuild would recompute the Betti numbers.
 """
 
 from __future__ import annotations
@@ -725,10 +726,12 @@ class MMHM:
         edge = self.cost_model.predict("edge", n=n, d=d, edges=edges, ops=n_flips, mean_degree=common, rows=moved.size)
         if n_flips:  # with no flip the edge path has nothing to apply, and needs no modules
             edge = self._with_pending_modules(edge, edges)
-        if self.path == "auto":
-            path, reason, _ = self._choose(f"{context}, {n_flips} edges flipped", edge, rebuild)
-        else:
+        if self.path != "auto":
             path, reason = "edge", "forced"
+        elif n_flips == 0:  # both paths have paid for the new graph; the rebuild would recompute the Betti numbers
+            path, reason = "edge", f"{context}, no edge flipped: nothing to apply"
+        else:
+            path, reason, _ = self._choose(f"{context}, {n_flips} edges flipped", edge, rebuild)
         if path == "edge":
             deadline = self._deadline(start, rebuild)
             flipped = _upper_edges(flips) if n_flips else (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp))
