@@ -10,12 +10,15 @@ are a small CNN's pooled 64-d features of Fashion-MNIST test images after 300 tr
 Fashion-MNIST is not installed). Per n: a first check (ε calibrated on it), then three checks of the same images
 a few steps of training later (every point moved: a real probe check), then three checks of a *collapsed* cloud:
 the same points pulled 99.9 % of the way onto 4 of them, so that at the calibrated ε the graph is a few cliques,
-the regime that made GUDHI's edge collapse cubic. Reported: the median time of each kind, and the peak of the
-Python-visible allocations (``tracemalloc``; neither GUDHI's C++ memory nor numba's is included). Times and peaks
-come from two runs of the same sequence of checks: tracing every allocation slows a check by 30-50 % at n = 512,
-so the timed run is not traced. A warm-up check on 64 points first pays the process's one-off costs (lazy imports
-such as scipy.optimize, loading the compiled kernels), which belong to no check. Writes
-``benchmarks/results/check_bench.json``.
+the regime that made GUDHI's edge collapse cubic. The three checks of a kind differ only by a noise of 1e-6
+(healthy) or 1e-9 (collapsed) added to each: the first of a kind flips hundreds (healthy) or tens of thousands
+(collapsed) of the ε-graph's edges, the next two none, so that the engine's update then has nothing to apply (its
+edge path costs the ε-graph pass alone); each row records the engine's path per check (``healthy_paths``,
+``collapsed_paths``). Reported: the median time of each kind, and the peak of the Python-visible allocations
+(``tracemalloc``; neither GUDHI's C++ memory nor numba's is included). Times and peaks come from two runs of the
+same sequence of checks: tracing every allocation slows a check by 30-50 % at n = 512, so the timed run is not
+traced. A warm-up check on 64 points first pays the process's one-off costs (lazy imports such as scipy.optimize,
+loading the compiled kernels), which belong to no check. Writes ``benchmarks/results/check_bench.json``.
 """
 
 from __future__ import annotations
@@ -94,22 +97,26 @@ def collapsed(cloud: np.ndarray) -> np.ndarray:
     return centres + 1e-3 * (cloud - centres)
 
 
-def timed(pipeline: CheckPipeline, cloud: np.ndarray, step: int, trace: bool) -> float:
-    """Milliseconds of one check, or (``trace``) the peak bytes of its Python allocations."""
+def timed(pipeline: CheckPipeline, cloud: np.ndarray, step: int, trace: bool) -> tuple[float, str]:
+    """Milliseconds of one check, or (``trace``) the peak bytes of its Python allocations; and the engine's path."""
     if trace:
         tracemalloc.start()
     start = time.perf_counter()
-    pipeline.evaluate(cloud, step)
+    record = pipeline.evaluate(cloud, step).record
     elapsed = time.perf_counter() - start
+    path = "?" if record is None or record.engine is None else record.engine.path
     if not trace:
-        return elapsed * 1e3
+        return elapsed * 1e3, path
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return float(peak)
+    return float(peak), path
 
 
-def checks(first: np.ndarray, later: np.ndarray, n: int, trace: bool) -> tuple[list[float], list[float]]:
-    """The healthy and collapsed checks' times (or peaks) for ``n`` points, after a first check that calibrates ε."""
+Checks = list[tuple[float, str]]
+
+
+def checks(first: np.ndarray, later: np.ndarray, n: int, trace: bool) -> tuple[Checks, Checks]:
+    """The healthy and collapsed checks' times (or peaks) and paths for ``n`` points, after a check calibrating ε."""
     rng = np.random.default_rng(n)
     pipeline = CheckPipeline(MonitorSettings())
     pipeline.evaluate(first[:n], 0)  # calibrates ε
@@ -137,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         healthy_peaks, squeezed_peaks = checks(first, later, n, trace=True)
         row = {
             "n": n,
-            "healthy_ms": statistics.median(healthy),
-            "collapsed_ms": statistics.median(squeezed),
-            "healthy_all_ms": [round(t, 1) for t in healthy],
-            "collapsed_all_ms": [round(t, 1) for t in squeezed],
-            "healthy_peak_mib": max(healthy_peaks) / 2**20,
-            "collapsed_peak_mib": max(squeezed_peaks) / 2**20,
+            "healthy_ms": statistics.median(t for t, _ in healthy),
+            "collapsed_ms": statistics.median(t for t, _ in squeezed),
+            "healthy_all_ms": [round(t, 1) for t, _ in healthy],
+            "collapsed_all_ms": [round(t, 1) for t, _ in squeezed],
+            "healthy_paths": [path for _, path in healthy],
+            "collapsed_paths": [path for _, path in squeezed],
+            "healthy_peak_mib": max(peak for peak, _ in healthy_peaks) / 2**20,
+            "collapsed_peak_mib": max(peak for peak, _ in squeezed_peaks) / 2**20,
         }
         rows.append(row)
         print(

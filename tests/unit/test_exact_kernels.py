@@ -261,6 +261,19 @@ def test_the_rips_edges_have_gudhis_lengths_to_the_last_bit(cloud, quantile):
     assert sorted(zip(rows.tolist(), cols.tolist(), lengths.tolist(), strict=True)) == expected
 
 
+def test_the_rips_edges_of_a_probe_sized_cloud_have_gudhis_lengths_to_the_last_bit():
+    kernel = rips_edges_kernel()
+    if kernel is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(3)
+    cloud = rng.normal(size=(256, 64)) * rng.uniform(0.2, 1.0, 64)  # rows long enough for every vector width
+    limit = float(np.quantile(pairwise_distances(cloud)[np.triu_indices(256, 1)], 0.3))
+    tree = gudhi.RipsComplex(points=cloud, max_edge_length=limit).create_simplex_tree(max_dimension=1)
+    expected = sorted((s[0], s[1], f) for s, f in tree.get_skeleton(1) if len(s) == 2)
+    rows, cols, lengths = kernel(cloud, limit)
+    assert sorted(zip(rows.tolist(), cols.tolist(), lengths.tolist(), strict=True)) == expected
+
+
 lengths = st.lists(st.floats(0.0, 50.0, allow_nan=False), max_size=40)
 
 

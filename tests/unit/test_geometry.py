@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from tests.strategies import point_clouds, rotations
 from topocallbacks import functional as F
 from topocallbacks.exceptions import InputError, NonFiniteError
+from topocallbacks.functional.geometry import _singular_values
 
 GEOMETRY = [F.anisotropy, F.effective_rank, F.participation_ratio]
 
@@ -43,6 +44,44 @@ def test_anisotropy_matches_its_formula(seed):
     p = covariance_eigenvalues(features) / covariance_eigenvalues(features).sum()
     effective = np.exp(-np.sum(p * np.log(p)))
     assert F.anisotropy(features) == pytest.approx((12 - effective) / 11, rel=1e-9)
+
+
+def anisotropy_by_svd(cloud):
+    """The anisotropy as it was computed until the eigenvalue route: the centred cloud's squared singular values."""
+    rank_cap = min(cloud.shape[0] - 1, cloud.shape[1])
+    values = _singular_values(np.asarray(cloud, dtype=np.float64), center=True)
+    if values.size == 0:
+        return 1.0
+    if rank_cap == 1:
+        return 0.0
+    p = values**2 / np.sum(values**2)
+    return float(np.clip((rank_cap - np.exp(-np.sum(p * np.log(p)))) / (rank_cap - 1), 0.0, 1.0))
+
+
+def structured_clouds():
+    rng = np.random.default_rng(7)
+    healthy = rng.normal(size=(512, 64)) * rng.uniform(0.05, 1.0, 64)
+    centres = healthy[np.arange(512) % 4]
+    yield healthy
+    yield centres + 1e-3 * (healthy - centres)  # the benchmark's collapsed cloud: 4 cores a thousand times tighter
+    yield np.repeat(healthy[:8], 64, axis=0)  # duplicates
+    yield healthy[:, :1] @ rng.normal(size=(1, 64)) + 1e-9 * healthy  # nearly a line
+    yield healthy @ rng.normal(size=(64, 5)) @ rng.normal(size=(5, 64))  # rank 5 of 64
+    yield healthy[:20]  # fewer points than dimensions
+    yield healthy + 1e8  # far from the origin
+    yield healthy * 1e-300
+
+
+@given(point_clouds(min_points=2, max_points=40, max_dim=8))
+def test_anisotropy_from_the_covariance_eigenvalues_equals_the_svd_of_the_cloud(cloud):
+    # The eigenvalues of the Gram matrix differ from the squared singular values in the last bits (about 1e-13 on
+    # real features), and the two null cutoffs differ below about 1e-13 x the largest eigenvalue.
+    assert F.anisotropy(cloud) == pytest.approx(anisotropy_by_svd(cloud), abs=1e-9)
+
+
+def test_anisotropy_of_structured_clouds_equals_the_svd_of_the_cloud():
+    for cloud in structured_clouds():
+        assert F.anisotropy(cloud) == pytest.approx(anisotropy_by_svd(cloud), abs=1e-9)
 
 
 def test_isotropic_gaussian_values():

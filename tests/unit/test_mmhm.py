@@ -13,6 +13,7 @@ from topocallbacks import MMHM, InputError, NonFiniteError
 from topocallbacks import functional as F
 from topocallbacks.functional._distances import epsilon_adjacency, epsilon_edges
 from topocallbacks.mmhm import CostModel
+from topocallbacks.mmhm.cost import predict_module_build_bytes
 
 PATHS = ["auto", "vertex", "edge", "rebuild"]
 
@@ -282,6 +283,35 @@ def test_a_rebuild_defers_the_degrees_to_the_next_incremental_update():
     np.testing.assert_array_equal(engine._degree, engine._adjacency.sum(axis=1))
 
 
+@pytest.mark.parametrize("path", ["auto", "edge"])
+def test_an_edge_update_where_no_edge_flipped_keeps_the_totals_without_building_the_modules(path):
+    cloud = clustered(200, 6, 4, seed=5)
+    epsilon = paper_epsilon(cloud)
+    engine = MMHM(epsilon=epsilon, path=path)
+    engine.update(cloud)  # a rebuild: totals only, the modules wait for an incremental update that needs them
+    # A model that prices the edge path far above a rebuild: with no flip the edge path is taken all the same (it
+    # applies nothing, where a rebuild would recompute the Betti numbers).
+    engine.cost_model.coefficients_["edge"]["const"] = 10.0
+    rng = np.random.default_rng(0)
+    for _ in range(2):  # every point moves, no edge flips
+        jitter = cloud + rng.normal(scale=1e-12 * epsilon, size=cloud.shape)
+        assert engine.update(jitter) == F.betti_numbers(jitter, epsilon)
+        stats = engine.last_stats
+        assert (stats.path, stats.operations, stats.edges_added, stats.edges_removed) == ("edge", 0, 0, 0)
+        assert engine._totals is not None  # nothing to apply: no modules built
+        if path == "auto":
+            assert stats.reason == "200 of 200 points moved, no edge flipped: nothing to apply"
+    moved = jitter.copy()
+    moved[:5] += 0.3 * epsilon
+    engine.cost_model.coefficients_["edge"] = dict.fromkeys(engine.cost_model.coefficients_["edge"], 0.0)
+    engine.cost_model.coefficients_["rebuild"]["const"] = 10.0
+    assert engine.update(moved) == F.betti_numbers(moved, epsilon)
+    assert engine.last_stats.path in ("edge", "vertex")
+    assert engine.last_stats.operations > 0
+    assert engine._totals is None  # the first update with something to apply built them
+    assert_degrees_current_or_deferred(engine)
+
+
 @pytest.mark.parametrize("column", [0, 1, 2])
 def test_a_point_moved_in_any_one_coordinate_is_seen(column):
     cloud = clustered(60, 3, 3, seed=6)
@@ -523,6 +553,23 @@ def test_memory_prediction_matches_tracemalloc_within_30_percent(path, moved):
     tracemalloc.stop()
     assert engine.last_stats.path == path
     assert engine.last_stats.predicted_bytes == pytest.approx(peak, rel=0.3)
+
+
+@pytest.mark.parametrize("fill", [300, 800])  # a streaming window a third full (its adjacency copied), and full
+def test_module_build_memory_prediction_matches_tracemalloc_within_30_percent(fill):
+    import tracemalloc
+
+    cloud = clustered(800, 32, 6, seed=7)
+    engine = MMHM(epsilon=paper_epsilon(cloud), window=800, path="rebuild")
+    engine.push(cloud[:fill])  # a rebuild: totals only
+    copied = 0 if engine._alive.all() else engine.n_points
+    predicted = predict_module_build_bytes(800, engine.n_edges, copied)
+    tracemalloc.start()
+    engine._ensure_modules()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert predicted == pytest.approx(peak, rel=0.3)
+    assert engine.betti_numbers() == F.betti_numbers(engine.points, engine.epsilon)
 
 
 @pytest.mark.parametrize("start", [60, 100])  # the window filling, and full (the new points replace the oldest)

@@ -42,6 +42,28 @@ def _next_bit(bits: Any, word: Any) -> Any:  # pragma: no cover - compiled by nu
     return bits ^ low, word * 64 + _DE_BRUIJN_INDEX[((low * _DE_BRUIJN) >> np.uint64(58)) & np.uint64(63)]
 
 
+def _dominated(packed: Any, degree: Any, v: Any) -> bool:  # pragma: no cover - compiled by numba
+    """Whether a neighbour ``u`` of ``v`` has ``N[v] ⊆ N[u]`` (``packed``: closed neighbourhoods as bit rows).
+
+    Only neighbours of at least ``v``'s closed degree (``degree``) can hold ``N[v]``; the others are skipped.
+    """
+    words = packed.shape[1]
+    for w in range(words):
+        bits = packed[v, w]
+        while bits != 0:
+            bits, u = _next_bit(bits, w)
+            if u == v or degree[u] < degree[v]:
+                continue
+            inside = True
+            for k in range(words):
+                if packed[v, k] & ~packed[u, k]:
+                    inside = False
+                    break
+            if inside:
+                return True
+    return False
+
+
 def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover - compiled by numba
     """The vertices left by strong collapses one vertex at a time, checked from a queue, until none is dominated.
 
@@ -62,24 +84,7 @@ def _core_mask(packed: Any, degree: Any, order: Any) -> Any:  # pragma: no cover
         head = (head + 1) % n
         size -= 1
         queued[v] = False
-        if not alive[v] or degree[v] == 1:
-            continue
-        dominated = False
-        for w in range(words):
-            bits = packed[v, w]
-            while bits != 0 and not dominated:
-                bits, u = _next_bit(bits, w)
-                if u == v or degree[u] < degree[v]:
-                    continue
-                inside = True
-                for k in range(words):
-                    if packed[v, k] & ~packed[u, k]:
-                        inside = False
-                        break
-                dominated = inside
-            if dominated:
-                break
-        if not dominated:
+        if not alive[v] or degree[v] == 1 or not _dominated(packed, degree, v):
             continue
         alive[v] = False
         word, bit = v // 64, np.uint64(1) << np.uint64(v % 64)
@@ -187,44 +192,34 @@ def _rips_edges(points: Any, limit: Any) -> Any:  # pragma: no cover - compiled 
 
     ``sqrt(sum_k (p_ik - p_jk)**2)`` accumulated coordinate by coordinate from 0, GUDHI's ``Euclidean_distance``
     (no fast-math: the same operations in the same order, so the same lengths to the last bit), kept when at most
-    ``limit``, as ``RipsComplex`` keeps them.
+    ``limit``, as ``RipsComplex`` keeps them. Each row's sums are accumulated for all its pairs at once, a
+    coordinate at a time, from a transposed copy of the points: the loop over pairs is contiguous and vectorises,
+    and each pair's sum still takes its terms in GUDHI's order.
     """
     n, d = points.shape
     pairs = n * (n - 1) // 2
     rows = np.empty(pairs, dtype=np.int32)
     cols = np.empty(pairs, dtype=np.int32)
     lengths = np.empty(pairs, dtype=np.float64)
-    sums = np.empty(4)
+    columns = np.ascontiguousarray(points.T)  # columns[k, j]: coordinate k of point j
+    sums = np.empty(max(n, 1))
     count = 0
-    for i in range(n):
-        j = i + 1
-        while j < n:
-            # Four pairs at once (four independent sums, each in GUDHI's order), then the rest one by one.
-            width = 4 if j + 4 <= n else 1
-            if width == 4:
-                s0 = s1 = s2 = s3 = 0.0
-                for k in range(d):
-                    x = points[i, k]
-                    a0, a1, a2, a3 = x - points[j, k], x - points[j + 1, k], x - points[j + 2, k], x - points[j + 3, k]
-                    s0 += a0 * a0
-                    s1 += a1 * a1
-                    s2 += a2 * a2
-                    s3 += a3 * a3
-                sums[0], sums[1], sums[2], sums[3] = s0, s1, s2, s3
-            else:
-                s0 = 0.0
-                for k in range(d):
-                    a0 = points[i, k] - points[j, k]
-                    s0 += a0 * a0
-                sums[0] = s0
-            for t in range(width):
-                length = np.sqrt(sums[t])
-                if length <= limit:
-                    rows[count] = i
-                    cols[count] = j + t
-                    lengths[count] = length
-                    count += 1
-            j += width
+    for i in range(n - 1):
+        first, m = i + 1, n - i - 1  # the pairs (i, first + t), t < m
+        for t in range(m):
+            sums[t] = 0.0
+        for k in range(d):
+            x = points[i, k]
+            for t in range(m):
+                a = x - columns[k, first + t]
+                sums[t] += a * a
+        for t in range(m):
+            length = np.sqrt(sums[t])
+            if length <= limit:
+                rows[count] = i
+                cols[count] = first + t
+                lengths[count] = length
+                count += 1
     return rows[:count].copy(), cols[:count].copy(), lengths[:count].copy()
 
 
@@ -319,7 +314,8 @@ def _compiled() -> Kernels | None:
         import numba  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return None
-    numba.extending.register_jitable(_next_bit)  # the kernels call it: compiled into them
+    for helper in (_next_bit, _dominated):  # the kernels call them: compiled into them
+        numba.extending.register_jitable(helper)
     jit = numba.njit(cache=True, nogil=True)
     kernels = Kernels(
         core=jit(_core_mask),

@@ -336,13 +336,24 @@ def collapse_index(
         >>> 0.0 <= report.ci <= 1.0, report.betti0 >= 1, sorted(report.components)
         (True, True, ['anisotropy', 'betti', 'entropy'])
     """
-    cloud = as_points(features, "features")
-    resolved = resolve_weights(weights)
-    cap = check_int(max_points, "max_points", minimum=2)
-    rng_seed = check_seed(seed)
+    cloud, resolved, cap, rng_seed = _checked_arguments(features, weights, max_points, seed)
     eps = _betti_scale(cloud, epsilon, betti, rng_seed)
     report, _ = _collapse_index(cloud, eps, resolved, max_points=cap, seed=rng_seed, betti=betti)
     return report
+
+
+def _checked_arguments(
+    features: Any, weights: str | Mapping[str, float] | None, max_points: int, seed: int
+) -> tuple[NDArray[np.float64], dict[str, float], int, int]:
+    """`collapse_index`'s cloud, weights (resolved), subsample size and seed, validated in that order.
+
+    Raises:
+        InputError: bad shape, dtype or argument value.
+        NonFiniteError: NaN or Inf entries.
+    """
+    cloud = as_points(features, "features")
+    resolved = resolve_weights(weights)
+    return cloud, resolved, check_int(max_points, "max_points", minimum=2), check_seed(seed)
 
 
 def _betti_scale(cloud: NDArray[np.float64], epsilon: float | None, betti: tuple[int, int] | None, seed: int) -> float:

@@ -142,13 +142,20 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe:
         # graph pass's joined edge lists are gone by then.
         words = (n + 63) // 64
         return max(graph_pass, 2 * pairs + 48 * edges + 4 * min(edges, DOMINATION_CHUNK) * words * 8)
-    # After the pass: the adjacency, the two flip masks and the joined edge lists (32 bytes per edge).
-    return max(graph_pass, pairs * 3 + 32 * edges)
+    # After the pass: the new adjacency, the old one overwritten by the flip mask, and the joined edge lists (32
+    # bytes per edge); the flipped edges are listed from the mask without a triangle copy.
+    return max(graph_pass, pairs * 2 + 32 * edges)
 
 
-def predict_module_build_bytes(n: int, edges: int) -> int:
-    """Peak bytes of splitting a rebuilt complex into modules: an n x n copy, its upper triangle, the edges."""
-    return 2 * n * n + 40 * edges
+def predict_module_build_bytes(n: int, edges: int, copied: int = 0) -> int:
+    """Peak bytes of splitting a rebuilt complex of ``n`` slots into modules.
+
+    The degrees' bit rows (n x n / 8 bytes), 45 bytes per edge (the edge list, the components and the sparse graph
+    they are found on), and, when some slots are empty (a streaming window not yet full), the adjacency of the
+    ``copied`` points alive (the rows gathered on the way are freed before the edges are listed); otherwise the
+    adjacency is read in place.
+    """
+    return n * n // 8 + 45 * edges + copied * copied
 
 
 def predict_gudhi_bytes(path: str, edges: int) -> int:
