@@ -1,5 +1,5 @@
-"""The package's form: no function over 60 lines and no class over 250 outside the MMHM engine, and no record of
-more than three fields built by position."""
+"""The package's form: no function over 60 lines and no class over 250 outside the MMHM engine, held with room (10 %
+under each: issue 38), and no record of more than three fields built by position."""
 
 import ast
 from pathlib import Path
@@ -7,6 +7,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).parents[2] / "topocallbacks"
 EXEMPT_FILES = {"mmhm/engine.py"}  # the MMHM engine's incremental state machine (docs/architecture.md)
 FUNCTION_LINES, CLASS_LINES = 60, 250
+#: The limits hold with room: a module that grows by a few lines does not have to be split on the spot.
+ROOM = 0.9
 
 
 def sizes():
@@ -16,13 +18,14 @@ def sizes():
                 yield path.relative_to(PACKAGE).as_posix(), node, node.end_lineno - node.lineno + 1
 
 
-def test_no_class_over_250_lines_and_no_function_over_60():
+def test_no_class_over_250_lines_and_no_function_over_60_with_room():
     found = list(sizes())
     assert len(found) > 100  # the walk saw the package
     too_long = [
         f"{where}: {node.name} ({lines} lines)"
         for where, node, lines in found
-        if where not in EXEMPT_FILES and lines > (CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES)
+        if where not in EXEMPT_FILES
+        and lines > ROOM * (CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES)
     ]
     assert too_long == []
 
