@@ -4,12 +4,12 @@ too, the outputs family, and the rule for whether the default keeps a silent pat
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/round3.py --split design --record
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/round3.py --split held_out --record --jobs 2
 
-The classifier scenarios (`CLASSIFIERS`) are recorded into ``recordings/round3/`` with their probe logits; the
-design split's classifiers are recorded again there (same seeds, same code) and their features must equal round 2's
-recordings, checked on loading. Each run is judged at two *places*: its watched features, and its outputs (a
-classifier's logits; elsewhere the same features). A scenario counts at a place where it is *admitted* (its silence
-check passes, with room, and its harm is in that place: `admitted`). Candidates are round 2's at both places, and the
-outputs family alone and with each of round 2's combinations at the outputs place. Writes
+The classifier scenarios (`CLASSIFIERS`) are recorded into ``recordings/evaluation/round3/`` with their probe
+logits; the design split's classifiers are recorded again there (same seeds, same code) and their features must equal
+round 2's recordings, checked on loading. Each run is judged at two *places*: its watched features, and its outputs
+(a classifier's logits; elsewhere the same features). A scenario counts at a place where it is *admitted* (its
+silence check passes, with room, and its harm is in that place: `admitted`). Candidates are round 2's at both places,
+and the outputs family alone and with each of round 2's combinations at the outputs place. Writes
 ``benchmarks/results/silent_r3_<split>.{json,md}``.
 """
 
@@ -41,7 +41,7 @@ SPLITS = {
     "design": (("S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8"), ("T1", "T2", "T3")),
     "held_out": (("S9", "S10"), ("T4",)),
 }
-#: The scenarios recorded with their probe logits (``recordings/round3/``).
+#: The scenarios recorded with their probe logits (``recordings/evaluation/round3/``).
 CLASSIFIERS = frozenset({"watermark_shortcut", "classes_dropped", "trap_classes_added", "digits_class_dropped",
                          "labels_merged", "trap_long_tail"})  # fmt: skip
 #: Scenarios whose harm metric is a fixed function of the watched features (a linear probe, active units, modes
@@ -119,13 +119,17 @@ def run_values(data: Any, kind: str, steps: np.ndarray, place: str) -> dict[str,
     return {**values, **outputs}
 
 
-def load_runs(directory: Path, split: str, place: str) -> list[r1.Run]:
-    """The split's runs with their signals at ``place``."""
+def load_runs(directory: Path, split: str, place: str, at_features: list[r1.Run] | None = None) -> list[r1.Run]:
+    """The split's runs with their signals at ``place`` (``at_features``: the same runs at the features, whose
+    non-classifiers the outputs place takes as they are: their outputs are their features)."""
     from silence import harm_point
 
     names = [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
     runs = []
     for name, seed in itertools.product(names, r1.EVALUATION_SEEDS):
+        if at_features is not None and name not in CLASSIFIERS:
+            runs += [run for run in at_features if (run.scenario, run.seed) == (name, seed)]
+            continue
         with np.load(recording(directory, name, seed)) as data:
             if name in CLASSIFIERS and split == "design":
                 same_features(directory, name, seed, data)
@@ -236,10 +240,13 @@ def report(directory: Path, split: str) -> dict[str, Any]:
     places = {}
     for place in PLACES:
         here = tuple(name for name in scenarios if admission[name][place])
-        runs = load_runs(directory, split, place)
+        runs = load_runs(directory, split, place, places["features"]["runs"] if place == "outputs" else None)
         places[place] = place_report(runs, here, split == "design", place)
         shipped = at_shipped_cadence(directory, runs, place)
         places[place]["shipped"] = {name: replayed(shipped, here, name) for name in ("default", "default_silent")}
+        places[place]["runs"] = runs
+    for found in places.values():
+        del found["runs"]
     bests = [found["best"] for found in places.values() if found["best"] is not None]
     out = {"admission": admission, "places": places, "chosen": min(bests, key=r2.rank) if bests else None}
     if split == "held_out":
