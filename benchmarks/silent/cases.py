@@ -746,21 +746,22 @@ class DigitsMLP(nn.Module):
         return self.head(features), features
 
 
-class DigitsClassDropped(Trainee):
+class DigitsClassDropped(ClassSampler):
     """S9: an MLP on scikit-learn's digits (a fixed half for training, the other held out), batches of 32 drawn with
     a weight per class; from the fault step the weight of `DIGIT_DROPPED` falls linearly to 0 over ``fade`` steps.
-    Harm metric: accuracy on the held-out half; the probe: the features and logits of 512 held-out digits."""
+    Harm metric: accuracy on the held-out half; the probe: the features and logits of 512 held-out digits. The
+    sampling, loss, harm metric and logits are S7's (`ClassSampler`); the model and data are its own."""
 
     batch_size = 32
     fade = 200
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int) -> None:  # not S7's: another model and data set
         from sklearn.datasets import load_digits
 
         torch.manual_seed(seed)
         model = DigitsMLP()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        super().__init__(seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05, "weights": self.weights(
+        Trainee.__init__(self, seed, model, optimizer, lambda step, kind, fault: {"lr": 0.05, "weights": self.weights(
             step, kind, fault)})  # fmt: skip
         x, y = load_digits(return_X_y=True)
         order = np.random.default_rng(39).permutation(len(y))
@@ -774,22 +775,6 @@ class DigitsClassDropped(Trainee):
         if kind == "collapse":
             out[DIGIT_DROPPED] = 1.0 - faded(step, fault, self.fade)
         return out
-
-    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
-        index = weighted_batch(self.rng(step), self.pools, self.batch_size, settings["weights"])
-        logits, _ = self.model(self.train_x[index])
-        return F.cross_entropy(logits, self.train_y[index])
-
-    @torch.no_grad()
-    def evaluate(self) -> tuple[float, np.ndarray]:
-        self.model.eval()
-        logits, features = self.model(self.eval_x)
-        return float((logits.argmax(1) == self.eval_y).float().mean()), features[:PROBE_SIZE].numpy()
-
-    @torch.no_grad()
-    def outputs(self) -> np.ndarray:
-        self.model.eval()
-        return self.model(self.eval_x[:PROBE_SIZE])[0].numpy()
 
     @torch.no_grad()
     def views(self) -> np.ndarray:
