@@ -112,7 +112,7 @@ def test_round_three_faults_act_on_the_faulted_run_only(cases):
     assert digits.weights(900, "healthy", 300).tolist() == [1.0] * 10
     merged = cases.LabelsMerged(100)
     merged.fault_step = 300
-    assert merged.schedule(400, "collapse")["share"] == pytest.approx(0.5)
+    assert merged.schedule(400, "collapse")["share"] == pytest.approx(100 / merged.fade)
     assert merged.schedule(400, "healthy")["share"] == 0.0
     tail = cases.LongTail(100).weights(0, "healthy", 900)
     assert tail[0] == 1.0
