@@ -324,7 +324,21 @@ def check_costs() -> str:
         f"at {sizes[0]} and {peak[-1]:.0f} MiB at {sizes[-1]}. Without numba (`TOPOCALLBACKS_NUMBA=0`, written to "
         f"`benchmarks/results/check_bench_numpy.json`): {without}. A fully collapsed cloud costs, against a healthy "
         f"one: {worse}; where it costs more, the persistence diagrams of the 256-point subsample (Ripser on a "
-        "near-complete graph) are most of the difference."
+        f"near-complete graph) are most of the difference. {_check_paths(numba['rows'][0])}"
+    )
+
+
+def _check_paths(row: dict[str, Any]) -> str:
+    """How the median at the smallest size is made: each check's time and the engine's path for it."""
+    kinds = []
+    for kind in ("healthy", "collapsed"):
+        checks = ", ".join(f"{_ms(ms)} ({path})" for ms, path in zip(row[f"{kind}_all_ms"], row[f"{kind}_paths"],
+                                                                      strict=True))  # fmt: skip
+        kinds.append(f"{kind} {checks}")
+    return (
+        f"The median is of unlike checks: at {row['n']:,} the checks took {'; '.join(kinds)}; the clouds of a kind "
+        "differ by noise only, so after the first check's rebuild no edge of the ε-graph flips: the second and "
+        "third measure an update with nothing to apply, which a check during training rarely is."
     )
 
 
