@@ -328,6 +328,23 @@ def check_costs() -> str:
     )
 
 
+@block("first-check", "first_check.json")
+def first_check() -> str:
+    """The costs page's one-off costs of the first check, with and without a set-up to hide them behind."""
+    payload = stored("first_check.json")
+    rows = {row["setup_s"]: row for row in payload["rows"]}
+    load = np.asarray(payload["load_average"])
+    cold, warm = rows[0.0], rows[max(rows)]
+    return _fill(
+        "The first check's one-off costs (numba's import and kernels, scipy's assignment solver) are paid in a "
+        "background thread from the moment a monitor is built (`OMP_NUM_THREADS=1 .venv/bin/python "
+        f"benchmarks/first_check.py`, fresh processes, the minimum of {payload['repeats']} each; load average "
+        f"{load.min():.1f}-{load.max():.1f}): a first check of 512 x 64 features right after the monitor is built "
+        f"takes {_ms(cold['first_ms'])} (it waits for the thread), after {max(rows):g} s of other set-up "
+        f"{_ms(warm['first_ms'])}, as the second check does ({_ms(warm['second_ms'])})."
+    )
+
+
 def _check_paths(row: dict[str, Any]) -> str:
     """How the median at the smallest size is made: each check's time and the engine's path for it."""
     kinds = []

@@ -9,13 +9,16 @@ history file, the loggers and the distributed broadcast carry.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
+from .functional import _jit
 from .functional.collapse import CollapseReport, _collapse_index
 from .functional.geometry import _effective_rank
 from .functional.indices import _diagram_distance
@@ -34,8 +37,13 @@ __all__ = [
     "diagrams_from_lists",
     "diagrams_to_lists",
     "measure",
+    "prepare",
+    "prepare_in_background",
     "record_from_dict",
 ]
+
+_log = logging.getLogger(__name__)
+_preparing: threading.Thread | None = None
 
 Diagrams = list[NDArray[np.float64]]
 
@@ -321,3 +329,34 @@ def record_from_dict(data: Mapping[str, Any]) -> Record:
         "intervention": InterventionRecord,
     }
     return kinds[data["kind"]].from_dict(data)
+
+
+def prepare() -> None:
+    """Pay a check's one-off costs now, instead of in the first check.
+
+    They are numba's import and the compiled kernels (loaded from numba's cache, or compiled on a machine's first
+    run; skipped with ``TOPOCALLBACKS_NUMBA=0``) and the drift's assignment solver (`scipy.optimize`).
+    """
+    from scipy.optimize import linear_sum_assignment  # noqa: F401  (imported for its one-off cost)
+
+    _jit.load()
+
+
+def prepare_in_background() -> threading.Thread:
+    """Run `prepare` in a daemon thread, once per process (later calls return the same thread).
+
+    A monitor starts it when it is built, so that the one-off costs overlap the user's own set-up instead of the
+    first check. A failure is logged at debug level and left to the first check, which meets it as before.
+    """
+    global _preparing
+    if _preparing is None:
+        _preparing = threading.Thread(target=_prepare_quietly, name="topocallbacks-prepare", daemon=True)
+        _preparing.start()
+    return _preparing
+
+
+def _prepare_quietly() -> None:
+    try:
+        prepare()
+    except Exception as error:  # a helper never takes training down: the first check meets the same error
+        _log.debug("topocallbacks: preparing the checks in the background failed: %r", error)

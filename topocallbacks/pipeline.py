@@ -18,7 +18,14 @@ from numpy.typing import NDArray
 
 from ._state import StateFields, Stateful
 from ._validation import as_points
-from .check import ORIENTATION, CheckRecord, diagrams_from_lists, diagrams_to_lists, measure
+from .check import (
+    ORIENTATION,
+    CheckRecord,
+    diagrams_from_lists,
+    diagrams_to_lists,
+    measure,
+    prepare_in_background,
+)
 from .exceptions import InputError, NonFiniteError
 from .functional.collapse import DEGREE_BAND, calibrate_epsilon, mean_degree
 from .functional.sentinels import SentinelValues, sentinel_values
@@ -666,5 +673,9 @@ class LayeredPipeline(Stateful):
 
 
 def make_pipeline(settings: MonitorSettings) -> CheckPipeline | LayeredPipeline:
-    """The pipeline ``settings`` call for: one layer's, or several layers' (``probe.layers``)."""
+    """The pipeline ``settings`` call for: one layer's, or several layers' (``probe.layers``).
+
+    The checks' one-off costs start being paid in the background (`check.prepare_in_background`).
+    """
+    prepare_in_background()
     return CheckPipeline(settings) if settings.probe.layers is None else LayeredPipeline(settings)

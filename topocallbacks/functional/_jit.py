@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -17,6 +18,7 @@ from numpy.typing import NDArray
 __all__ = [
     "Kernels",
     "core_kernel",
+    "load",
     "prim_kernel",
     "programme_kernel",
     "rips_edges_kernel",
@@ -308,8 +310,17 @@ class Kernels(NamedTuple):
     upper_edges: Callable[..., tuple[NDArray[np.intp], NDArray[np.intp]]]
 
 
-@functools.cache
+#: Held while the kernels load: a check that needs them while another thread loads them waits, and they load once.
+_LOADING = threading.Lock()
+
+
 def _compiled() -> Kernels | None:
+    with _LOADING:
+        return _compile()
+
+
+@functools.cache
+def _compile() -> Kernels | None:
     try:
         import numba  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
@@ -372,6 +383,11 @@ def upper_edges_kernel() -> Callable[..., tuple[NDArray[np.intp], NDArray[np.int
     """The compiled edge list of a boolean adjacency (`_upper_edges`), or None."""
     compiled = _enabled()
     return None if compiled is None else compiled.upper_edges
+
+
+def load() -> bool:
+    """Import numba and load (or compile) the kernels now, unless they are switched off; whether they are in use."""
+    return _enabled() is not None
 
 
 def _enabled() -> Kernels | None:
