@@ -561,10 +561,12 @@ class PolicySettings(_Section):
 class SilentSettings(_Section):
     """The silent path: a warning when the probe's representation drifts or degenerates, whatever the loss does.
 
-    The loud path (`PolicySettings`) waits for the loss; this one does not. Chosen on the silent suite's design
-    split (``benchmarks/silent/ROUND2.md``, stage 2: the drift family with the sentinels, trailing score, threshold
-    12, patience 2: no alarm on any of that split's healthy runs); the evidence page reports what it catches and
-    misses on the faults it was not chosen on. Probe mode only: a streaming window has no fixed inputs to drift
+    **Off by default** (``silent_path=True`` turns it on). The loud path (`PolicySettings`) waits for the loss; this
+    one does not. Chosen on round 2's design split of the silent suite (``benchmarks/silent/ROUND2.md``, stage 2:
+    the drift family with the sentinels, trailing score, threshold 12, patience 2: no alarm on any of that split's
+    healthy runs) and shipped on; it caught none of round 2's held-out faults, and round 3 (``ROUND3.md``, stage 2)
+    found no candidate that catches a design fault whose harm is in what the monitor watches at no healthy alarm,
+    so by that round's registered rule it ships off. The evidence page has the figures. Probe mode only: a streaming window has no fixed inputs to drift
     from. At every check after ``warmup`` checks it measures, against the features and the persistence diagrams of
     the last warm-up check (the reference), the diagram drift and 1 - linear CKA, each divided by the checks elapsed
     since the reference, and scores each against its own trailing checks (the rule's robust z-score); a drift alarms
@@ -584,7 +586,7 @@ class SilentSettings(_Section):
         sentinels: also alarm on the three absolute sentinels (``silent_sentinels``).
     """
 
-    enabled: bool = _option(True, _boolean, alias="silent_path")
+    enabled: bool = _option(False, _boolean, alias="silent_path")
     action: str = _option("warn", _choice(("warn", "stop")), alias="silent_action")
     threshold: float = _option(12.0, _positive, alias="silent_threshold")
     patience: int = _option(2, _integer(1), alias="silent_patience")

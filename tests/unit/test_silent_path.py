@@ -34,9 +34,13 @@ def frames(n_checks=40, onset=25, n=96, dim=12, seed=0, kind="rotate"):
     return np.stack(out)
 
 
+#: The silent path turned on (it ships off: ROUND3.md's stage 2).
+ON = MonitorSettings().merged({"silent_path": True})
+
+
 def library(features, settings=None):
     """The pipeline's silent watch at every check: (holding per check, decisions, the watch)."""
-    pipeline = CheckPipeline(settings or MonitorSettings())
+    pipeline = CheckPipeline(settings or ON)
     holding, decisions = [], []
     for i, frame in enumerate(features):
         decisions.append(pipeline.evaluate(frame, step=10 * i).record.decision)
@@ -79,20 +83,19 @@ def test_a_silent_alarm_warns_once_where_the_loud_path_is_quiet_and_can_be_turne
     assert "mean pairwise cosine" in silent[0].reason
     assert silent[0].reason.startswith("silent path:")
     assert not silent[0].healthy  # no rollback snapshot of a silently alarmed check
-    off = MonitorSettings().merged({"silent_path": False})
-    _, quiet, _ = library(features, off)
+    _, quiet, _ = library(features, MonitorSettings())  # the default: off
     assert all(d.rule != "silent" for d in quiet)
-    stop = MonitorSettings().merged({"silent_action": "stop"})
+    stop = ON.merged({"silent_action": "stop"})
     _, stopped, _ = library(features, stop)
     assert [d.action for d in stopped if d.rule == "silent"] == [Action.STOP]
 
 
 def test_the_watch_resumes_from_its_saved_state_exactly():
     features = frames(kind="rotate")
-    pipeline = CheckPipeline(MonitorSettings())
+    pipeline = CheckPipeline(ON)
     for i, frame in enumerate(features[:22]):
         pipeline.evaluate(frame, step=10 * i)
-    twin = CheckPipeline(MonitorSettings())
+    twin = CheckPipeline(ON)
     twin.load_state_dict(pipeline.state_dict())
     for i, frame in enumerate(features[22:], start=22):
         one, two = pipeline.evaluate(frame, 10 * i).record.decision, twin.evaluate(frame, 10 * i).record.decision
@@ -115,15 +118,16 @@ def test_bad_settings_name_the_option_and_the_value():
         MonitorSettings().merged({"silent_action": "rollback"})
     with pytest.raises(InputError, match="silent_patience"):
         MonitorSettings().merged({"silent_patience": 0})
-    assert MonitorSettings().silent == SilentSettings(enabled=True, action="warn", threshold=12.0, patience=2,
+    assert MonitorSettings().silent == SilentSettings(enabled=False, action="warn", threshold=12.0, patience=2,
                                                       warmup=10, sentinels=True)  # fmt: skip
+    assert CheckPipeline(MonitorSettings()).silent is None  # off by default (ROUND3.md, stage 2)
 
 
 @pytest.mark.parametrize("layer_rule", ["primary", "any"])
 def test_with_several_layers_the_silent_path_watches_the_primary_layer_and_only_warns(layer_rule):
     from topocallbacks.pipeline import LayeredPipeline
 
-    settings = MonitorSettings().merged({"layers": ["a", "b"], "policy": {"layer_rule": layer_rule}})
+    settings = ON.merged({"layers": ["a", "b"], "policy": {"layer_rule": layer_rule}})
     pipeline = LayeredPipeline(settings)
     cone, healthy = frames(kind="cone"), frames(kind="none", seed=1)
     decisions = [pipeline.evaluate({"a": cone[i], "b": healthy[i]}, step=10 * i).record.decision
