@@ -412,12 +412,17 @@ def _quoted(text: str) -> str:
     return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in lines)
 
 
-@block("silent-status", "silent_r2_design.json", "silent_r2_held_out.json")
+@block("silent-status", "silent_r2_held_out.json", "silent_r3_design.json")
 def silent_status() -> str:
-    """The README's lead: the silent suite's round 2, its held-out split first, in a paragraph
-    (``silent_pages.round2_status``)."""
-    status = suite("silent", "silent_pages").round2_status
-    return _quoted(status(stored("silent_r2_design.json"), stored("silent_r2_held_out.json")))
+    """The README's lead: why the default ships without a silent path (``silent_pages.round3_status``)."""
+    status = suite("silent", "silent_pages").round3_status
+    return _quoted(status(stored("silent_r2_held_out.json"), stored("silent_r3_design.json")))
+
+
+@block("silent-round3", "silent_r3_design.json")
+def silent_round3() -> str:
+    """The evidence page's round 3: the design split's admission, candidates and choice (round3.py's Markdown)."""
+    return str(suite("silent", "round3").markdown(stored("silent_r3_design.json"))).rstrip("\n")
 
 
 @block("silent-round2", "silent_r2_design.json", "silent_r2_held_out.json")

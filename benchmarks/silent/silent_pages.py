@@ -22,6 +22,8 @@ SHORT = {
     "minilm_forgetting": "S6 MiniLM forgetting",
     "classes_dropped": "S7 classes dropped",
     "finetune_forgetting_images": "S8 image fine-tune",
+    "digits_class_dropped": "S9 digits class dropped",
+    "labels_merged": "S10 labels merged",
 }
 
 
@@ -226,4 +228,25 @@ def round2_status(design: dict[str, Any], held_out: dict[str, Any]) -> str:
         f"{shipped['runs_caught']}/{shipped['runs']}; the loss-only rule caught {loss['runs_caught']}/{loss['runs']}. "
         f"The choice was made on round 1's recordings, all seen: {chosen['healthy_runs']} healthy runs, none "
         f"alarmed, and {len(chosen['scenarios_caught'])} scenario(s) caught ({on_design})."
+    )
+
+
+def round3_status(r2_held_out: dict[str, Any], design: dict[str, Any]) -> str:
+    """The README's lead after round 3's stage 2: the default ships without a silent path, and why (round 2's held-out
+    miss, round 3's admission and its design split's empty choice)."""
+    admitted = [name for name, found in design["admission"].items() if found["features"] or found["outputs"]]
+    at_outputs_only = [name for name in admitted if not design["admission"][name]["features"]]
+    healthy = design["places"]["features"]["default"]["healthy_runs"]
+    r2_default = r2_held_out["default"]
+    return (
+        "**Silent collapse, what the loss does not show: no silent path has earned a place in the default, which now "
+        "ships without one.** Round 2's path, chosen on faults already seen, caught "
+        f"{r2_default['runs_caught']}/{r2_default['runs']} of its new held-out faulted runs before their harm; in "
+        "the one that passed its silence check the harm was in the classifier's head, not in the features watched. "
+        "Round 3, pre-registered, counts a fault only where its harm is in what the monitor watches: "
+        f"{len(admitted)} of the {len(design['admission'])} design scenarios qualified "
+        f"({', '.join(_short(n) for n in admitted)}; {', '.join(_short(n) for n in at_outputs_only)} only at a "
+        "classifier's outputs), and no candidate (round 2's path, a new family on the outputs, the anchors) caught "
+        f"one on 5 of 6 seeds at no alarm on the {healthy} healthy runs. By its registered rule the silent path now "
+        "ships off (`silent_path=True` turns round 2's on); round 3's held-out split is recorded after that choice."
     )
