@@ -195,42 +195,6 @@ def targets_table(design: dict[str, Any], held_out: dict[str, Any]) -> str:
 # --- round 2 (ROUND2.md; round2.py's results) ------------------------------------------------------------------
 
 
-def _r2_seeds(row: dict[str, Any]) -> str:
-    """Seeds caught, and caught silently, per scenario: ``S7 5 (4 silently)``."""
-    return ", ".join(f"{_short(name)} {n} ({row['seeds_caught_silently'].get(name, 0)} silently)"
-                     for name, n in row["seeds_caught"].items())  # fmt: skip
-
-
-def round2_status(design: dict[str, Any], held_out: dict[str, Any]) -> str:
-    """The README's lead after round 2: the held-out split first (the default at both cadences, the loss-only rule,
-    the silence check), then what the silent path was chosen on."""
-    default, shipped, loss = held_out["default"], held_out["default_shipped_cadence"], held_out["loss_rule"]
-    silence = held_out["silence"]
-    passing = [name for name, found in silence.items() if found["passes"]]
-    chosen = design["chosen"]
-    scenarios = ", ".join(SHORT.get(name, name) for name in silence)
-    caught = [name for name in passing if default["seeds_caught"].get(name, 0) >= 5]
-    verdict = "caught " + ", ".join(_short(n) for n in caught) if caught else "caught no held-out scenario"
-    where = f" ({_r2_seeds(default)})" if default["runs_caught"] else ""
-    on_design = "; ".join(f"{_short(name)}: {chosen['seeds_caught'][name]} of 6 seeds, "
-                          f"{chosen['seeds_caught_silently'].get(name, 0)} before any loss-only warning"
-                          for name in chosen["scenarios_caught"])  # fmt: skip
-    return (
-        f"**Silent collapse, what the loss does not show: a silent path, chosen on faults already seen, {verdict} "
-        f"among new ones.** The default now warns when the probe's features drift from where its warm-up left them "
-        f"or degenerate, whatever the loss does (`{chosen['combination']}`, trailing score, threshold "
-        f"{chosen['k']:g}, patience {chosen['p']}). On round 2's held-out split, recorded after that choice "
-        f"({scenarios} and the trap {', '.join(held_out['traps'])}: {default['healthy_runs']} healthy runs), "
-        f"{len(passing)} of the {len(silence)} scenarios ({', '.join(_short(n) for n in passing) or 'none'}) passed "
-        f"the silence check; checking every 10 steps the default caught {default['runs_caught']}/{default['runs']} "
-        f"faulted runs before their harm{where} and touched {default['healthy_alarmed']}/{default['healthy_runs']} "
-        f"healthy runs; at the shipped cadence (a check every 100 steps, a 10-check warm-up) it caught "
-        f"{shipped['runs_caught']}/{shipped['runs']}; the loss-only rule caught {loss['runs_caught']}/{loss['runs']}. "
-        f"The choice was made on round 1's recordings, all seen: {chosen['healthy_runs']} healthy runs, none "
-        f"alarmed, and {len(chosen['scenarios_caught'])} scenario(s) caught ({on_design})."
-    )
-
-
 def round3_status(r2_held_out: dict[str, Any], design: dict[str, Any]) -> str:
     """The README's lead after round 3's stage 2: the default ships without a silent path, and why (round 2's held-out
     miss, round 3's admission and its design split's empty choice)."""

@@ -232,24 +232,16 @@ def r2_row(seeds, silently=None, healthy_alarmed=0, healthy_runs=18):
             "healthy_runs": healthy_runs, "median_lead": None}  # fmt: skip
 
 
-def test_round_two_status_leads_with_the_held_out_split_and_names_what_was_chosen_on_seen_data():
+def test_round_three_status_says_the_default_ships_without_a_silent_path_and_why():
     pages = benchmark_pages()
-    chosen = {**r2_row({"minilm_forgetting": 6, "vae_kl_bug": 1}, {"minilm_forgetting": 3}, healthy_runs=60),
-              "combination": "drift+sentinels", "k": 12.0, "p": 2}  # fmt: skip
-    design = {"chosen": chosen}
-    silence = {"classes_dropped": {"passes": True}, "finetune_forgetting_images": {"passes": False}}
-    held_out = {"traps": ["T3"], "silence": silence,
-                "default": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0}, healthy_alarmed=6),
-                "default_shipped_cadence": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0}),
-                "loss_rule": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0})}  # fmt: skip
-    lead = pages.round2_status(design, held_out)
-    assert lead.startswith("**Silent collapse, what the loss does not show: a silent path, chosen on faults already "
-                           "seen, caught no held-out scenario among new ones.**")  # fmt: skip
-    assert lead.index("held-out split") < lead.index("round 1's recordings, all seen")
-    assert "1 of the 2 scenarios (S7) passed the silence check" in lead
-    assert "caught 0/12 faulted runs before their harm and touched 6/18 healthy runs" in lead
-    assert "1 scenario(s) caught (S6: 6 of 6 seeds, 3 before any loss-only warning)" in lead
-    held_out["default"] = r2_row({"classes_dropped": 5, "finetune_forgetting_images": 0}, {"classes_dropped": 4})
-    lead = pages.round2_status(design, held_out)
-    assert "caught S7 among new ones" in lead
-    assert "(S7 5 (4 silently), S8 0 (0 silently))" in lead
+    held_out = {"default": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0}, healthy_alarmed=6)}
+    admission = {"watermark_shortcut": {"features": False, "outputs": True},
+                 "generator_modes_grid": {"features": True, "outputs": True},
+                 "vae_kl_bug": {"features": False, "outputs": False}}  # fmt: skip
+    design = {"admission": admission, "places": {"features": {"default": r2_row({"x": 0}, healthy_runs=78)}}}
+    lead = pages.round3_status(held_out, design)
+    assert lead.startswith("**Silent collapse, what the loss does not show: no silent path has earned a place in the "
+                           "default, which now ships without one.**")  # fmt: skip
+    assert "caught 0/12 of its new held-out faulted runs" in lead
+    assert "2 of the 3 design scenarios qualified (S3, S4a; S3 only at a classifier's outputs)" in lead
+    assert "at no alarm on the 78 healthy runs" in lead
