@@ -412,17 +412,18 @@ def _quoted(text: str) -> str:
     return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in lines)
 
 
-@block("silent-status", "silent_r2_held_out.json", "silent_r3_design.json")
+@block("silent-status", "silent_r2_held_out.json", "silent_r3_design.json", "silent_r3_held_out.json")
 def silent_status() -> str:
     """The README's lead: why the default ships without a silent path (``silent_pages.round3_status``)."""
     status = suite("silent", "silent_pages").round3_status
-    return _quoted(status(stored("silent_r2_held_out.json"), stored("silent_r3_design.json")))
+    return _quoted(status(*(stored(f"silent_{name}.json") for name in ("r2_held_out", "r3_design", "r3_held_out"))))
 
 
-@block("silent-round3", "silent_r3_design.json")
+@block("silent-round3", "silent_r3_held_out.json", "silent_r3_design.json")
 def silent_round3() -> str:
-    """The evidence page's round 3: the design split's admission, candidates and choice (round3.py's Markdown)."""
-    return str(suite("silent", "round3").markdown(stored("silent_r3_design.json"))).rstrip("\n")
+    """The evidence page's round 3: the held-out split, then the design split (round3.py's Markdown)."""
+    markdown = suite("silent", "round3").markdown
+    return "\n".join(markdown(stored(f"silent_r3_{split}.json")).rstrip("\n") for split in ("held_out", "design"))
 
 
 @block("silent-round2", "silent_r2_design.json", "silent_r2_held_out.json")

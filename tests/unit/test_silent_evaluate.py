@@ -239,9 +239,16 @@ def test_round_three_status_says_the_default_ships_without_a_silent_path_and_why
                  "generator_modes_grid": {"features": True, "outputs": True},
                  "vae_kl_bug": {"features": False, "outputs": False}}  # fmt: skip
     design = {"admission": admission, "places": {"features": {"default": r2_row({"x": 0}, healthy_runs=78)}}}
-    lead = pages.round3_status(held_out, design)
+    r3_held_out = {"admission": {"digits_class_dropped": {"features": False, "outputs": False},
+                                 "labels_merged": {"features": False, "outputs": True}},
+                   "places": {"features": {"default": r2_row({"x": 0}), "at_zero": {"drift": None}},
+                              "outputs": {"at_zero": {"outputs": r2_row({"labels_merged": 0})}}}}  # fmt: skip
+    lead = pages.round3_status(held_out, design, r3_held_out)
     assert lead.startswith("**Silent collapse, what the loss does not show: no silent path has earned a place in the "
                            "default, which now ships without one.**")  # fmt: skip
     assert "caught 0/12 of its new held-out faulted runs" in lead
     assert "2 of the 3 design scenarios qualified (S3, S4a; S3 only at a classifier's outputs)" in lead
     assert "at no alarm on the 78 healthy runs" in lead
+    assert "(S9 not admitted; S10 admitted at the outputs; 18 healthy runs), no family or anchor caught" in lead
+    r3_held_out["places"]["outputs"]["at_zero"]["outputs"] = r2_row({"labels_merged": 5})
+    assert "a candidate caught S10 on 5 of 6 seeds" in pages.round3_status(held_out, design, r3_held_out)
