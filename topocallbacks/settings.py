@@ -561,16 +561,16 @@ class PolicySettings(_Section):
 class SilentSettings(_Section):
     """The silent path: a warning when the probe's representation drifts or degenerates, whatever the loss does.
 
-    **Off by default** (``silent_path=True`` turns it on). The loud path (`PolicySettings`) waits for the loss; this
-    one does not. Chosen on round 2's design split of the silent suite (``benchmarks/silent/ROUND2.md``, stage 2:
-    the drift family with the sentinels, trailing score, threshold 12, patience 2: no alarm on any of that split's
-    healthy runs) and shipped on; it caught none of round 2's held-out faults, and round 3 (``ROUND3.md``, stage 2)
-    found no candidate that catches a design fault whose harm is in what the monitor watches at no healthy alarm,
-    so by that round's registered rule it ships off. The evidence page has the figures. Probe mode only: a streaming window has no fixed inputs to drift
-    from. At every check after ``warmup`` checks it measures, against the features and the persistence diagrams of
-    the last warm-up check (the reference), the diagram drift and 1 - linear CKA, each divided by the checks elapsed
-    since the reference, and scores each against its own trailing checks (the rule's robust z-score); a drift alarms
-    when its score is ``>= threshold`` at ``patience`` consecutive checks. The sentinels (``sentinels``) alarm at
+    **Off by default** (``silent_path=True`` turns it on). The loud path (`PolicySettings`) waits for the loss; this one
+    does not. Chosen on round 2's design split of the silent suite (``benchmarks/silent/ROUND2.md``, stage 2: the drift
+    family with the sentinels, trailing score, threshold 12, patience 2: no alarm on any of that split's healthy runs)
+    and shipped on; it caught none of round 2's held-out faults, and round 3 (``ROUND3.md``, stage 2) found no candidate
+    that catches a design fault whose harm is in what the monitor watches at no healthy alarm, so by that round's
+    registered rule it ships off. The evidence page has the figures. Probe mode only: a streaming window has no fixed
+    inputs to drift from. At every check after ``warmup`` checks it measures, against the features and the persistence
+    diagrams of the last warm-up check (the reference), the diagram drift and 1 - linear CKA, each divided by the checks
+    elapsed since the reference, and scores each against its own trailing checks (the rule's robust z-score); a drift
+    alarms when its score is ``>= threshold`` at ``patience`` consecutive checks. The sentinels (``sentinels``) alarm at
     once on a rank squeeze (effective rank <= 1.5), a cone (mean pairwise cosine of the raw features >= 0.95) or a
     shrinkage (RMS radius <= 0.1 x the warm-up's).
 

@@ -57,6 +57,28 @@ def test_with_the_kernels_switched_off_numba_is_never_imported():
     assert found["checked"] is True
 
 
+FORK = """
+import os, sys
+from topocallbacks import check
+from topocallbacks.functional import _jit
+check.prepare_in_background()
+pid = os.fork()  # while the kernels may be loading: the fork waits for the load, the child loads nothing again
+if pid == 0:
+    _jit.load()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_process_forked_while_the_kernels_load_does_not_hang():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", FORK], env=env, capture_output=True, text=True, timeout=300,
+                         check=True)  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "0"
+
+
 def test_a_failure_in_the_background_is_logged_and_not_raised(monkeypatch, caplog):
     def broken() -> None:
         raise RuntimeError("no compiler")

@@ -312,6 +312,9 @@ class Kernels(NamedTuple):
 
 #: Held while the kernels load: a check that needs them while another thread loads them waits, and they load once.
 _LOADING = threading.Lock()
+# A fork waits for a load under way (a child would inherit the lock held, and numba half-loaded, and hang).
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_LOADING.acquire, after_in_parent=_LOADING.release, after_in_child=_LOADING.release)
 
 
 def _compiled() -> Kernels | None:
