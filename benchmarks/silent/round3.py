@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 import round2 as r2  # noqa: E402
 import silent_evaluate as r1  # noqa: E402
 from silent_signals import OUTPUTS, feature_signals, output_signals, training_signals  # noqa: E402
-from where_harm import interval, linear_probe  # noqa: E402
+from where_harm import at_harm, interval  # noqa: E402
 
 from topocallbacks.policy import rule_holds  # noqa: E402
 
@@ -80,17 +80,11 @@ def admitted(directory: Path, name: str) -> dict[str, Any]:
     silent = sum(c["quiet"] and c["reached"] and c["room"] and c["twin_covers_modes"] for c in checks) >= 5
     found: dict[str, Any] = {"silence_passed": silent}
     probe = None
-    if name in CLASSIFIERS:
+    if name in CLASSIFIERS:  # where_harm.py's measure at each seed's 5 % point
         labels = probe_labels(name)
-        differences = []
-        for seed in r1.EVALUATION_SEEDS:
-            with np.load(recording(directory, name, seed)) as data:
-                point = next((c["five_percent_point"] for c in checks if c["seed"] == seed), None)
-                if point is None:
-                    continue
-                i = int(np.flatnonzero(data["collapse/check_steps"] == point)[0])
-                differences.append(linear_probe(data["collapse/features"][i], labels)
-                                   - linear_probe(data["healthy/features"][i], labels))  # fmt: skip
+        seeds = [at_harm(recording(directory, name, seed), labels) for seed in r1.EVALUATION_SEEDS]
+        harmed = [s for s in seeds if s["point"] is not None]
+        differences = [s["collapse"]["linear_probe"] - s["healthy"]["linear_probe"] for s in harmed]
         probe = interval(differences) if len(differences) >= 2 else None
     found["linear_probe_difference"] = probe
     harm_in_features = name in FEATURE_METRICS or (probe is not None and probe["high"] < 0)
