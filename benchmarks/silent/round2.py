@@ -217,23 +217,27 @@ def write_markdown(payload: dict[str, Any], path: Path) -> None:
     path.write_text(markdown(payload, choice))
 
 
+#: How a table row names the rules replayed as they act (round 3 adds the default's silent path alone).
+REPLAYS = {"default": "`MonitorSettings()`", "default_silent": "`MonitorSettings().silent`",
+           "loss_rule": "`Policy` on the loss alone, its defaults"}  # fmt: skip
+
+
+def row(name: str, found: dict[str, Any] | None) -> str:
+    """One candidate's (or replayed rule's) row of a results table: seeds caught (silently) per scenario, scenarios
+    caught, median lead, healthy runs alarmed."""
+    if found is None:
+        return f"| {name} | none | - | - | - | - |"
+    what = REPLAYS.get(found["combination"], f"{found['combination']}, {found['score']}, k {found['k']:g}, "
+                                             f"p {found['p']}")  # fmt: skip
+    seeds = ", ".join(f"{s} {n}/{found['seeds_caught_silently'].get(s, 0)}" for s, n in found["seeds_caught"].items())
+    lead = "-" if found["median_lead"] is None else f"{found['median_lead']:.0f}"
+    return (f"| {name} | {what} | {seeds or '-'} | {', '.join(found['scenarios_caught']) or 'none'} | {lead} | "
+            f"{found['healthy_alarmed']}/{found['healthy_runs']} |")  # fmt: skip
+
+
 def markdown(payload: dict[str, Any], choice: dict[str, Any] | None = None) -> str:
     """The split's page: the choice, each family's and anchor's best at zero healthy alarms, the loss-only rule and
     the default, per scenario (and on the held-out split, the silence check)."""
-
-    def row(name: str, found: dict[str, Any] | None) -> str:
-        if found is None:
-            return f"| {name} | none | - | - | - | - |"
-        what = {"default": "`MonitorSettings()`", "loss_rule": "`Policy` on the loss alone, its defaults"}.get(
-            found["combination"], f"{found['combination']}, {found['score']}, k {found['k']:g}, p {found['p']}"
-        )
-        seeds = ", ".join(
-            f"{s} {n}/{found['seeds_caught_silently'].get(s, 0)}" for s, n in found["seeds_caught"].items()
-        )
-        lead = "-" if found["median_lead"] is None else f"{found['median_lead']:.0f}"
-        return (f"| {name} | {what} | {seeds} | {', '.join(found['scenarios_caught']) or 'none'} | {lead} | "
-                f"{found['healthy_alarmed']}/{found['healthy_runs']} |")  # fmt: skip
-
     chosen = payload["chosen"]
     verdict = "Chosen: nothing."
     if payload["split"] == "held_out":

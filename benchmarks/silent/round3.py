@@ -288,7 +288,7 @@ def markdown(payload: dict[str, Any]) -> str:
                 *found["at_zero"].items()]  # fmt: skip
         lines += ["", f"At the **{place}**:", "", "| signal | candidate | seeds caught / caught silently (of 6), per "
                   "admitted scenario | scenarios caught | median lead (steps) | healthy runs alarmed |",
-                  "|---|---|---|---|---|---|", *(_row(name, row) for name, row in rows)]  # fmt: skip
+                  "|---|---|---|---|---|---|", *(r2.row(name, row) for name, row in rows)]  # fmt: skip
     if "keep" in payload:
         keep = payload["keep"]
         lines += ["", "The keep rule (ROUND3.md, at the shipped cadence): the default keeps its silent path on: "
@@ -298,18 +298,6 @@ def markdown(payload: dict[str, Any]) -> str:
                                      f"{row['silent_alarmed']}/{row['healthy']} |"
                                      for place, row in keep["by_place"].items())]  # fmt: skip
     return "\n".join(lines) + "\n"
-
-
-def _row(name: str, found: dict[str, Any] | None) -> str:
-    if found is None:
-        return f"| {name} | none | - | - | - | - |"
-    what = {"default": "`MonitorSettings()`", "default_silent": "`MonitorSettings().silent`",
-            "loss_rule": "`Policy` on the loss alone"}.get(found["combination"],
-            f"{found['combination']}, {found['score']}, k {found['k']:g}, p {found['p']}")  # fmt: skip
-    seeds = ", ".join(f"{s} {n}/{found['seeds_caught_silently'].get(s, 0)}" for s, n in found["seeds_caught"].items())
-    lead = "-" if found["median_lead"] is None else f"{found['median_lead']:.0f}"
-    return (f"| {name} | {what} | {seeds or '-'} | {', '.join(found['scenarios_caught']) or 'none'} | {lead} | "
-            f"{found['healthy_alarmed']}/{found['healthy_runs']} |")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
