@@ -178,9 +178,12 @@ def report(runs: list[r1.Run], split: str) -> dict[str, Any]:
             "results": results}  # fmt: skip
 
 
-def shipped_cadence_runs(directory: Path, runs: list[r1.Run]) -> list[r1.Run]:
+def shipped_cadence_runs(runs: list[r1.Run], recording: Callable[[r1.Run], Path],
+                         watched: str = "features") -> list[r1.Run]:  # fmt: skip
     """Each run subsampled to the shipped default's cadence (``MonitorSettings().schedule.check_every`` steps, where
-    the recordings check every 10), with the default replayed there: ROUND2.md's second replay of the default."""
+    the recordings check every 10), with the default replayed there (``default``, and its silent path alone,
+    ``default_silent``): ROUND2.md's second replay of the default. ``recording(run)``: the run's file; ``watched``:
+    the recorded frames the default watches (``features``, or round 3's ``outputs`` where a run has them)."""
     from silent_signals import training_signals
 
     from topocallbacks.settings import MonitorSettings
@@ -189,11 +192,12 @@ def shipped_cadence_runs(directory: Path, runs: list[r1.Run]) -> list[r1.Run]:
     out = []
     for run in runs:
         keep = run.steps % every == 0
-        with np.load(directory / f"{run.scenario}-seed{run.seed}.npz") as data:
-            kind = "healthy" if run.kind == "trap" else run.kind
+        kind = "healthy" if run.kind == "trap" else run.kind
+        with np.load(recording(run)) as data:
+            key = f"{kind}/{watched}" if f"{kind}/{watched}" in data.files else f"{kind}/features"
             steps = run.steps[keep]
             values = training_signals(steps, data[f"{kind}/loss"], data[f"{kind}/grad_norm"])
-            values["default"] = r1.default_actions(data[f"{kind}/features"][keep], steps, values)
+            values["default"], values["default_silent"] = r1.default_replay(data[key][keep], steps, values)
         out.append(r1.Run(run.scenario, run.seed, run.kind, steps, values, run.fault, run.point))
     return out
 
@@ -290,7 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = load_runs(args.recordings, args.split)
     found = report(runs, args.split)
     if args.split == "held_out":
-        found["default_shipped_cadence"] = replayed(shipped_cadence_runs(args.recordings, runs), scenarios, "default")
+        found["default_shipped_cadence"] = replayed(
+            shipped_cadence_runs(runs, lambda run: args.recordings / f"{run.scenario}-seed{run.seed}.npz"),
+            scenarios,
+            "default",
+        )
         found["silence"] = r1.silence_checks(args.recordings, list(scenarios), r1.EVALUATION_SEEDS)
     payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": commit, **found}
     args.out.mkdir(parents=True, exist_ok=True)

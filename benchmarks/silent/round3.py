@@ -207,25 +207,6 @@ def place_report(runs: list[r1.Run], admitted_here: tuple[str, ...], choosing: b
     }  # fmt: skip
 
 
-def at_shipped_cadence(directory: Path, runs: list[r1.Run], place: str) -> list[r1.Run]:
-    """Each run subsampled to the shipped default's cadence (``MonitorSettings().schedule.check_every`` steps), with
-    the default (and its silent path alone) replayed there at ``place``."""
-    from topocallbacks.settings import MonitorSettings
-
-    every = MonitorSettings().schedule.check_every
-    out = []
-    for run in runs:
-        keep = run.steps % every == 0
-        kind = "healthy" if run.kind == "trap" else run.kind
-        with np.load(recording(directory, run.scenario, run.seed)) as data:
-            key = f"{kind}/outputs" if place == "outputs" and f"{kind}/outputs" in data.files else f"{kind}/features"
-            steps = run.steps[keep]
-            values = training_signals(steps, data[f"{kind}/loss"], data[f"{kind}/grad_norm"])
-            values["default"], values["default_silent"] = r1.default_replay(data[key][keep], steps, values)
-        out.append(r1.Run(run.scenario, run.seed, run.kind, steps, values, run.fault, run.point))
-    return out
-
-
 def report(directory: Path, split: str) -> dict[str, Any]:
     """Round 3's report of one split: admission, each place's results, the choice (design: across both places, by
     ROUND2.md's order) and, on the held-out split, the keep rule."""
@@ -236,7 +217,7 @@ def report(directory: Path, split: str) -> dict[str, Any]:
         here = tuple(name for name in scenarios if admission[name][place])
         runs = load_runs(directory, split, place, places["features"]["runs"] if place == "outputs" else None)
         places[place] = place_report(runs, here, split == "design", place)
-        shipped = at_shipped_cadence(directory, runs, place)
+        shipped = r2.shipped_cadence_runs(runs, lambda run: recording(directory, run.scenario, run.seed), place)
         places[place]["shipped"] = {name: replayed(shipped, here, name) for name in ("default", "default_silent")}
         places[place]["runs"] = runs
     for found in places.values():
