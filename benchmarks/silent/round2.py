@@ -106,10 +106,12 @@ def loss_warned(run: r1.Run, until: int) -> bool:
     return bool(((run.steps > run.fault) & (run.steps <= until) & run.values["loss_rule/fired"]).any())
 
 
-def replayed(runs: list[r1.Run], scenarios: tuple[str, ...], name: str) -> dict[str, Any]:
-    """The default (``"default"``) or the loss-only rule (``"loss_rule"``) judged on ``runs``: each acts as it
-    would, so its row is scored as the loss-only rule is (`silent_evaluate.LOSS_RULE`)."""
-    return {"combination": name, **judge(runs, scenarios, (name,), *r1.LOSS_RULE[1:])}
+def replayed(runs: list[r1.Run], scenarios: tuple[str, ...], name: str,
+             alarm: Callable[..., np.ndarray] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The default (``"default"``, or its silent path alone, ``"default_silent"``) or the loss-only rule
+    (``"loss_rule"``) judged on ``runs``: each acts as it would, so its row is scored as the loss-only rule is
+    (`silent_evaluate.LOSS_RULE`; ``alarm``: as `judge`'s)."""
+    return {"combination": name, **judge(runs, scenarios, (name,), *r1.LOSS_RULE[1:], alarm)}
 
 
 def scenarios_of(split: str) -> tuple[str, ...]:
@@ -147,10 +149,10 @@ def rank(row: dict[str, Any]) -> tuple[Any, ...]:
             -row["k"], -row["p"], row["score"] != "frozen_r")  # fmt: skip
 
 
-def evaluate(runs: list[r1.Run], scenarios: tuple[str, ...],
-             candidates: dict[str, tuple[str, ...]]) -> list[dict[str, Any]]:  # fmt: skip
-    """Every candidate at every score, ``k`` and ``p``."""
-    return [{"combination": name, **judge(runs, scenarios, signals, score, k, p)}
+def evaluate(runs: list[r1.Run], scenarios: tuple[str, ...], candidates: dict[str, tuple[str, ...]],
+             alarm: Callable[..., np.ndarray] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Every candidate at every score, ``k`` and ``p`` (``alarm``: as `judge`'s)."""
+    return [{"combination": name, **judge(runs, scenarios, signals, score, k, p, alarm)}
             for (name, signals), score, k, p in itertools.product(candidates.items(), SCORES, r1.THRESHOLDS,
                                                                    r1.PATIENCES)]  # fmt: skip
 

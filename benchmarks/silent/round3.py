@@ -50,6 +50,8 @@ FEATURE_METRICS = frozenset({"simsiam_no_stopgrad", "contrastive_no_negatives", 
                              "generator_modes_grid", "generator_modes_circle", "vae_kl_bug", "minilm_forgetting",
                              "finetune_forgetting_images"})  # fmt: skip
 PLACES = ("features", "outputs")
+#: The rules replayed as they act: the loss-only rule, the default, and the default's silent path alone.
+REPLAYED = ("loss_rule", "default", "default_silent")
 ROUND3 = HERE / "ROUND3.md"
 STAGE_2 = "## Stage 2: the chosen silent path (round 3)"
 
@@ -168,42 +170,22 @@ def candidates(place: str) -> dict[str, tuple[str, ...]]:
     return found
 
 
-def judge(runs: list[r1.Run], scenarios: tuple[str, ...], signals: tuple[str, ...], score: str, k: float,
-          p: int) -> dict[str, Any]:  # fmt: skip
-    """Round 2's judgement with round 3's alarms."""
-    return r2.judge(runs, scenarios, signals, score, k, p, alarm=alarms)
-
-
-def evaluate(runs: list[r1.Run], scenarios: tuple[str, ...], chosen: dict[str, tuple[str, ...]]) -> list[dict]:
-    """Every candidate of ``chosen`` at every score, ``k`` and ``p``."""
-    return [{"combination": name, **judge(runs, scenarios, signals, score, k, p)}
-            for (name, signals), score, k, p in itertools.product(chosen.items(), r2.SCORES, r1.THRESHOLDS,
-                                                                   r1.PATIENCES)]  # fmt: skip
-
-
-def replayed(runs: list[r1.Run], scenarios: tuple[str, ...], name: str) -> dict[str, Any]:
-    """The default (``"default"``, or its silent path alone, ``"default_silent"``) or the loss-only rule judged as
-    each acts (scored as the loss-only rule is)."""
-    return {"combination": name, **judge(runs, scenarios, (name,), *r1.LOSS_RULE[1:])}
-
-
 def place_report(runs: list[r1.Run], admitted_here: tuple[str, ...], choosing: bool, place: str) -> dict[str, Any]:
     """One place's results: every candidate, the best at zero healthy alarms, each family and anchor there, the
     loss-only rule and the default (and its silent path alone)."""
-    results = [{"place": place, **row} for row in evaluate(runs, admitted_here, candidates(place))]
+    results = [{"place": place, **row} for row in r2.evaluate(runs, admitted_here, candidates(place), alarms)]
     pools = {family: [r for r in results if r["combination"] in (family, f"{family}+sentinels")]
              for family in ("geometry", "spectrum", "drift")}  # fmt: skip
     if place == "outputs":
         pools["outputs"] = [r for r in results if r["combination"].startswith("outputs")]
     for name in (*r1.ANCHORS, "sentinels"):
         signals = r1.SENTINELS if name == "sentinels" else (name,)
-        pools[name] = [{"place": place, **row} for row in evaluate(runs, admitted_here, {name: signals})]
+        pools[name] = [{"place": place, **row} for row in r2.evaluate(runs, admitted_here, {name: signals}, alarms)]
     best = r2.best_at_zero(results)
     return {
         "best": best if choosing and best is not None and best["scenarios_caught"] else None,
         "at_zero": {name: r2.best_at_zero(pool) for name, pool in pools.items()},
-        "loss_rule": replayed(runs, admitted_here, "loss_rule"), "default": replayed(runs, admitted_here, "default"),
-        "default_silent": replayed(runs, admitted_here, "default_silent"), "results": results,
+        **{name: r2.replayed(runs, admitted_here, name, alarms) for name in REPLAYED}, "results": results,
     }  # fmt: skip
 
 
@@ -218,7 +200,7 @@ def report(directory: Path, split: str) -> dict[str, Any]:
         runs = load_runs(directory, split, place, places["features"]["runs"] if place == "outputs" else None)
         places[place] = place_report(runs, here, split == "design", place)
         shipped = r2.shipped_cadence_runs(runs, lambda run: recording(directory, run.scenario, run.seed), place)
-        places[place]["shipped"] = {name: replayed(shipped, here, name) for name in ("default", "default_silent")}
+        places[place]["shipped"] = {name: r2.replayed(shipped, here, name, alarms) for name in REPLAYED[1:]}
         places[place]["runs"] = runs
     for found in places.values():
         del found["runs"]

@@ -46,7 +46,7 @@ def test_coverage_under_the_repaired_score_alarms_on_classes_lost_since_the_refe
     assert not round3.alarms(run(round3, "healthy", gained), "coverage", "frozen_r", 1.0, 2).any()
     runs = [run(round3, kind, lost if kind == "collapse" else [10.0] * 30, seed=s)
             for s in range(6) for kind in ("collapse", "healthy")]  # fmt: skip
-    found = round3.judge(runs, ("labels_merged",), ("coverage",), "frozen_r", 2.0, 2)
+    found = round3.r2.judge(runs, ("labels_merged",), ("coverage",), "frozen_r", 2.0, 2, round3.alarms)
     assert found["seeds_caught"] == {"labels_merged": 6}
     assert found["healthy_alarmed"] == 0
 
