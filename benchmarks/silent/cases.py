@@ -62,6 +62,16 @@ def probe_accuracy(trainee: Any, embed: Any) -> tuple[float, np.ndarray]:
 
 
 @torch.no_grad()
+def faded(step: int, fault: int, fade: int) -> float:
+    """The share of a fault that fades in linearly over ``fade`` steps from ``fault``: 0 before it, 1 after.
+
+    Examples:
+        >>> [faded(s, 300, 200) for s in (299, 300, 400, 500, 900)]
+        [0.0, 0.0, 0.5, 1.0, 1.0]
+    """
+    return min(max((step - fault) / fade, 0.0), 1.0)
+
+
 def image_views(x: torch.Tensor, embed: Any) -> np.ndarray:
     """``(LIDAR_SAMPLES, LIDAR_VIEWS, dim)``: the embedding of each of the first probe images under the collapse
     suite's augmentation, drawn from a fixed generator (the same views at every check)."""
@@ -233,7 +243,7 @@ class Generator(Trainee):
         self.noise = torch.from_numpy(np.random.default_rng(4242).normal(size=(2048, 8)).astype(np.float32))
 
     def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
-        dropped = 0.0 if kind != "collapse" else min(max((step - fault) / self.fade, 0.0), 1.0)
+        dropped = 0.0 if kind != "collapse" else faded(step, fault, self.fade)
         return {"lr": 3e-3, "dropped": dropped}
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
@@ -296,7 +306,7 @@ class PosteriorCollapse(Trainee):
         self.eval_x = held_out_images()[0] * 0.3530 + 0.2860
 
     def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
-        beta = 1.0 if kind != "collapse" else 1.0 + 7.0 * min(max((step - fault) / self.ramp, 0.0), 1.0)
+        beta = 1.0 if kind != "collapse" else 1.0 + 7.0 * faded(step, fault, self.ramp)
         return {"lr": 1e-3, "beta": beta}
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
@@ -409,7 +419,7 @@ class PairContrastive(Trainee):
         self.step_ = 0
 
     def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
-        gone = float(step >= fault) if not self.fade else min(max((step - fault) / self.fade, 0.0), 1.0)
+        gone = float(step >= fault) if not self.fade else faded(step, fault, self.fade)
         return {"lr": 5e-5, "negatives": 1.0 if kind != "collapse" else 1.0 - gone}
 
     def _embed(self, hidden: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -602,13 +612,6 @@ DROPPED = (1, 7)
 FOOTWEAR = torch.tensor([5, 7, 9])
 
 
-def weighted_batch(rng: np.random.Generator, pools: list[torch.Tensor], size: int, weights: np.ndarray) -> torch.Tensor:
-    """``size`` training indices, each drawn from a class chosen with ``weights`` (``pools``: each class's indices)."""
-    counts = np.bincount(rng.choice(len(pools), size, p=weights / weights.sum()), minlength=len(pools))
-    return torch.cat([pool[torch.from_numpy(rng.integers(0, pool.numel(), n))]
-                      for pool, n in zip(pools, counts, strict=True) if n])  # fmt: skip
-
-
 class ClassSampler(Shortcut):
     """S3's small CNN classifier, model, optimiser, harm metric and probe, its batches drawn with a weight per class,
     ``weights(step, kind, fault)``, instead of a watermark. Harm metric: accuracy on the 1,024 clean held-out images
@@ -624,7 +627,10 @@ class ClassSampler(Shortcut):
 
     def batch(self, step: int, weights: np.ndarray) -> torch.Tensor:
         """The training images of ``step``'s batch (indices): each drawn from a class chosen with ``weights``."""
-        return weighted_batch(self.rng(step), self.pools, self.batch_size, weights)
+        rng = self.rng(step)
+        counts = np.bincount(rng.choice(10, self.batch_size, p=weights / weights.sum()), minlength=10)
+        return torch.cat([pool[torch.from_numpy(rng.integers(0, pool.numel(), n))]
+                          for pool, n in zip(self.pools, counts, strict=True) if n])  # fmt: skip
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
         index = self.batch(step, settings["weights"])
@@ -641,7 +647,7 @@ class ClassesDropped(ClassSampler):
     def weights(self, step: int, kind: str, fault: int) -> np.ndarray:
         out = np.ones(10)
         if kind == "collapse":
-            out[list(DROPPED)] = 1.0 - min(max((step - fault) / self.fade, 0.0), 1.0)
+            out[list(DROPPED)] = 1.0 - faded(step, fault, self.fade)
         return out
 
 
@@ -684,7 +690,7 @@ class FinetuneForgetting(Trainee):
     def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
         if step < self.switch:
             return {"lr": 0.05, "body_lr": 0.05}
-        rise = min(max((step - fault) / self.ramp, 0.0), 1.0) if kind == "collapse" else 0.0
+        rise = faded(step, fault, self.ramp) if kind == "collapse" else 0.0
         return {"lr": 0.05, "body_lr": self.body_lr + (0.05 - self.body_lr) * rise}
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
@@ -721,16 +727,6 @@ DIGIT_DROPPED = 9
 #: S10's label-mapping bug: class ``a``'s labels become ``b`` (``numpy.random.default_rng(310).choice(10, 2,
 #: replace=False)``): sandal -> trouser.
 MERGED = (5, 1)
-
-
-def faded(step: int, fault: int, fade: int) -> float:
-    """The share of a fault that fades in linearly over ``fade`` steps from ``fault``: 0 before it, 1 after.
-
-    Examples:
-        >>> [faded(s, 300, 200) for s in (299, 300, 400, 500, 900)]
-        [0.0, 0.0, 0.5, 1.0, 1.0]
-    """
-    return min(max((step - fault) / fade, 0.0), 1.0)
 
 
 class DigitsMLP(nn.Module):
