@@ -61,7 +61,6 @@ def probe_accuracy(trainee: Any, embed: Any) -> tuple[float, np.ndarray]:
     return linear_probe_accuracy(fit, trainee.train_y[pick].numpy(), features, trainee.eval_y.numpy()), features
 
 
-@torch.no_grad()
 def faded(step: int, fault: int, fade: int) -> float:
     """The share of a fault that fades in linearly over ``fade`` steps from ``fault``: 0 before it, 1 after.
 
@@ -72,6 +71,7 @@ def faded(step: int, fault: int, fade: int) -> float:
     return min(max((step - fault) / fade, 0.0), 1.0)
 
 
+@torch.no_grad()
 def image_views(x: torch.Tensor, embed: Any) -> np.ndarray:
     """``(LIDAR_SAMPLES, LIDAR_VIEWS, dim)``: the embedding of each of the first probe images under the collapse
     suite's augmentation, drawn from a fixed generator (the same views at every check)."""
