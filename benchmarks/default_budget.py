@@ -1,0 +1,268 @@
+"""The default overhead budget, chosen by the pre-registered rule of ``benchmarks/DEFAULT_BUDGET.md`` (issue 37).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split design    # about 15 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split held_out  # after stage 2; ~10 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --quick --out /tmp/x  # a smoke run (the test's)
+
+Each case is a real Lightning fit on one training thread, timed without the callback and with it, every
+configuration in turn over interleaved repeats (the minimum of each); the wall ratio is the callback's over no
+callback's. Design: each candidate budget (`CANDIDATES`) as an override; the rule picks the default (`choose`).
+Held out (refused before stage 2 is committed): the callback at the shipped default, whose settings' SHA-256 is
+stored. Writes ``benchmarks/results/default_budget_<split>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+import budget_bench  # noqa: E402
+import gpu_overhead  # noqa: E402
+import overhead_bench  # noqa: E402
+from data import fashion_mnist  # noqa: E402
+
+from topocallbacks import MonitorSettings  # noqa: E402
+from topocallbacks.lightning import TopoCollapseCallback  # noqa: E402
+from topocallbacks.summary import overhead_of  # noqa: E402
+
+CANDIDATES = (0.02, 0.05, 0.10)
+REPEATS = 3
+PREREGISTRATION = HERE / "DEFAULT_BUDGET.md"
+RESULTS = HERE / "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One timed fit: the model, its data, the callback's arguments, the steps and the wall-ratio target."""
+
+    name: str
+    split: str
+    steps: int
+    target: float
+    check_every: int | None  # None: the shipped cadence (the preset's, with a preset)
+    setting: Callable[[], tuple[Callable[[], pl.LightningModule], Any, dict[str, Any]]]
+
+
+def _mlp() -> tuple[Callable[[], pl.LightningModule], Any, dict[str, Any]]:
+    loader, probe = budget_bench.data()
+    return budget_bench.DigitsMLP, loader, {"probe": probe, "layer": "hidden"}
+
+
+def _cnn() -> tuple[Callable[[], pl.LightningModule], Any, dict[str, Any]]:
+    x, y = fashion_mnist("train")
+    data = torch.utils.data.TensorDataset(torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y))
+    loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+    probe = torch.from_numpy(fashion_mnist("test")[0][:512]).unsqueeze(1)
+    return overhead_bench.TinyResNet, loader, {"probe": probe, "layer": "avgpool"}
+
+
+class TinyGPT(pl.LightningModule):
+    """``gpu_overhead.py``'s tiny GPT-2 on random tokens, 16 x 256, AdamW."""
+
+    shape = (16, 256)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = gpu_overhead.build("gpt2", "tiny")
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.model(**kwargs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        vocab = self.model.config.vocab_size
+        return self.model(**gpu_overhead.inputs("gpt2", self.shape, self.device, vocab)).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def _gpt() -> tuple[Callable[[], pl.LightningModule], Any, dict[str, Any]]:
+    probe = gpu_overhead.probe_for("gpt2", TinyGPT.shape, gpu_overhead.gpt2_config("tiny").vocab_size)
+    return TinyGPT, torch.utils.data.DataLoader(range(10**6), batch_size=1), {"probe": probe, "preset": "gpt"}
+
+
+CASES = (
+    Case("mlp_1ms", "design", 4000, 1.50, 10, _mlp),
+    Case("cnn_default", "design", 1000, 1.10, None, _cnn),
+    Case("cnn_every10", "design", 300, 1.20, 10, _cnn),
+    Case("gpt_default", "held_out", 1000, 1.10, None, _gpt),
+    Case("gpt_every10", "held_out", 300, 1.20, 10, _gpt),
+)
+
+
+def settings_sha() -> str:
+    """The SHA-256 of the shipped default's settings (as ``ROUND3.md`` records it)."""
+    return hashlib.sha256(json.dumps(MonitorSettings().as_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def callback(arguments: dict[str, Any], check_every: int | None, budget: Any) -> TopoCollapseCallback:
+    """The callback of a case; ``budget`` "default": no override (the shipped default), else the override."""
+    overrides = dict(arguments)
+    preset = overrides.pop("preset", None)
+    if check_every is not None:
+        overrides["check_every"] = check_every
+    if budget != "default":
+        overrides["overhead_budget"] = budget
+    if preset is not None:
+        return TopoCollapseCallback.from_preset(preset, **overrides)
+    return TopoCollapseCallback(**overrides)
+
+
+def fit(make: Callable[[], pl.LightningModule], loader: Any, steps: int, callbacks: list[Any]) -> float:
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )  # fmt: skip
+    module = make()
+    start = time.perf_counter()
+    trainer.fit(module, loader)
+    return time.perf_counter() - start
+
+
+def account(cb: TopoCollapseCallback) -> dict[str, Any]:
+    """The monitor's own account of a run: its figure in all, the median interval, the checks, the last plan."""
+    checks = [r for r in cb.monitor.history if r.kind == "check"]
+    measured = overhead_of(checks)
+    plans = [r.plan.as_dict() for r in checks if r.plan is not None]
+    return {
+        "in_all": None if measured is None else measured[0],
+        "median_interval": None if measured is None else statistics.median(measured[1]),
+        "checks": len(checks),
+        "last_plan": plans[-1] if plans else None,
+        "warned": bool(cb.monitor.schedule.warned_),
+    }
+
+
+def run_case(case: Case, configs: list[Any], repeats: int, steps: int) -> dict[str, Any]:
+    """Every configuration of ``case`` (None: no callback) timed over interleaved repeats."""
+    make, loader, arguments = case.setting()
+    fit(make, loader, 20, [callback(arguments, case.check_every, configs[-1])])  # one-off loads, in no timed run
+    times: dict[str, list[float]] = {str(c): [] for c in configs}
+    said: dict[str, list[dict[str, Any]]] = {str(c): [] for c in configs}
+    for repeat in range(repeats):
+        for config in configs:
+            callbacks = [] if config is None else [callback(arguments, case.check_every, config)]
+            times[str(config)].append(fit(make, loader, steps, callbacks))
+            if callbacks:
+                said[str(config)].append(account(callbacks[0]))
+            print(f"{case.name} {repeat + 1}/{repeats} {config}: {times[str(config)][-1]:.2f} s", flush=True)
+    base = min(times["None"])
+    rows = []
+    for config in configs[1:]:
+        best = min(times[str(config)])
+        own = said[str(config)][times[str(config)].index(best)]
+        ratio = best / base
+        rows.append({
+            "budget": config, "seconds": round(best, 3), "wall_ratio": round(ratio, 4),
+            "meets": ratio <= case.target, "times": [round(t, 3) for t in times[str(config)]], **own,
+        })  # fmt: skip
+    return {
+        "case": case.name, "steps": steps, "target": case.target, "check_every": case.check_every,
+        "bare_seconds": round(base, 3), "bare_times": [round(t, 3) for t in times["None"]],
+        "step_ms": round(1e3 * base / steps, 2), "rows": rows,
+    }  # fmt: skip
+
+
+def choose(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pre-registered rule: the largest candidate meeting every design target, else the most met, ties smallest."""
+    met = {c: sum(row["meets"] for case in cases for row in case["rows"] if row["budget"] == c) for c in CANDIDATES}
+    every = [c for c in CANDIDATES if met[c] == len(cases)]
+    chosen = max(every) if every else min(CANDIDATES, key=lambda c: (-met[c], c))
+    return {"chosen": chosen, "targets_met": {str(c): met[c] for c in CANDIDATES}, "all_met": bool(every)}
+
+
+def stage2_committed() -> bool:
+    """Whether the pre-registration's stage 2 is written (the held-out split runs only after it)."""
+    return "## Stage 2" in PREREGISTRATION.read_text()
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    lines = [
+        f"# The default overhead budget: {payload['split']} cases",
+        "",
+        f"`{payload['command']}` ({payload['machine']}; load average {payload['load_average']}); "
+        f"the minimum of {payload['repeats']} interleaved runs each.",
+        "",
+        "| case | step (ms) | budget | wall ratio | target | met | monitor's figure (in all) | median interval "
+        "| checks | plan at the end | warned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case in payload["cases"]:
+        for row in case["rows"]:
+            plan = row["last_plan"]
+            where = "-" if plan is None else (
+                f"every {plan['intervals']} x, {'background' if plan['background'] else 'loop'}"
+                + (f", lag {plan['lag']}" if plan.get("lag") else "") + (f", {plan['probe_size']} points"
+                if plan["probe_size"] else "")
+            )  # fmt: skip
+            share = "-" if row["in_all"] is None else f"{100 * row['in_all']:.1f} %"
+            median = "-" if row["median_interval"] is None else f"{100 * row['median_interval']:.1f} %"
+            lines.append(
+                f"| {case['case']} | {case['step_ms']} | {row['budget']} | {row['wall_ratio']:.3f} | "
+                f"<= {case['target']:.2f} | {'yes' if row['meets'] else 'no'} | {share} | {median} | "
+                f"{row['checks']} | {where} | {'yes' if row['warned'] else 'no'} |"
+            )
+    if "choice" in payload:
+        choice = payload["choice"]
+        lines += ["", f"Chosen by the rule: `overhead_budget={choice['chosen']}` (targets met per candidate: "
+                  f"{choice['targets_met']}; all met: {choice['all_met']})."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--split", choices=["design", "held_out"], default="design")
+    parser.add_argument("--quick", action="store_true", help="1 repeat, 40 steps, the MLP only (a smoke run)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    if args.split == "held_out" and not args.quick and not stage2_committed():
+        parser.error("the held-out cases run only after stage 2 of benchmarks/DEFAULT_BUDGET.md")
+    cases = [c for c in CASES if c.split == args.split]
+    if args.quick:
+        cases = [dataclasses.replace(cases[0], setting=_mlp, check_every=10)]
+    configs: list[Any] = [None, *CANDIDATES] if args.split == "design" else [None, "default"]
+    repeats = 1 if args.quick else REPEATS
+    results = [run_case(c, configs, repeats, 40 if args.quick else c.steps) for c in cases]
+    command = f"OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split {args.split}"
+    payload: dict[str, Any] = {
+        "split": args.split,
+        "command": command + (" --quick" if args.quick else ""),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "load_average": [round(v, 2) for v in os.getloadavg()],
+        "repeats": repeats,
+        "settings_sha256": settings_sha(),
+        "shipped_budget": MonitorSettings().schedule.overhead_budget,
+        "cases": results,
+    }
+    if args.split == "design":
+        payload["choice"] = choose(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"default_budget_{args.split}"
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(payload))
+    print(markdown(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
