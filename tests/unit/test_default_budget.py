@@ -1,0 +1,56 @@
+"""The default overhead budget's pre-registered choice (benchmarks/default_budget.py, benchmarks/DEFAULT_BUDGET.md):
+the rule, a smoke run of the script, and the stored results against the shipped default."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from topocallbacks import MonitorSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import default_budget  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def case(target, ratios):
+    return {"target": target, "rows": [{"budget": b, "meets": r <= target} for b, r in ratios.items()]}
+
+
+def test_the_rule_takes_the_largest_candidate_that_meets_every_target():
+    cases = [case(1.5, {0.02: 1.3, 0.05: 1.4, 0.10: 1.6}), case(1.1, {0.02: 1.0, 0.05: 1.05, 0.10: 1.08})]
+    choice = default_budget.choose(cases)
+    assert (choice["chosen"], choice["all_met"]) == (0.05, True)
+    assert choice["targets_met"] == {"0.02": 2, "0.05": 2, "0.1": 1}
+
+
+def test_without_a_candidate_meeting_every_target_the_rule_takes_the_most_met_then_the_smallest():
+    cases = [case(1.5, {0.02: 1.6, 0.05: 1.4, 0.10: 1.4}), case(1.1, {0.02: 1.2, 0.05: 1.2, 0.10: 1.2})]
+    assert default_budget.choose(cases) == {"chosen": 0.05, "targets_met": {"0.02": 0, "0.05": 1, "0.1": 1},
+                                            "all_met": False}  # fmt: skip
+
+
+def test_the_held_out_cases_wait_for_stage_2(monkeypatch, tmp_path):
+    text = tmp_path / "DEFAULT_BUDGET.md"
+    text.write_text("# Pre-registration\n\nStage 1 only.\n")
+    monkeypatch.setattr(default_budget, "PREREGISTRATION", text)
+    assert not default_budget.stage2_committed()
+    with pytest.raises(SystemExit):
+        default_budget.main(["--split", "held_out", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("default_budget_*"))
+
+
+def test_a_smoke_run_times_real_fits_and_writes_its_table(tmp_path):
+    assert default_budget.main(["--quick", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "default_budget_design.json").read_text())
+    (mlp,) = payload["cases"]
+    assert [row["budget"] for row in mlp["rows"]] == list(default_budget.CANDIDATES)
+    for row in mlp["rows"]:
+        assert row["wall_ratio"] == pytest.approx(row["seconds"] / mlp["bare_seconds"], abs=1e-3)
+        assert row["checks"] >= 2 and row["in_all"] > 0
+    assert payload["choice"]["chosen"] in default_budget.CANDIDATES
+    assert "| mlp_1ms |" in (tmp_path / "default_budget_design.md").read_text()
