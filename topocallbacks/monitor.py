@@ -238,9 +238,11 @@ class CheckFeed:
         )
 
     def _submit(self, request: CheckRequest, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
-        self.budget.scheduled(step, lag is None)  # only checks the schedule called are planned for
+        by_schedule = lag is None  # only checks the schedule called are planned for, and start a worker beside
+        self.budget.scheduled(step, by_schedule)
         at, background = self.schedule.apply_at(step, lag), self.schedule.background
-        self.runner.submit(request, at, background=background, probe_ms=probe_ms, prestart=self.budget.may_move)
+        prestart = by_schedule and self.budget.may_move
+        self.runner.submit(request, at, background=background, probe_ms=probe_ms, prestart=prestart)
 
     def _collect(self, step: int) -> list[CheckRecord]:
         records = self.runner.collect(step, annotate=self._annotate, emit=self.emit)

@@ -311,6 +311,20 @@ def test_a_budget_that_may_move_the_checks_starts_the_worker_at_the_first_check_
     assert monitor.schedule.background
 
 
+def test_checks_the_caller_runs_itself_start_no_worker_beside_the_loop():
+    # `process` (and `check_now`) checks are measured, never planned: the budget could never move them, so no worker
+    # starts for them, whatever the budget (it is on by default).
+    rng = np.random.default_rng(0)
+    monitor = TopoMonitor(overhead_budget=0.05, policy={"action": "warn"})
+    assert monitor.budget.may_move == ((os.cpu_count() or 1) > torch.get_num_threads())
+    try:
+        for step in range(3):
+            monitor.process(rng.normal(size=(64, 8)), step)
+        assert monitor.runner._worker is None
+    finally:
+        monitor.close()
+
+
 def record_at(step, check_ms):
     decision = Decision(action="none", reason="", step=step)
     return CheckRecord(step=step, status="ok", index="diagram_drift", index_value=0.0, n_points=512,
