@@ -51,6 +51,30 @@ def test_a_smoke_run_times_real_fits_and_writes_its_table(tmp_path):
     assert [row["budget"] for row in mlp["rows"]] == list(default_budget.CANDIDATES)
     for row in mlp["rows"]:
         assert row["wall_ratio"] == pytest.approx(row["seconds"] / mlp["bare_seconds"], abs=1e-3)
-        assert row["checks"] >= 2 and row["in_all"] > 0
+        assert row["checks"] >= 2
+        assert row["in_all"] > 0
     assert payload["choice"]["chosen"] in default_budget.CANDIDATES
     assert "| mlp_1ms |" in (tmp_path / "default_budget_design.md").read_text()
+
+
+def test_the_stored_design_choice_follows_the_rule_and_is_the_shipped_default():
+    payload = json.loads((RESULTS / "default_budget_design.json").read_text())
+    for case in payload["cases"]:
+        for row in case["rows"]:
+            assert row["wall_ratio"] == pytest.approx(row["seconds"] / case["bare_seconds"], abs=1e-3)
+            assert row["meets"] == (row["wall_ratio"] <= case["target"])
+    assert payload["choice"] == default_budget.choose(payload["cases"])
+    assert MonitorSettings().schedule.overhead_budget == payload["choice"]["chosen"]
+
+
+def test_the_held_out_fits_measured_the_default_a_user_gets():
+    payload = json.loads((RESULTS / "default_budget_held_out.json").read_text())
+    assert default_budget.stage2_committed()
+    assert payload["settings_sha256"] == default_budget.settings_sha()  # the same settings object, field for field
+    assert payload["shipped_budget"] == MonitorSettings().schedule.overhead_budget
+    held_out = [c.name for c in default_budget.CASES if c.split == "held_out"]
+    assert [case["case"] for case in payload["cases"]] == held_out
+    for case in payload["cases"]:
+        (row,) = case["rows"]
+        assert row["budget"] == "default"
+        assert row["meets"] == (row["wall_ratio"] <= case["target"])

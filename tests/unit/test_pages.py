@@ -89,12 +89,12 @@ def test_an_altered_figure_in_prose_and_a_removed_block_are_caught(pages, render
     lightning.write_text(lightning.read_text().replace("2,427 healthy checks", "2,428 healthy checks"))
     readme = tmp_path / "README.md"
     text = readme.read_text()
-    readme.write_text(text.replace(pages.marker("budget-readme", "start") + "\n", "").replace(
-        pages.marker("budget-readme", "end") + "\n", ""
+    readme.write_text(text.replace(pages.marker("default-budget-readme", "start") + "\n", "").replace(
+        pages.marker("default-budget-readme", "end") + "\n", ""
     ))  # fmt: skip
     stale, problems = pages.update(tmp_path, rendered, write=False)
     assert stale == ["docs/lightning.md: sentinels-calibration"]
-    assert problems == ["budget-readme: registered, but on no page"]
+    assert problems == ["default-budget-readme: registered, but on no page"]
 
 
 @pytest.mark.parametrize(
