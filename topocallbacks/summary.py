@@ -126,8 +126,29 @@ def cost_line(checks: Sequence[CheckRecord], budget: float | None) -> str | None
         f"{100 * shares[-1]:.1f} %, {len(shares)} intervals; {goal})\n  in all: {100 * total:.1f} % of the training "
         f"time, the first check's {first:.0f} ms included\n  per check (medians): probe "
         f"{median(r.probe_ms for r in checks):.0f} ms, evaluation {median(r.check_ms for r in checks):.0f} ms, "
-        f"the loop waited {median(r.wait_ms for r in checks):.0f} ms"
+        f"the loop waited {median(r.wait_ms for r in checks):.0f} ms" + _budget_missed(checks, budget, median(shares))
     )
+
+
+def _budget_missed(checks: Sequence[CheckRecord], budget: float | None, median_share: float) -> str:
+    """A line when the budget was not kept: the last plan's limit and its prediction, or the measure above it."""
+    plans = [r.plan for r in checks if r.plan is not None]
+    if budget is None or not plans:
+        return ""
+    last = plans[-1]
+    if not last.met:
+        where = "in the background worker" if last.background else "in the training loop"
+        size = f"{last.probe_size} probe samples" if last.probe_size else "the whole probe"
+        return (
+            f"\n  budget not kept: even a check every {last.intervals} x check_every, {where}, on {size}, was "
+            f"predicted to cost {100 * last.predicted:.1f} %"
+        )
+    if median_share > budget:
+        return (
+            f"\n  budget not kept: the plan (a check every {last.intervals} x check_every) was predicted to cost "
+            f"{100 * last.predicted:.1f} %; the median interval measured more"
+        )
+    return ""
 
 
 def with_layer_moves(past: Sequence[CheckRecord], records: list[CheckRecord]) -> CheckRecord:

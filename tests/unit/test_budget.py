@@ -1,6 +1,7 @@
 """The overhead budget (topocallbacks.budget): the footprint model, the planner's order, the meter's accounting,
 and a monitor that measures every interval and, with a budget, follows the plan."""
 
+import dataclasses
 import itertools
 import os
 import warnings
@@ -26,6 +27,7 @@ from topocallbacks.budget import (
 from topocallbacks.check import CheckRecord, Decision, Plan
 from topocallbacks.schedule import Schedule
 from topocallbacks.settings import MonitorSettings, ScheduleSettings
+from topocallbacks.summary import cost_line
 
 
 def costs(**changes):
@@ -394,3 +396,27 @@ def test_checks_evaluated_in_the_loop_beside_a_started_worker_reach_it_before_it
     finally:
         monitor.close()
     assert [without_timing(r) for r in [*first, last]] == [without_timing(r) for r in expected]
+
+
+def checks_with(plan, shares):
+    """Check records of intervals costing ``shares`` of 100 ms each, ``plan`` made at the second."""
+    records = [record_at(0, 40.0)]
+    for k, share in enumerate(shares, start=1):
+        record = dataclasses.replace(record_at(10 * k, 40.0), overhead=share, step_ms=10.0)
+        records.append(dataclasses.replace(record, plan=plan) if k == 1 else record)
+    return records
+
+
+def test_the_summary_says_when_the_budget_was_not_kept_and_at_which_limit():
+    floor = Plan(intervals=FLOOR_INTERVALS, background=True, probe_size=MIN_PROBE, predicted=0.31, met=False)
+    line = cost_line(checks_with(floor, [0.4, 0.3, 0.3]), 0.05)
+    assert line.endswith(
+        f"budget not kept: even a check every {FLOOR_INTERVALS} x check_every, in the background worker, on "
+        f"{MIN_PROBE} probe samples, was predicted to cost 31.0 %"
+    )
+    kept_in_plan = Plan(intervals=2, background=True, predicted=0.04, met=True)
+    line = cost_line(checks_with(kept_in_plan, [0.3, 0.08, 0.07]), 0.05)  # planned within, measured above it
+    assert line.endswith("budget not kept: the plan (a check every 2 x check_every) was predicted to cost 4.0 %; "
+                         "the median interval measured more")  # fmt: skip
+    assert "budget not kept" not in cost_line(checks_with(kept_in_plan, [0.3, 0.04, 0.03]), 0.05)
+    assert "budget not kept" not in cost_line(checks_with(floor, [0.4, 0.3, 0.3]), None)  # no budget, none to keep
