@@ -28,7 +28,9 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -72,13 +74,15 @@ def data() -> tuple[torch.utils.data.DataLoader, torch.Tensor]:
     return loader, x[:512]
 
 
-def fit(callbacks: list, loader: torch.utils.data.DataLoader, steps: int) -> float:
+def fit(callbacks: list, loader: Any, steps: int, make: Callable[[], pl.LightningModule] = DigitsMLP) -> float:
+    """The wall time of a real Lightning fit of ``make()`` for ``steps`` on the CPU (its construction not timed)."""
     trainer = pl.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )  # fmt: skip
+    module = make()
     start = time.perf_counter()
-    trainer.fit(DigitsMLP(), loader)
+    trainer.fit(module, loader)
     return time.perf_counter() - start
 
 
@@ -93,6 +97,23 @@ def monitor_said(callback: TopoCollapseCallback) -> dict:
         "checks": [r.step for r in checks],
         "plans": plans,
     }
+
+
+def plan_text(plan: dict[str, Any] | None, interval: str = "10 steps") -> str:
+    """A budget's plan as the tables write it ("-": none)."""
+    if plan is None:
+        return "-"
+    return (
+        f"every {plan['intervals']} x {interval}, {'background' if plan['background'] else 'in the loop'}"
+        + (f", decisions {plan['lag']} steps later" if plan.get("lag") else "")
+        + (f", {plan['probe_size']} points" if plan["probe_size"] else "")
+        + ("" if plan["met"] else " (budget not met)")
+    )
+
+
+def percent(share: float | None) -> str:
+    """A share as the tables write it ("-": none)."""
+    return "-" if share is None else f"{100 * share:.1f} %"
 
 
 def footprint_check(probe: torch.Tensor, repeats: int) -> list[dict]:
@@ -191,18 +212,10 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        plan = row["last_plan"]
-        plan_text = "-" if plan is None else (
-            f"every {plan['intervals']} x 10 steps, {'background' if plan['background'] else 'in the loop'}"
-            + (f", decisions {plan['lag']} steps later" if plan.get("lag") else "")
-            + (f", {plan['probe_size']} points" if plan["probe_size"] else "")
-            + ("" if plan["met"] else " (budget not met)")
-        )  # fmt: skip
-        logged = "-" if row["logged_overhead"] is None else f"{100 * row['logged_overhead']:.1f} %"
-        median = "-" if row["median_interval"] is None else f"{100 * row['median_interval']:.1f} %"
+        logged, median = percent(row["logged_overhead"]), percent(row["median_interval"])
         lines.append(
             f"| {row['config']} | {row['seconds']:.2f} | {100 * row['wall_overhead']:+.1f} % | {logged} | {median} | "
-            f"{row['checks'] if row['checks'] is not None else '-'} | {plan_text} |"
+            f"{row['checks'] if row['checks'] is not None else '-'} | {plan_text(row['last_plan'])} |"
         )
     lines += ["", "Footprint model (evaluation time as (n / 512)^1.5 of a measured 512-point check):", "",
               "| points | predicted ms | measured ms | predicted / measured |", "|---|---|---|---|"]  # fmt: skip

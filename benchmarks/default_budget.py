@@ -19,9 +19,7 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +40,6 @@ from data import fashion_mnist  # noqa: E402
 
 from topocallbacks import MonitorSettings  # noqa: E402
 from topocallbacks.lightning import TopoCollapseCallback  # noqa: E402
-from topocallbacks.summary import overhead_of  # noqa: E402
 
 CANDIDATES = (0.02, 0.05, 0.10)
 REPEATS = 3
@@ -127,27 +124,15 @@ def callback(arguments: dict[str, Any], check_every: int | None, budget: Any) ->
     return TopoCollapseCallback(**overrides)
 
 
-def fit(make: Callable[[], pl.LightningModule], loader: Any, steps: int, callbacks: list[Any]) -> float:
-    trainer = pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-    )  # fmt: skip
-    module = make()
-    start = time.perf_counter()
-    trainer.fit(module, loader)
-    return time.perf_counter() - start
-
-
 def account(cb: TopoCollapseCallback) -> dict[str, Any]:
-    """The monitor's own account of a run: its figure in all, the median interval, the checks, the last plan."""
-    checks = [r for r in cb.monitor.history if r.kind == "check"]
-    measured = overhead_of(checks)
-    plans = [r.plan.as_dict() for r in checks if r.plan is not None]
+    """The monitor's own account of a run (`budget_bench.monitor_said`): in all, the median interval, the checks,
+    the last plan, and whether the budget warned."""
+    said = budget_bench.monitor_said(cb)
     return {
-        "in_all": None if measured is None else measured[0],
-        "median_interval": None if measured is None else statistics.median(measured[1]),
-        "checks": len(checks),
-        "last_plan": plans[-1] if plans else None,
+        "in_all": said["logged_overhead"],
+        "median_interval": said["median_interval"],
+        "checks": len(said["checks"]),
+        "last_plan": said["plans"][-1] if said["plans"] else None,
         "warned": bool(cb.monitor.schedule.warned_),
     }
 
@@ -155,13 +140,13 @@ def account(cb: TopoCollapseCallback) -> dict[str, Any]:
 def run_case(case: Case, configs: list[Any], repeats: int, steps: int) -> dict[str, Any]:
     """Every configuration of ``case`` (None: no callback) timed over interleaved repeats."""
     make, loader, arguments = case.setting()
-    fit(make, loader, 20, [callback(arguments, case.check_every, configs[-1])])  # one-off loads, in no timed run
+    budget_bench.fit([callback(arguments, case.check_every, configs[-1])], loader, 20, make)  # one-off loads
     times: dict[str, list[float]] = {str(c): [] for c in configs}
     said: dict[str, list[dict[str, Any]]] = {str(c): [] for c in configs}
     for repeat in range(repeats):
         for config in configs:
             callbacks = [] if config is None else [callback(arguments, case.check_every, config)]
-            times[str(config)].append(fit(make, loader, steps, callbacks))
+            times[str(config)].append(budget_bench.fit(callbacks, loader, steps, make))
             if callbacks:
                 said[str(config)].append(account(callbacks[0]))
             print(f"{case.name} {repeat + 1}/{repeats} {config}: {times[str(config)][-1]:.2f} s", flush=True)
@@ -208,14 +193,8 @@ def markdown(payload: dict[str, Any]) -> str:
     ]
     for case in payload["cases"]:
         for row in case["rows"]:
-            plan = row["last_plan"]
-            where = "-" if plan is None else (
-                f"every {plan['intervals']} x, {'background' if plan['background'] else 'loop'}"
-                + (f", lag {plan['lag']}" if plan.get("lag") else "") + (f", {plan['probe_size']} points"
-                if plan["probe_size"] else "")
-            )  # fmt: skip
-            share = "-" if row["in_all"] is None else f"{100 * row['in_all']:.1f} %"
-            median = "-" if row["median_interval"] is None else f"{100 * row['median_interval']:.1f} %"
+            where = budget_bench.plan_text(row["last_plan"], "check_every")
+            share, median = budget_bench.percent(row["in_all"]), budget_bench.percent(row["median_interval"])
             lines.append(
                 f"| {case['case']} | {case['step_ms']} | {row['budget']} | {row['wall_ratio']:.3f} | "
                 f"<= {case['target']:.2f} | {'yes' if row['meets'] else 'no'} | {share} | {median} | "

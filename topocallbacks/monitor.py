@@ -238,7 +238,7 @@ class CheckFeed:
         )
 
     def _submit(self, request: CheckRequest, step: int, lag: int | None, probe_ms: float = 0.0) -> None:
-        by_schedule = lag is None  # only checks the schedule called are planned for, and start a worker beside
+        by_schedule = lag is None  # only the checks the schedule calls are planned for (and start a worker beside)
         self.budget.scheduled(step, by_schedule)
         at, background = self.schedule.apply_at(step, lag), self.schedule.background
         prestart = by_schedule and self.budget.may_move
