@@ -1,14 +1,15 @@
 """The default overhead budget, chosen by the pre-registered rule of ``benchmarks/DEFAULT_BUDGET.md`` (issue 37).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split design    # about 15 minutes
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split held_out  # after stage 2; ~10 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split design    # about 7 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split held_out  # after stage 2; ~20 minutes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --quick --out /tmp/x  # a smoke run (the test's)
 
 Each case is a real Lightning fit on one training thread, timed without the callback and with it, every
 configuration in turn over interleaved repeats (the minimum of each); the wall ratio is the callback's over no
-callback's. Design: each candidate budget (`CANDIDATES`) as an override; the rule picks the default (`choose`).
-Held out (refused before stage 2 is committed): the callback at the shipped default, whose settings' SHA-256 is
-stored. Writes ``benchmarks/results/default_budget_<split>.{json,md}``.
+callback's. Design: each candidate budget (`CANDIDATES`) as an override; the rule picks the default (`choose`). Held
+out (refused before stage 2 is committed, and while the shipped default is not the design's choice): the callback at
+the shipped default, whose settings' SHA-256 is stored. Writes
+``benchmarks/results/default_budget_<split>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -106,9 +107,10 @@ CASES = (
 )
 
 
-def settings_sha() -> str:
-    """The SHA-256 of the shipped default's settings (as ``ROUND3.md`` records it)."""
-    return hashlib.sha256(json.dumps(MonitorSettings().as_dict(), sort_keys=True).encode()).hexdigest()
+def settings_sha(settings: MonitorSettings | None = None) -> str:
+    """The SHA-256 of ``settings`` (None: the shipped default's), as ``ROUND3.md`` records it."""
+    chosen = MonitorSettings() if settings is None else settings
+    return hashlib.sha256(json.dumps(chosen.as_dict(), sort_keys=True).encode()).hexdigest()
 
 
 def callback(arguments: dict[str, Any], check_every: int | None, budget: Any) -> TopoCollapseCallback:
@@ -175,6 +177,12 @@ def choose(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return {"chosen": chosen, "targets_met": {str(c): met[c] for c in CANDIDATES}, "all_met": bool(every)}
 
 
+def chosen_is_shipped() -> bool:
+    """Whether the shipped default's budget is the design split's stored choice (what the held-out cases measure)."""
+    design = json.loads((RESULTS / "default_budget_design.json").read_text())
+    return bool(MonitorSettings().schedule.overhead_budget == design["choice"]["chosen"])
+
+
 def stage2_committed() -> bool:
     """Whether the pre-registration's stage 2 is written (the held-out split runs only after it)."""
     return "## Stage 2" in PREREGISTRATION.read_text()
@@ -216,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     if args.split == "held_out" and not args.quick and not stage2_committed():
         parser.error("the held-out cases run only after stage 2 of benchmarks/DEFAULT_BUDGET.md")
+    if args.split == "held_out" and not args.quick and not chosen_is_shipped():
+        parser.error(
+            "the held-out cases measure the shipped default, and the design's choice is not shipped (stage 3 of "
+            "benchmarks/DEFAULT_BUDGET.md withdrew it): check out c75f546 to run them as registered"
+        )
     cases = [c for c in CASES if c.split == args.split]
     if args.quick:
         cases = [dataclasses.replace(cases[0], setting=_mlp, check_every=10)]

@@ -333,11 +333,8 @@ def _default_budget_rows(split: str, budget: Any = None) -> list[tuple[dict[str,
 
 
 def _plan_text(plan: dict[str, Any] | None) -> str:
-    if plan is None:
-        return "as configured"
-    where = "in the worker" if plan["background"] else "in the loop"
-    size = f", {plan['probe_size']} points" if plan["probe_size"] else ""
-    return f"every {plan['intervals']} x `check_every`, {where}{size}"
+    """A stored plan in the budget bench's words (``budget_bench.plan_text``), or the configuration's."""
+    return "as configured" if plan is None else str(suite("", "budget_bench").plan_text(plan, "`check_every`"))
 
 
 def _default_budget_table(rows: list[tuple[dict[str, Any], dict[str, Any]]], with_budget: bool) -> list[str]:
@@ -364,8 +361,12 @@ def default_budget() -> str:
     held = stored("default_budget_held_out.json")
     chosen = design["choice"]["chosen"]
     held_rows = _default_budget_rows("held_out")
-    missed = [f"{case['case']} ({row['wall_ratio']:.3f}x against {case['target']:.2f}x)" for case, row in held_rows
-              if not row["meets"]]  # fmt: skip
+    missed = [
+        f"{case['case']} ({row['wall_ratio']:.3f}x against {case['target']:.2f}x; the plan at the end: "
+        f"{_plan_text(row['last_plan'])}{', and the budget warned' if row['warned'] else ''})"
+        for case, row in held_rows
+        if not row["meets"]
+    ]
     cnn = [case["step_ms"] for case in design["cases"] if case["case"].startswith("cnn")]
     lines = [
         _fill(
@@ -374,12 +375,7 @@ def default_budget() -> str:
             f"(`overhead_budget={held['shipped_budget']:g}`, since withdrawn; settings SHA-256 "
             f"`{held['settings_sha256'][:12]}`), the minimum of {held['repeats']} interleaved runs each: "
             f"{len(held_rows) - len(missed)} of {len(held_rows)} targets met"
-            + (
-                f"; missed: {', '.join(missed)}, where the preset fixes the probe size (the budget cannot halve it) "
-                "and even a check every 4 intervals costs more than the budget (its warning says so)."
-                if missed
-                else "."
-            )
+            + (f"; missed: {', '.join(missed)}." if missed else ".")
         ),
         "",
         *_default_budget_table(_default_budget_rows("held_out"), with_budget=False),

@@ -1,7 +1,6 @@
 """The default overhead budget's pre-registered choice (benchmarks/default_budget.py, benchmarks/DEFAULT_BUDGET.md):
 the rule, a smoke run of the script, and the stored results against the shipped default."""
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -72,17 +71,20 @@ def chosen_settings():
     return MonitorSettings().merged({"overhead_budget": chosen})
 
 
-def test_the_shipped_default_checks_at_the_configured_cadence_until_a_budget_keeps_decisions_reproducible():
+def test_the_shipped_default_checks_at_the_configured_cadence_until_a_budget_keeps_decisions_reproducible(tmp_path):
     assert "## Stage 3" in default_budget.PREREGISTRATION.read_text()
     assert MonitorSettings().schedule.overhead_budget is None
+    assert not default_budget.chosen_is_shipped()
+    with pytest.raises(SystemExit):  # the held-out cases would measure another default than the registered one
+        default_budget.main(["--split", "held_out", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("default_budget_*"))
 
 
 def test_the_held_out_fits_measured_the_default_a_user_gets():
     payload = json.loads((RESULTS / "default_budget_held_out.json").read_text())
     assert default_budget.stage2_committed()
     measured = chosen_settings()
-    digest = hashlib.sha256(json.dumps(measured.as_dict(), sort_keys=True).encode()).hexdigest()
-    assert payload["settings_sha256"] == digest  # the same settings object, field for field
+    assert payload["settings_sha256"] == default_budget.settings_sha(measured)  # the same object, field for field
     assert payload["shipped_budget"] == measured.schedule.overhead_budget
     held_out = [c.name for c in default_budget.CASES if c.split == "held_out"]
     assert [case["case"] for case in payload["cases"]] == held_out
