@@ -65,6 +65,21 @@ def test_known_answers():
     assert two_cluster_share(rng.normal(size=20000)) == pytest.approx(2 / np.pi, abs=0.01)
 
 
+@pytest.mark.parametrize("shape", [(40, 300), (300, 40), (64, 64), (2, 5)])
+def test_the_direction_share_is_the_full_decompositions(shape):
+    """Only the top eigenpair is computed: the same share and the same two-cluster split as numpy's full eigh."""
+    rng = np.random.default_rng(sum(shape))
+    n, d = shape
+    cloud = rng.normal(size=(4, d))[rng.integers(0, 4, n)] + 0.3 * rng.normal(size=(n, d))
+    centred = cloud - cloud.mean(axis=0)
+    values, vectors = np.linalg.eigh(centred.T @ centred)
+    expected_share = values[-1] / np.einsum("ij,ij->", centred, centred)
+    coordinates = centred @ vectors[:, -1]  # the projections on the first principal direction (up to its sign)
+    values_now = sentinel_values([cloud], cloud)
+    assert values_now.top_share == pytest.approx(expected_share, rel=1e-10)
+    assert values_now.two_clusters == pytest.approx(two_cluster_share(coordinates), rel=1e-9)
+
+
 def test_the_three_collapses_and_a_healthy_cloud():
     rng = np.random.default_rng(1)
     cloud = rng.normal(size=(200, 16)) @ rng.normal(size=(16, 16))
