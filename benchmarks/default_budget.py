@@ -3,13 +3,16 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split design    # about 7 minutes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split held_out  # after stage 2; ~20 minutes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --quick --out /tmp/x  # a smoke run (the test's)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --stage 4 --split design    # stage 4: plans once
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --stage 4 --split held_out  # after stage 5; ~30 min
 
 Each case is a real Lightning fit on one training thread, timed without the callback and with it, every
 configuration in turn over interleaved repeats (the minimum of each); the wall ratio is the callback's over no
 callback's. Design: each candidate budget (`CANDIDATES`) as an override; the rule picks the default (`choose`). Held
 out (refused before stage 2 is committed, and while the shipped default is not the design's choice): the callback at
 the shipped default, whose settings' SHA-256 is stored. Writes
-``benchmarks/results/default_budget_<split>.{json,md}``.
+``benchmarks/results/default_budget_<split>.{json,md}`` (stage 1), ``default_budget_stage4_<split>.{json,md}``
+(stage 4: the budget that plans once, with two new held-out cases).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Case:
     target: float
     check_every: int | None  # None: the shipped cadence (the preset's, with a preset)
     setting: Callable[[], tuple[Callable[[], pl.LightningModule], Any, dict[str, Any]]]
+    stages: tuple[int, ...] = (1, 4)  # the pre-registration's stages that run it
 
 
 def _mlp() -> tuple[Callable[[], pl.LightningModule], Any, dict[str, Any]]:
@@ -98,11 +102,37 @@ def _gpt() -> tuple[Callable[[], pl.LightningModule], Any, dict[str, Any]]:
     return TinyGPT, torch.utils.data.DataLoader(range(10**6), batch_size=1), {"probe": probe, "preset": "gpt"}
 
 
+class ResNet18(pl.LightningModule):
+    """``gpu_overhead.py``'s ResNet-18 at the "small" widths on random 32 x 32 images, batches of 16, AdamW."""
+
+    shape = (16, 32)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = gpu_overhead.build("resnet18", "small")
+
+    def forward(self, pixel_values: torch.Tensor) -> Any:  # what the probe pass calls
+        return self.model(pixel_values=pixel_values)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**gpu_overhead.inputs("resnet18", self.shape, self.device, 0)).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def _resnet18() -> tuple[Callable[[], pl.LightningModule], Any, dict[str, Any]]:
+    probe = gpu_overhead.probe_for("resnet18", ResNet18.shape, 0)
+    return ResNet18, torch.utils.data.DataLoader(range(10**6), batch_size=1), {"probe": probe, "preset": "resnet"}
+
+
 CASES = (
     Case("mlp_1ms", "design", 4000, 1.50, 10, _mlp),
     Case("cnn_default", "design", 1000, 1.10, None, _cnn),
     Case("cnn_every10", "design", 300, 1.20, 10, _cnn),
-    Case("gpt_default", "held_out", 1000, 1.10, None, _gpt),
+    Case("resnet18_default", "held_out", 1000, 1.10, None, _resnet18, (4,)),  # held out for stage 4: never run before
+    Case("resnet18_every10", "held_out", 300, 1.20, 10, _resnet18, (4,)),
+    Case("gpt_default", "held_out", 1000, 1.10, None, _gpt),  # stage 4: seen in stage 2, re-run, not unseen
     Case("gpt_every10", "held_out", 300, 1.20, 10, _gpt),
 )
 
@@ -177,20 +207,30 @@ def choose(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return {"chosen": chosen, "targets_met": {str(c): met[c] for c in CANDIDATES}, "all_met": bool(every)}
 
 
-def chosen_is_shipped() -> bool:
-    """Whether the shipped default's budget is the design split's stored choice (what the held-out cases measure)."""
-    design = json.loads((RESULTS / "default_budget_design.json").read_text())
+def stem(stage: int, split: str) -> str:
+    """The results' file stem of a stage's split."""
+    return f"default_budget_{split}" if stage == 1 else f"default_budget_stage{stage}_{split}"
+
+
+def chosen_is_shipped(stage: int = 1) -> bool:
+    """Whether the shipped default's budget is the stage's design choice (what its held-out cases measure)."""
+    design = json.loads((RESULTS / f"{stem(stage, 'design')}.json").read_text())
     return bool(MonitorSettings().schedule.overhead_budget == design["choice"]["chosen"])
 
 
-def stage2_committed() -> bool:
-    """Whether the pre-registration's stage 2 is written (the held-out split runs only after it)."""
-    return "## Stage 2" in PREREGISTRATION.read_text()
+#: The pre-registration's stage after which a stage's held-out cases may run.
+SHIPPED_AT = {1: "## Stage 2", 4: "## Stage 5"}
+
+
+def stage2_committed(stage: int = 1) -> bool:
+    """Whether the pre-registration's stage that ships the choice is written (the held-out split runs only after)."""
+    return SHIPPED_AT[stage] in PREREGISTRATION.read_text()
 
 
 def markdown(payload: dict[str, Any]) -> str:
     lines = [
-        f"# The default overhead budget: {payload['split']} cases",
+        f"# The default overhead budget{'' if payload.get('stage', 1) == 1 else ', stage ' + str(payload['stage'])}: "
+        f"{payload['split']} cases",
         "",
         f"`{payload['command']}` ({payload['machine']}; load average {payload['load_average']}); "
         f"the minimum of {payload['repeats']} interleaved runs each.",
@@ -220,23 +260,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", choices=["design", "held_out"], default="design")
     parser.add_argument("--quick", action="store_true", help="1 repeat, 40 steps, the MLP only (a smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--stage", type=int, choices=sorted(SHIPPED_AT), default=1,
+                        help="the pre-registration's stage: 1 (the budget that replanned; 0.05 chosen, withdrawn) or "
+                             "4 (the budget that plans once)")  # fmt: skip
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    if args.split == "held_out" and not args.quick and not stage2_committed():
-        parser.error("the held-out cases run only after stage 2 of benchmarks/DEFAULT_BUDGET.md")
-    if args.split == "held_out" and not args.quick and not chosen_is_shipped():
+    shipped_at = SHIPPED_AT[args.stage][3:]
+    if args.split == "held_out" and not args.quick and not stage2_committed(args.stage):
+        parser.error(f"the held-out cases of stage {args.stage} run only after {shipped_at} of "
+                     "benchmarks/DEFAULT_BUDGET.md")  # fmt: skip
+    if args.split == "held_out" and not args.quick and not chosen_is_shipped(args.stage):
         parser.error(
-            "the held-out cases measure the shipped default, and the design's choice is not shipped (stage 3 of "
-            "benchmarks/DEFAULT_BUDGET.md withdrew it): check out c75f546 to run them as registered"
-        )
-    cases = [c for c in CASES if c.split == args.split]
+            f"the held-out cases of stage {args.stage} measure the shipped default, and that stage's design choice "
+            "is not shipped" + (" (stage 3 withdrew it): check out c75f546 to run them as registered"
+                                if args.stage == 1 else "")
+        )  # fmt: skip
+    cases = [c for c in CASES if c.split == args.split and args.stage in c.stages]
     if args.quick:
         cases = [dataclasses.replace(cases[0], setting=_mlp, check_every=10)]
     configs: list[Any] = [None, *CANDIDATES] if args.split == "design" else [None, "default"]
     repeats = 1 if args.quick else REPEATS
     results = [run_case(c, configs, repeats, 40 if args.quick else c.steps) for c in cases]
-    command = f"OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py --split {args.split}"
+    stage = "" if args.stage == 1 else f" --stage {args.stage}"
+    command = f"OMP_NUM_THREADS=1 .venv/bin/python benchmarks/default_budget.py{stage} --split {args.split}"
     payload: dict[str, Any] = {
+        "stage": args.stage,
         "split": args.split,
         "command": command + (" --quick" if args.quick else ""),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -249,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.split == "design":
         payload["choice"] = choose(results)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"default_budget_{args.split}"
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(payload))
+    path = args.out / stem(args.stage, args.split)
+    path.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown(payload))
     print(markdown(payload))
     return 0
 

@@ -268,7 +268,12 @@ def measured_costs(record: CheckRecord, step_ms: float, own_ms: float) -> Costs:
 
 
 class Budget:
-    """The overhead budget's part of a monitor: it measures each check interval and plans the next (rank 0).
+    """The overhead budget's part of a monitor: it measures each check interval and plans once (rank 0).
+
+    The plan is made at the third check the schedule calls, on the cheaper of the two intervals before it (the
+    first check pays one-off costs: imports, compilation, a worker starting), and kept for the rest of the run: a
+    plan that followed every interval's timing would make the run's checks, and so its decisions, follow the
+    machine's load. A plan given as ``plan=`` is taken instead, at its step, without measuring.
 
     Args:
         settings: the monitor's settings (``schedule.overhead_budget``; None: measure only).
@@ -279,18 +284,18 @@ class Budget:
         self.meter = Meter()
         self.free_core = (os.cpu_count() or 1) > torch.get_num_threads()  # a worker beside the loop gets a core
         self._scheduled: set[int] = set()  # the steps of pending checks the schedule called (on_step)
-        self._settle = False  # the interval after a new plan holds its one-off costs (a worker starting...)
         self._previous: Costs | None = None  # the interval before: a plan needs two (one-off costs are not planned on)
-        self._missed = 0  # plans in a row that missed the budget (the first ones may still carry one-off costs)
 
     @property
     def may_move(self) -> bool:
         """Whether the budget may move the checks into the background worker.
 
         Then one starts beside the loop at the first check, so that it is ready when they move (a worker takes
-        about a second to start).
+        about a second to start). A given ``plan`` in the background starts one too.
         """
         schedule = self.settings.schedule
+        if schedule.plan is not None:
+            return bool(schedule.plan["background"]) and schedule.background is None
         return schedule.overhead_budget is not None and schedule.background is None and self.free_core
 
     def scheduled(self, step: int, by_schedule: bool) -> None:
@@ -299,31 +304,36 @@ class Budget:
             self._scheduled.add(step)
 
     def measure(self, record: CheckRecord, schedule: Any, checks: int, worker: str = "ready") -> CheckRecord:
-        """``record`` (a CheckRecord) with the interval's cost, and the new plan when it changed (then ``record.plan``).
+        """``record`` (a CheckRecord) with the interval's cost, and the plan when this check makes it (``record.plan``).
 
         ``checks``: the policy's checks so far (the probe may shrink only during the warm-up). ``worker``: the
-        background worker is ``"ready"``, ``"starting"`` (the checks stay in the loop meanwhile, and a budget missed
-        until then is not counted) or ``"failed"``. Warns once, when two plans in a row miss the budget (the second
-        made on two intervals of the first: one-off costs such as a first check's imports are behind it).
+        background worker is ``"ready"``, ``"starting"`` (the plan may move the checks to it all the same: the loop
+        waits for it once, at the first moved check's decision) or ``"failed"`` (they stay in the loop). Warns once
+        when the plan misses the budget.
         """
         share, step_ms, own_ms = self.meter.interval(record.step)
         s, budget = self.settings, self.settings.schedule.overhead_budget
-        planned, self._settle = record.step in self._scheduled and not self._settle, False
+        planned = record.step in self._scheduled and schedule.plan.at_step is None  # one plan a run
         self._scheduled.discard(record.step)
+        measured = dataclasses.replace(record, overhead=share, step_ms=step_ms)
+        given = s.schedule.plan
+        if given is not None:  # a recorded plan, followed again at its step: no measurement decides anything
+            if not planned or record.step < given["at_step"]:
+                return measured
+            return dataclasses.replace(measured, plan=Plan(**{**given, "at_step": record.step}, predicted=0.0))
         if share is None or step_ms is None or budget is None or not record.ok or not planned:
-            return dataclasses.replace(record, overhead=share, step_ms=step_ms)
-        measured = measured_costs(record, step_ms, own_ms)
-        previous, self._previous = self._previous, measured
+            return measured
+        costs_now = measured_costs(record, step_ms, own_ms)
+        previous, self._previous = self._previous, costs_now
         if previous is None:  # the first checks pay one-off costs (compilation, caches): plan on two intervals
-            return dataclasses.replace(record, overhead=share, step_ms=step_ms)
-        costs = min(previous, measured, key=lambda c: Footprint(c, s.schedule.check_every).share(c.n, False, 1))
-        # An explicit `background` wins; checks in the loop move only to a worker that is ready (already in the
-        # background, e.g. on an accelerator, they stay there while a worker restarts).
-        can_move = self.may_move and (schedule.background or worker == "ready")
+            return measured
+        costs = min(previous, costs_now, key=lambda c: Footprint(c, s.schedule.check_every).share(c.n, False, 1))
+        # An explicit `background` wins; otherwise the checks may move to a worker that started or is starting.
+        can_move = self.may_move and (schedule.background or worker != "failed")
         kept_in_loop = (
             "`background` is set" if s.schedule.background is not None
             else "no core is free for a worker" if not self.free_core
-            else f"the background worker {'is still starting' if worker == 'starting' else 'did not start'}"
+            else "the background worker did not start"
         )  # fmt: skip
         can_shrink = s.probe.size is None and not schedule.streaming and checks <= s.rule.warmup
         chosen, why = replan(
@@ -331,15 +341,7 @@ class Budget:
             can_shrink=can_shrink and record.n_points // 2 >= MIN_PROBE, lag=s.schedule.apply_lag,
             can_lag=s.schedule.lag is None, kept_in_loop=kept_in_loop,  # an explicit `lag` wins
         )  # fmt: skip
-        waiting = worker == "starting" and not schedule.background
-        self._missed = 0 if why is None else self._missed + (not waiting)
-        if why is not None and self._missed >= 2 and not schedule.warned_:
+        if why is not None and not schedule.warned_:
             schedule.warned_ = True
             warnings.warn(why, RuntimeWarning, stacklevel=2)
-        same = (chosen.intervals, chosen.background, chosen.probe_size, chosen.lag) == (
-            schedule.plan.intervals, schedule.plan.background, schedule.plan.probe_size, schedule.plan.lag,
-        )  # fmt: skip
-        self._settle = not same
-        if not same:
-            self._previous = None  # under a new plan, two new intervals
-        return dataclasses.replace(record, overhead=share, step_ms=step_ms, plan=None if same else chosen)
+        return dataclasses.replace(measured, plan=dataclasses.replace(chosen, at_step=record.step))

@@ -160,6 +160,9 @@ class Plan:
         probe_size: probe samples (None: the probe as given).
         predicted: the predicted share of the step time the monitor costs under this plan.
         met: whether the prediction is within the budget.
+        at_step: the step of the check whose record made this plan (None: the configured schedule, no plan made).
+            The budget plans once: from then on the run's checks, where their decisions apply and on how many
+            samples do not depend on the machine's speed, and ``plan=`` with this plan's `settings` reruns them.
     """
 
     intervals: int = 1
@@ -168,10 +171,29 @@ class Plan:
     predicted: float = 0.0
     met: bool = True
     lag: int | None = None
+    at_step: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
         return dataclasses.asdict(self)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What ``plan=`` takes to follow this plan again (from the check of the same step, without measuring)."""
+        return {k: getattr(self, k) for k in ("at_step", "intervals", "background", "lag", "probe_size")}
+
+    def describe(self) -> str:
+        """The plan in words: "a check every 2 x check_every, in the background with decisions 15 steps later...".
+
+        Examples:
+            >>> print(Plan(intervals=2, background=True, lag=15, probe_size=128).describe())
+            a check every 2 x check_every, in the background worker with decisions 15 steps later, on 128 probe samples
+        """
+        where = "in the training loop"
+        if self.background:
+            where = "in the background worker" + (f" with decisions {self.lag} steps later" if self.lag else "")
+        size = f"{self.probe_size} probe samples" if self.probe_size else "the whole probe"
+        return f"a check every {self.intervals} x check_every, {where}, on {size}"
 
 
 @dataclasses.dataclass(frozen=True)

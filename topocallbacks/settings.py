@@ -242,6 +242,28 @@ def _channels(value: Any, name: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+#: The keys of a budget's plan that ``plan=`` takes (`topocallbacks.check.Plan.settings`).
+PLAN_KEYS = ("at_step", "intervals", "background", "lag", "probe_size")
+
+
+def _plan(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InputError(f"`{name}` must be a mapping of a budget's plan ({list(PLAN_KEYS)}), got {value!r}")
+    unknown = sorted(set(value) - set(PLAN_KEYS))
+    if unknown:
+        raise InputError(f"`{name}` has unknown key {unknown[0]!r}{_did_you_mean(unknown[0], list(PLAN_KEYS))} "
+                         f"Valid: {list(PLAN_KEYS)}")  # fmt: skip
+    if "at_step" not in value:
+        raise InputError(f"`{name}` needs `at_step`, the step of the check that made the plan, got {dict(value)!r}")
+    return {
+        "at_step": check_int(value["at_step"], f"{name}.at_step", minimum=0),
+        "intervals": check_int(value.get("intervals", 1), f"{name}.intervals", minimum=1),
+        "background": _boolean(value.get("background", False), f"{name}.background"),
+        "lag": _optional(_integer(0))(value.get("lag"), f"{name}.lag"),
+        "probe_size": _optional(_integer(2))(value.get("probe_size"), f"{name}.probe_size"),
+    }
+
+
 def _option(default: Any, check: Check, *, alias: str | None = None) -> Any:
     """A settings field: its default, its check and (rarely) the longer name it has outside its section."""
     return dataclasses.field(default=default, metadata={"check": check, "alias": alias})
@@ -358,7 +380,15 @@ class ScheduleSettings(_Section):
             check), the cadence (more ``check_every`` intervals between checks, at most `FLOOR_INTERVALS`), the
             probe size (halved down to `MIN_PROBE`, when ``max_probe_samples`` is automatic, during the warm-up: it
             restarts the calibration). When even that misses the budget, one warning says what was chosen
-            (`topocallbacks.budget`).
+            (`topocallbacks.budget`). The budget plans **once**, at the third check the schedule calls (on the
+            cheaper of the two intervals before it: the first check's one-off costs are not planned on), and keeps
+            that plan for the rest of the run, so that the run's decisions do not follow the machine's load from
+            check to check; the plan is in the history (the record of that check), the checkpointed state and the
+            summary, which gives the ``plan=`` that reruns it.
+        plan: a plan the budget made, to follow again instead of planning (`Plan.settings`, e.g. ``{"at_step": 20,
+            "intervals": 2, "background": True, "lag": 15, "probe_size": 128}``): taken at the first check the
+            schedule calls at or after ``at_step``, whatever ``overhead_budget`` is, so that a run whose plan came
+            from one machine's timings reruns with the same checks and decisions on another.
     """
 
     mode: str = _option("probe", _choice(MODES))
@@ -371,6 +401,7 @@ class ScheduleSettings(_Section):
     worker_timeout: float = _option(60.0, _positive)
     check_budget_ms: float = _option(250.0, _positive)
     overhead_budget: float | None = _option(None, _optional(_positive))
+    plan: dict[str, Any] | None = _option(None, _optional(_plan))
 
     @property
     def apply_lag(self) -> int:

@@ -131,24 +131,22 @@ def cost_line(checks: Sequence[CheckRecord], budget: float | None) -> str | None
 
 
 def _budget_missed(checks: Sequence[CheckRecord], budget: float | None, median_share: float) -> str:
-    """A line when the budget was not kept: the last plan's limit and its prediction, or the measure above it."""
+    """The budget's plan (what it chose, and the ``plan=`` that reruns it), and a line when it was not kept."""
     plans = [r.plan for r in checks if r.plan is not None]
-    if budget is None or not plans:
+    if not plans:
         return ""
     last = plans[-1]
+    text = f"\n  plan at step {last.at_step}: {last.describe()}; rerun with plan={last.settings}"
+    if budget is None:
+        return text
     if not last.met:
-        where = "in the background worker" if last.background else "in the training loop"
-        size = f"{last.probe_size} probe samples" if last.probe_size else "the whole probe"
-        return (
-            f"\n  budget not kept: even a check every {last.intervals} x check_every, {where}, on {size}, was "
-            f"predicted to cost {100 * last.predicted:.1f} %"
-        )
+        return text + f"\n  budget not kept: even this plan was predicted to cost {100 * last.predicted:.1f} %"
     if median_share > budget:
-        return (
-            f"\n  budget not kept: the plan (a check every {last.intervals} x check_every) was predicted to cost "
-            f"{100 * last.predicted:.1f} %; the median interval measured more"
+        return text + (
+            f"\n  budget not kept: the plan was predicted to cost {100 * last.predicted:.1f} %; the median interval "
+            "measured more"
         )
-    return ""
+    return text
 
 
 def with_layer_moves(past: Sequence[CheckRecord], records: list[CheckRecord]) -> CheckRecord:

@@ -230,7 +230,10 @@ def test_a_cheap_check_keeps_the_configured_cadence(monkeypatch):
     assert [r.step for r in checks] == [0, 10, 20, 30, 40, 50]
     assert not budget_warnings
     assert monitor.schedule.plan.intervals == 1
-    assert all(r.plan is None for r in checks)
+    # One plan, made at the third check on the two intervals before it and kept: the configured cadence, in the loop.
+    plans = [r.plan for r in checks if r.plan is not None]
+    assert [(p.at_step, p.intervals, p.background, p.probe_size, p.met) for p in plans] == [(20, 1, False, None, True)]
+    assert monitor.schedule.plan == plans[0]
 
 
 def test_the_budget_must_be_a_positive_share():
@@ -353,32 +356,52 @@ def plans_of(worker, intervals=6, on_accelerator=False):
     return schedule.plan, made, [str(w.message) for w in caught if "overhead budget" in str(w.message)]
 
 
-def test_the_budget_moves_the_checks_only_to_a_ready_worker_and_warns_after_two_plans_that_miss():
+def test_the_budget_plans_once_moves_the_checks_to_a_started_worker_and_warns_once_when_it_misses():
     # In the loop a 40 ms check every ~10 ms of training misses 2 % at any cadence up to the floor, at any size.
-    final, made, warned = plans_of("starting")
-    assert made  # it planned (in the loop: the floor, the smallest probe)...
+    for worker in ("ready", "starting"):  # a worker still starting is planned for: the loop waits for it once
+        final, made, warned = plans_of(worker)
+        assert len(made) == 1  # one plan, at the third check, kept for the rest of the run
+        assert made[0].at_step == 20
+        assert (final.background, final.met, warned) == (True, True, [])  # the lag hides the evaluation
+    final, made, warned = plans_of("failed")
+    assert len(made) == 1
     assert (final.background, final.intervals, final.probe_size, final.met) == (
         False,
         FLOOR_INTERVALS,
         MIN_PROBE,
         False,
     )
-    assert warned == []  # ...but a miss while the worker starts is not warned of: the checks will move
-    final, made, warned = plans_of("ready")
-    assert made[0].background  # moved at the first plan, where the lag hides the evaluation
-    assert (final.background, final.met, warned) == (True, True, [])
-    final, made, warned = plans_of("failed")
-    assert len(made) == 1  # the same plan again: not a new one
-    assert not final.background
-    assert len(warned) == 1  # the second plan in a row that missed (one-off costs are behind it by then)
+    assert len(warned) == 1  # at the plan, which missed
     assert "the background worker did not start" in warned[0]
     # Checks already in the background (`background` automatic, a model on an accelerator) stay there while their
     # worker restarts (after a rollback) or starts.
     for worker in ("failed", "starting"):
         final, made, _ = plans_of(worker, on_accelerator=True)
-        assert made
-        assert all(p.background for p in made)
+        assert len(made) == 1
         assert final.background
+
+
+def test_a_given_plan_is_taken_at_its_step_without_measuring_and_the_checks_are_those_of_the_planned_run(monkeypatch):
+    # A run planned on fixed costs, then the same run told its plan: the same check steps, sizes and applied steps,
+    # whatever the second run measures (it has no budget at all).
+    fixed_costs(monkeypatch, step_ms=0.01, eval_ms=40.0)
+    _, planned_checks, _ = run(0.02, steps=121)
+    (made,) = [r.plan for r in planned_checks if r.plan is not None]
+    assert made.intervals > 1  # the cadence moved: the rerun must follow it to match
+    monkeypatch.undo()
+    torch.manual_seed(0)
+    model, probe = Net(), torch.randn(256, 16)
+    rerun = TopoMonitor(probe=probe, layer="body", check_every=5, background=False, plan=made.settings,
+                        policy={"action": "warn"})  # fmt: skip
+    assert rerun.settings.schedule.overhead_budget is None
+    for step in range(121):
+        rerun.on_step(step, model=model, loss=1.0)
+    rerun.close()
+    again = [r for r in rerun.history if r.kind == "check"]
+    assert [(r.step, r.n_points, r.applied_step) for r in again] == [
+        (r.step, r.n_points, r.applied_step) for r in planned_checks
+    ]
+    assert [r.plan.settings for r in again if r.plan is not None] == [made.settings]
 
 
 def test_checks_evaluated_in_the_loop_beside_a_started_worker_reach_it_before_it_evaluates_the_next():
@@ -407,16 +430,32 @@ def checks_with(plan, shares):
     return records
 
 
-def test_the_summary_says_when_the_budget_was_not_kept_and_at_which_limit():
-    floor = Plan(intervals=FLOOR_INTERVALS, background=True, probe_size=MIN_PROBE, predicted=0.31, met=False)
+def test_the_summary_gives_the_plan_the_rerun_and_says_when_the_budget_was_not_kept():
+    floor = Plan(intervals=FLOOR_INTERVALS, background=True, probe_size=MIN_PROBE, predicted=0.31, met=False, lag=9,
+                 at_step=10)  # fmt: skip
     line = cost_line(checks_with(floor, [0.4, 0.3, 0.3]), 0.05)
+    rerun = {"at_step": 10, "intervals": FLOOR_INTERVALS, "background": True, "lag": 9, "probe_size": MIN_PROBE}
     assert line.endswith(
-        f"budget not kept: even a check every {FLOOR_INTERVALS} x check_every, in the background worker, on "
-        f"{MIN_PROBE} probe samples, was predicted to cost 31.0 %"
+        f"plan at step 10: a check every {FLOOR_INTERVALS} x check_every, in the background worker with decisions 9 "
+        f"steps later, on {MIN_PROBE} probe samples; rerun with plan={rerun}\n"
+        "  budget not kept: even this plan was predicted to cost 31.0 %"
     )
-    kept_in_plan = Plan(intervals=2, background=True, predicted=0.04, met=True)
+    assert MonitorSettings().merged({"plan": floor.settings}).schedule.plan == rerun  # the rerun is a valid option
+    kept_in_plan = Plan(intervals=2, background=False, predicted=0.04, met=True, at_step=10)
     line = cost_line(checks_with(kept_in_plan, [0.3, 0.08, 0.07]), 0.05)  # planned within, measured above it
-    assert line.endswith("budget not kept: the plan (a check every 2 x check_every) was predicted to cost 4.0 %; "
-                         "the median interval measured more")  # fmt: skip
+    assert line.endswith("in the training loop, on the whole probe; rerun with plan={'at_step': 10, 'intervals': 2, "
+                         "'background': False, 'lag': None, 'probe_size': None}\n  budget not kept: the plan was "
+                         "predicted to cost 4.0 %; the median interval measured more")  # fmt: skip
     assert "budget not kept" not in cost_line(checks_with(kept_in_plan, [0.3, 0.04, 0.03]), 0.05)
     assert "budget not kept" not in cost_line(checks_with(floor, [0.4, 0.3, 0.3]), None)  # no budget, none to keep
+
+
+def test_a_plan_must_be_a_valid_mapping_with_its_step():
+    with pytest.raises(ValueError, match=r"`plan` has unknown key 'interval'; did you mean `intervals`"):
+        MonitorSettings().merged({"plan": {"at_step": 3, "interval": 2}})
+    with pytest.raises(ValueError, match="`plan` needs `at_step`"):
+        MonitorSettings().merged({"plan": {"intervals": 2}})
+    with pytest.raises(ValueError, match=r"`plan.intervals` must be an integer >= 1, got 0"):
+        MonitorSettings().merged({"plan": {"at_step": 3, "intervals": 0}})
+    with pytest.raises(ValueError, match="`plan` must be a mapping"):
+        MonitorSettings().merged({"plan": "every 2"})

@@ -29,7 +29,7 @@ def round_trip(part, fresh):
 def test_the_schedule_round_trips_and_pickles():
     schedule = Schedule(ScheduleSettings(check_every=5))
     schedule.checked(10)
-    schedule.follow(Plan(intervals=2, background=False, probe_size=256, predicted=0.01, met=True))
+    schedule.follow(Plan(intervals=2, background=False, probe_size=256, predicted=0.01, met=True, at_step=10))
     schedule.warned_ = True
     fresh = Schedule(ScheduleSettings(check_every=5))
     state = round_trip(schedule, fresh)
@@ -37,7 +37,7 @@ def test_the_schedule_round_trips_and_pickles():
         "version": 2,
         "last_checked_step": 10,
         "plan": {"intervals": 2, "background": False, "probe_size": 256, "predicted": 0.01, "met": True,
-                 "lag": None, "background_setting": False},
+                 "lag": None, "at_step": 10, "background_setting": False},
         "warned": True,
     }  # fmt: skip
     assert fresh.plan == schedule.plan
@@ -47,8 +47,10 @@ def test_the_schedule_round_trips_and_pickles():
     assert not schedule.due(15)
     assert schedule.due(20)  # the plan: a check every 2 intervals
     assert schedule.apply_at(20) == 20  # in the loop: at once
-    older = {**state, "plan": {k: v for k, v in state["plan"].items() if k != "lag"}}  # saved before plans had a lag
-    Schedule(ScheduleSettings(check_every=5)).load_state_dict(older)
+    older = {**state, "plan": {k: v for k, v in state["plan"].items() if k not in ("lag", "at_step")}}  # saved
+    resumed = Schedule(ScheduleSettings(check_every=5))  # before plans had a lag, or the step that made them
+    resumed.load_state_dict(older)
+    assert resumed.plan.at_step is None  # such a plan does not stop the budget from planning once
     with pytest.raises(ValueError, match="version"):
         Schedule(ScheduleSettings()).load_state_dict({"version": 1, "last_checked_step": 10})
 
