@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import os
 import time
 import warnings
@@ -287,7 +288,8 @@ class Runner(WorkerLife, Stateful):
     ) -> None:
         """Queue a check (every rank); rank 0 evaluates it now or hands it to the worker.
 
-        ``prestart``: start a worker beside the loop even for a check evaluated here (`prestart`).
+        ``prestart``: start a worker beside the loop even for a check evaluated here (`prestart`); a background
+        check is then evaluated here too while that worker is still starting (`_still_starting`).
         """
         pending = _Pending(request.step, apply_at, probe_ms)
         self._pending.append(pending)
@@ -295,7 +297,7 @@ class Runner(WorkerLife, Stateful):
             return
         if prestart and not background:
             self.prestart()
-        if background and not self.in_loop:
+        if background and not self.in_loop and not (prestart and self._still_starting()):
             pending.request = request
             try:
                 self._start_worker().request(request)
@@ -303,6 +305,17 @@ class Runner(WorkerLife, Stateful):
                 self._recover(failure)
         else:
             self._evaluate(pending, request)
+
+    def _still_starting(self) -> bool:
+        """Whether the newest check is best evaluated here, beside a worker that was started and is not ready yet.
+
+        Only when the worker owes no earlier check (their order is the pipeline's: a check's drift is against the
+        one before). The check's decision is applied at the same step wherever it is evaluated, so this changes
+        what the loop waits for (the evaluation, not a process's start), never what the run decides.
+        """
+        if self._worker is None or self._worker.status != "starting":
+            return False
+        return all(item.evaluation is not None for item in itertools.islice(self._pending, len(self._pending) - 1))
 
     def collect(
         self, step: int, *, final: bool = False, annotate: Annotate | None = None, emit: Emit | None = None

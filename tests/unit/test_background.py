@@ -1,5 +1,6 @@
 """Checks evaluated in the background worker process, beside a (CPU) training loop."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -119,6 +120,27 @@ def test_background_checks_give_the_training_loops_records_at_the_announced_step
     assert last.applied_step is None
     assert background.act(last, Cuts()) is None
     assert [r.step for r in background.history if isinstance(r, CheckRecord)] == [0, 4, 8, 12, 16, 20]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a plan moves checks to a worker only where a core is free")
+def test_a_plan_that_moves_the_checks_decides_the_same_whether_the_worker_is_still_starting_or_ready(probe):
+    # A recorded plan (checks to the worker from the check of step 8, decisions 3 steps later), on a CPU where
+    # `background` is automatic: a worker starts beside the loop at the first check. How soon it is ready depends on
+    # the machine; a check it cannot take yet is evaluated in the loop. Either way, the same records, applied at the
+    # steps the plan says.
+    inline = TopoMonitor(probe=probe, background=False, **settings())
+    inline_records, _ = train(inline)
+    planned = TopoMonitor(probe=probe, plan={"at_step": 8, "background": True, "lag": 3}, **settings())
+    try:
+        records, _ = train(planned)
+        assert planned.runner.worker in ("starting", "ready")  # started at the first check, whatever it took
+    finally:
+        planned.close()
+    assert [r.step for r in records] == [0, 4, 8, 12, 16]  # the check at 20 is still pending at step 21
+    assert [r.applied_step for r in records] == [0, 4, 8, 15, 19]
+    assert [r.plan.at_step for r in records if r.plan is not None] == [8]
+    unplanned = [dataclasses.replace(r, plan=None) for r in records]  # the plan is what the inline run lacks
+    assert [without_timing(r) for r in unplanned] == [without_timing(r) for r in inline_records[:5]]
 
 
 def waiting_for_the_worker(thread):
