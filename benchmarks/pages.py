@@ -250,7 +250,7 @@ def budget_plan() -> str:
     return _fill(
         "It plans with a footprint model (probe pass linear in the samples, evaluation as (n / 512)^1.5: predicted "
         f"within {errors[0]:.0f}-{errors[-1]:.0f} % of the measured time at {points} points), on the cheaper of two "
-        "measured intervals, and warns once when two plans in a row miss the budget. `OMP_NUM_THREADS=1 "
+        "measured intervals, and warns once when its plan misses the budget. `OMP_NUM_THREADS=1 "
         ".venv/bin/python benchmarks/budget_bench.py` (the digits MLP, 512-d layer, 512-point probe, "
         f"`check_every=10`, steps of {1000 * plain['seconds'] / plain['steps']:.1f} ms on 2 cores; "
         "`benchmarks/results/budget.md`):"
