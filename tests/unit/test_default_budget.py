@@ -65,6 +65,30 @@ def test_the_stored_design_choice_follows_the_rule():
     assert payload["choice"] == default_budget.choose(payload["cases"])
 
 
+def test_the_stored_stage4_design_choice_follows_the_rule_on_the_same_cases():
+    payload = json.loads((RESULTS / "default_budget_stage4_design.json").read_text())
+    assert payload["stage"] == 4
+    assert [case["case"] for case in payload["cases"]] == [c.name for c in default_budget.CASES if c.split == "design"]
+    for case in payload["cases"]:
+        assert [row["budget"] for row in case["rows"]] == list(default_budget.CANDIDATES)
+        for row in case["rows"]:
+            assert row["meets"] == (row["wall_ratio"] <= case["target"])
+            assert row["last_plan"]["at_step"] is not None  # one plan, recorded with the step that made it
+    assert payload["choice"] == default_budget.choose(payload["cases"])
+
+
+def test_stage4s_held_out_cases_wait_until_its_choice_ships(tmp_path):
+    chosen = json.loads((RESULTS / "default_budget_stage4_design.json").read_text())["choice"]["chosen"]
+    assert MonitorSettings().schedule.overhead_budget != chosen  # not shipped yet: the ship gates come first
+    assert not default_budget.chosen_is_shipped(4)
+    with pytest.raises(SystemExit):
+        default_budget.main(["--stage", "4", "--split", "held_out", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("default_budget_*"))
+    new_cases = [c.name for c in default_budget.CASES if c.stages == (4,)]
+    assert new_cases == ["resnet18_default", "resnet18_every10"]  # held out for stage 4, never run by stage 1
+    assert all(c.split == "held_out" for c in default_budget.CASES if c.stages == (4,))
+
+
 def chosen_settings():
     """The settings the held-out runs measured: the default with the chosen budget (DEFAULT_BUDGET.md, stage 3:
     chosen, measured, not shipped, because a budget's plan makes a run's decisions follow the machine's speed)."""
