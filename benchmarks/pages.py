@@ -253,7 +253,8 @@ def budget_plan() -> str:
         "measured intervals, and warns once when its plan misses the budget. `OMP_NUM_THREADS=1 "
         ".venv/bin/python benchmarks/budget_bench.py` (the digits MLP, 512-d layer, 512-point probe, "
         f"`check_every=10`, steps of {1000 * plain['seconds'] / plain['steps']:.1f} ms on 2 cores; "
-        "`benchmarks/results/budget.md`):"
+        "`benchmarks/results/budget.md`; measured before stage 4, when the budget still replanned at every "
+        "interval):"
     )
 
 
