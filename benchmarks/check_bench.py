@@ -3,6 +3,9 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_bench.py            # about 1 minute
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/check_bench.py --quick    # n = 512 and 1,024 only
 
+A last row times the same kind of checks on a wide layer: 512 points of 512-d features (the hidden layer of
+``budget_bench.py``'s digits MLP after 300 SGD steps), the layer the overhead budget's 1-ms case watches.
+
 What is timed is :meth:`topocallbacks.pipeline.CheckPipeline.evaluate` at the monitor's defaults (normalised
 features, ε calibrated at the first check, the MMHM engine, the composite with its 256-point diagrams, diagram
 drift against the previous check, the policy): the work a background worker does per probe check. The features
@@ -33,6 +36,7 @@ import sys
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,6 +95,34 @@ def feature_snapshots(n: int) -> tuple[np.ndarray, np.ndarray, str]:
     return first, features(), source
 
 
+def wide_snapshots(n: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """The 512-d hidden features of ``n`` digits after 300 SGD steps of ``budget_bench``'s MLP, and after 5 more."""
+    from budget_bench import DigitsMLP, data
+
+    loader, _ = data()
+    model = DigitsMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = loader.dataset.tensors[0]
+    generator = torch.Generator().manual_seed(0)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            batch = torch.randint(0, len(x), (64,), generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(x[batch]), loader.dataset.tensors[1][batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    def features() -> np.ndarray:
+        with torch.no_grad():
+            return model.hidden(x[:n]).double().numpy()
+
+    train(300)
+    first = features()
+    train(5)
+    return first, features()
+
+
 def collapsed(cloud: np.ndarray) -> np.ndarray:
     """The points pulled 99.9 % of the way onto 4 of them (cluster cores a thousand times tighter)."""
     centres = cloud[np.arange(len(cloud)) % 4]
@@ -120,9 +152,25 @@ def checks(first: np.ndarray, later: np.ndarray, n: int, trace: bool) -> tuple[C
     rng = np.random.default_rng(n)
     pipeline = CheckPipeline(MonitorSettings())
     pipeline.evaluate(first[:n], 0)  # calibrates ε
-    healthy = [timed(pipeline, later[:n] + 1e-6 * rng.normal(size=(n, 64)), step, trace) for step in range(1, 4)]
-    squeezed = [timed(pipeline, collapsed(later[:n]) + 1e-9 * rng.normal(size=(n, 64)), s, trace) for s in range(4, 7)]
+    dim = later.shape[1]
+    healthy = [timed(pipeline, later[:n] + 1e-6 * rng.normal(size=(n, dim)), step, trace) for step in range(1, 4)]
+    squeezed = [timed(pipeline, collapsed(later[:n]) + 1e-9 * rng.normal(size=(n, dim)), s, trace) for s in range(4, 7)]
     return healthy, squeezed
+
+
+def row_of(n: int, healthy: Checks, squeezed: Checks, healthy_peaks: Checks, squeezed_peaks: Checks) -> dict[str, Any]:
+    """One row of the table: the medians, every check's time and path, the peaks."""
+    return {
+        "n": n,
+        "healthy_ms": statistics.median(t for t, _ in healthy),
+        "collapsed_ms": statistics.median(t for t, _ in squeezed),
+        "healthy_all_ms": [round(t, 1) for t, _ in healthy],
+        "collapsed_all_ms": [round(t, 1) for t, _ in squeezed],
+        "healthy_paths": [path for _, path in healthy],
+        "collapsed_paths": [path for _, path in squeezed],
+        "healthy_peak_mib": max(peak for peak, _ in healthy_peaks) / 2**20,
+        "collapsed_peak_mib": max(peak for peak, _ in squeezed_peaks) / 2**20,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,19 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         if n > len(first):
             print(f"n = {n}: only {len(first)} images in {source}; skipped")
             continue
-        healthy, squeezed = checks(first, later, n, trace=False)
-        healthy_peaks, squeezed_peaks = checks(first, later, n, trace=True)
-        row = {
-            "n": n,
-            "healthy_ms": statistics.median(t for t, _ in healthy),
-            "collapsed_ms": statistics.median(t for t, _ in squeezed),
-            "healthy_all_ms": [round(t, 1) for t, _ in healthy],
-            "collapsed_all_ms": [round(t, 1) for t, _ in squeezed],
-            "healthy_paths": [path for _, path in healthy],
-            "collapsed_paths": [path for _, path in squeezed],
-            "healthy_peak_mib": max(peak for peak, _ in healthy_peaks) / 2**20,
-            "collapsed_peak_mib": max(peak for peak, _ in squeezed_peaks) / 2**20,
-        }
+        row = row_of(n, *checks(first, later, n, trace=False), *checks(first, later, n, trace=True))
         rows.append(row)
         print(
             f"n = {n:5d}: healthy {row['healthy_ms']:8.1f} ms (peak {row['healthy_peak_mib']:6.1f} MiB), "
@@ -166,12 +202,21 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
     ]
     print("\n".join(table))
+    wide = None
+    if not args.quick:  # the wide layer: 512 points of 512-d features
+        wide_first, wide_later = wide_snapshots(512)
+        timed_checks = checks(wide_first, wide_later, 512, trace=False)
+        wide = {"dim": wide_first.shape[1], **row_of(512, *timed_checks, *checks(wide_first, wide_later, 512, True))}
+        print(
+            f"n = 512, d = {wide['dim']}: healthy {wide['healthy_ms']:.1f} ms, collapsed {wide['collapsed_ms']:.1f} ms"
+        )
     payload = {
         "features": source,
         "machine": platform.platform(),
         "load_average": os.getloadavg(),
         "numba": importlib.util.find_spec("numba") is not None,
         "rows": rows,
+        "wide": wide,
         "table": "\n".join(table),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -253,8 +253,7 @@ def budget_plan() -> str:
         "measured intervals, and warns once when its plan misses the budget. `OMP_NUM_THREADS=1 "
         ".venv/bin/python benchmarks/budget_bench.py` (the digits MLP, 512-d layer, 512-point probe, "
         f"`check_every=10`, steps of {1000 * plain['seconds'] / plain['steps']:.1f} ms on 2 cores; "
-        "`benchmarks/results/budget.md`; measured before stage 4, when the budget still replanned at every "
-        "interval):"
+        "`benchmarks/results/budget.md`):"
     )
 
 
@@ -307,6 +306,19 @@ def check_costs() -> str:
         f"`benchmarks/results/check_bench_numpy.json`): {without}. A fully collapsed cloud costs, against a healthy "
         f"one: {worse}; where it costs more, the persistence diagrams of the 256-point subsample (Ripser on a "
         f"near-complete graph) are most of the difference. {_check_paths(numba['rows'][0])}"
+        + _wide_check(numba.get("wide"))
+    )
+
+
+def _wide_check(wide: dict[str, Any] | None) -> str:
+    """The wide layer's row of the check bench (None: not measured in that run)."""
+    if wide is None:
+        return ""
+    return (
+        f" A wide layer, {wide['n']} points of {wide['dim']}-d features (the digits MLP's hidden layer the overhead "
+        f"budget's 1-ms case watches): {_ms(wide['healthy_ms'])} a healthy check, {_ms(wide['collapsed_ms'])} a "
+        "collapsed one; the dimension costs in the distances and the spectra (a 512 x 512 Gram matrix), not in the "
+        "topology."
     )
 
 
