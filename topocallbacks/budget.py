@@ -307,9 +307,9 @@ class Budget:
         """``record`` (a CheckRecord) with the interval's cost, and the plan when this check makes it (``record.plan``).
 
         ``checks``: the policy's checks so far (the probe may shrink only during the warm-up). ``worker``: the
-        background worker is ``"ready"``, ``"starting"`` (the plan may move the checks to it all the same: the loop
-        waits for it once, at the first moved check's decision) or ``"failed"`` (they stay in the loop). Warns once
-        when the plan misses the budget.
+        background worker is ``"ready"``, ``"starting"`` (the plan may move the checks to it all the same: until it
+        is ready the runner evaluates them in the loop, their decisions applied at the plan's step) or ``"failed"``
+        (they stay in the loop). Warns once when the plan misses the budget.
         """
         share, step_ms, own_ms = self.meter.interval(record.step)
         s, budget = self.settings, self.settings.schedule.overhead_budget

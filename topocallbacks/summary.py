@@ -126,11 +126,11 @@ def cost_line(checks: Sequence[CheckRecord], budget: float | None) -> str | None
         f"{100 * shares[-1]:.1f} %, {len(shares)} intervals; {goal})\n  in all: {100 * total:.1f} % of the training "
         f"time, the first check's {first:.0f} ms included\n  per check (medians): probe "
         f"{median(r.probe_ms for r in checks):.0f} ms, evaluation {median(r.check_ms for r in checks):.0f} ms, "
-        f"the loop waited {median(r.wait_ms for r in checks):.0f} ms" + _budget_missed(checks, budget, median(shares))
+        f"the loop waited {median(r.wait_ms for r in checks):.0f} ms" + _plan_lines(checks, budget, median(shares))
     )
 
 
-def _budget_missed(checks: Sequence[CheckRecord], budget: float | None, median_share: float) -> str:
+def _plan_lines(checks: Sequence[CheckRecord], budget: float | None, median_share: float) -> str:
     """The budget's plan (what it chose, and the ``plan=`` that reruns it), and a line when it was not kept."""
     plans = [r.plan for r in checks if r.plan is not None]
     if not plans:
