@@ -566,3 +566,27 @@ def test_the_default_rule_rolls_an_induced_lr_blow_up_back_four_times_then_stops
     expected = rates.rates[stop.snapshot_step][0] * 0.5**kept
     assert fit.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
     assert (tmp_path / f"topo-stop-step{stop.step}.ckpt").is_file()
+
+
+def test_a_budgeted_fit_plans_once_and_a_second_fit_given_that_plan_checks_and_decides_the_same(tmp_path, caplog):
+    # A budget far below what checks every 2 steps cost: the plan (made at the third check, step 4, from this
+    # machine's timings: its content may differ from one machine to another) changes the cadence, the probe, where
+    # the checks run. The summary gives it as `plan=`; a second fit given it, with no budget, measures nothing and
+    # checks and decides exactly as the first.
+    policy = always("lower_lr", max_lr_cuts=100)
+    first = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=2, overhead_budget=0.001, policy=policy)
+    with caplog.at_level("INFO", logger="topocallbacks"):
+        trainer(tmp_path / "a", [first], max_steps=60).fit(TinyCNN(), digits_loader())
+    (made,) = [r.plan for r in checks(first) if r.plan is not None]
+    assert made.at_step == 4
+    assert f"rerun with plan={made.settings}" in caplog.text
+    second = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=2, policy=policy, plan=made.settings)
+    assert second.monitor.settings.schedule.overhead_budget is None
+    trainer(tmp_path / "b", [second], max_steps=60).fit(TinyCNN(), digits_loader())
+
+    def what(callback):
+        return [(r.step, r.n_points, r.applied_step, r.index_value, r.decision.action.value) for r in checks(callback)]
+
+    assert what(second) == what(first)
+    assert [(r.step, r.action) for r in interventions(second)] == [(r.step, r.action) for r in interventions(first)]
+    assert len(checks(first)) < 31  # the plan did change the cadence (a check every 2 steps would give 31)
