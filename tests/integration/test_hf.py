@@ -478,3 +478,24 @@ def test_a_dataset_that_is_not_a_torch_dataset_is_read_as_inputs(tmp_path):
     assert callback.monitor.probe.spec.n_samples == 50
     assert set(callback.monitor.probe.items[0]) == {"x"}
     torch.testing.assert_close(callback.monitor.probe.items[3]["x"], x[3])
+
+
+def test_a_budgeted_train_plans_once_and_a_second_train_given_that_plan_checks_and_decides_the_same(tmp_path):
+    # As in Lightning: the plan (made at the third check, step 4, from this machine's timings) is recorded; a second
+    # `Trainer.train` given it as `plan=`, with no budget, checks and decides as the first did.
+    policy = always("lower_lr", max_lr_cuts=100)
+    first = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, overhead_budget=0.001,
+                                        policy=policy)  # fmt: skip
+    args = arguments(tmp_path, max_steps=60)
+    Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[first]).train()
+    (made,) = [r.plan for r in checks(first) if r.plan is not None]
+    assert made.at_step == 4
+    second = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy, plan=made.settings)
+    Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[second]).train()
+
+    def what(callback):
+        return [(r.step, r.n_points, r.applied_step, r.index_value, r.decision.action.value) for r in checks(callback)]
+
+    assert what(second) == what(first)
+    assert [(r.step, r.action) for r in interventions(second)] == [(r.step, r.action) for r in interventions(first)]
+    assert len(checks(first)) < 31  # the plan did change the cadence (a check every 2 steps would give 31)
