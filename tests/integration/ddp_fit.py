@@ -33,18 +33,20 @@ class Report(pl.Callback):
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
 
 
-def main(out: str, action: str, probe_size: int, background: bool) -> None:
+def main(out: str, action: str, probe_size: int, mode: str) -> None:
+    """``mode``: "inline" or "background" (decisions 3 steps later), or "budget" (a budget far below what the checks
+    cost, `background` and `lag` automatic: rank 0 plans once and every rank follows its plan)."""
     probe, _ = digits(probe_size)
     rule = {"action": action, "threshold": 0.15, "score": "baseline", "patience": 2, "warmup": 2, "cooldown": 5}
     policy = Policy(**{**OLD_RULE, **rule})
+    where = {"overhead_budget": 0.001} if mode == "budget" else {"background": mode == "background", "lag": 3}
     callback = TopoCollapseCallback(
         probe=probe,
         layer="avgpool",
         check_every=10,
         policy=policy,
         history_path=str(Path(out, "history.jsonl")),
-        background=background,
-        lag=3,
+        **where,
     )
     trainer = quiet_trainer(out, [callback, Report(out, callback)], 200, devices=2, strategy="ddp_spawn")
     trainer.fit(TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader(batch_size=32))
@@ -57,4 +59,4 @@ if __name__ == "__main__":
     # Sharing tensors with child processes through file descriptors fails on some sandboxed machines (even for a
     # plain Lightning ddp_spawn fit without this package); the file-system strategy works everywhere.
     torch.multiprocessing.set_sharing_strategy("file_system")
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "background")
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])

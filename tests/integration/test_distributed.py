@@ -1,3 +1,4 @@
+import itertools
 import json
 import os
 from pathlib import Path
@@ -83,6 +84,25 @@ def test_two_process_ddp_agrees_on_every_check_and_stops_together(tmp_path, mode
         torch.load(Path(tmp_path, f"topo-stop-step{stop['step']}.ckpt"), weights_only=False)["global_step"]
         == stop["step"]
     )
+
+
+@pytest.mark.slow
+def test_two_process_ddp_follows_rank_zeros_one_plan_on_every_rank(tmp_path):
+    # An overhead budget far below what checks every 10 steps cost: rank 0 measures and plans once, at the third
+    # check (step 20); the plan travels with that check's record, and both ranks check, apply and warn alike after it.
+    ranks, _ = run_two_ranks("ddp_fit.py", tmp_path, "warn", "33", "budget")
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 200
+    assert ranks[0]["history"] == ranks[1]["history"]
+    checks = [r for r in ranks[0]["history"] if r["kind"] == "check"]
+    (plan,) = [r["plan"] for r in checks if r["plan"] is not None]
+    assert plan["at_step"] == 20
+    later = [r["step"] for r in checks if r["step"] >= 20]
+    assert len(later) >= 4
+    assert all(b - a == plan["intervals"] * 10 for a, b in itertools.pairwise(later))  # the plan's cadence
+    automatic = 5  # half the interval: the lag when the plan leaves it to the settings
+    lag = (automatic if plan["lag"] is None else plan["lag"]) if plan["background"] else 0
+    assert all(r["applied_step"] == r["step"] + lag for r in checks if r["step"] > 20)
+    assert all(r["applied_step"] == r["step"] for r in checks if r["step"] <= 20)  # in the loop until the plan
 
 
 @pytest.mark.slow
