@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, digits
 from topocallbacks import TopoMonitor
 from topocallbacks.interventions import scale_learning_rate
@@ -68,7 +69,7 @@ def main(out: str) -> None:
     policy = {**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
     policy |= {"cooldown": 0}
     # batch_size 8: rank 0's 17 samples would take 3 forward passes and rank 1's 16 only 2 without the padding
-    monitor = TopoMonitor(probe=probe, layer="2", check_every=5, policy=policy, batch_size=8)
+    monitor = TopoMonitor(probe=probe, layer="2", check_every=5, policy=policy, batch_size=8, **AT_CADENCE)
     generator = torch.Generator().manual_seed(rank)
     records = []
     for step in range(11):
@@ -89,7 +90,7 @@ def main(out: str) -> None:
         "lr": optimizer.param_groups[0]["lr"],
         "feature_error": float(abs(sharded - unsharded).max()),
         "first_ci": records[0].report.ci,
-        "unsharded_ci": TopoMonitor(check_every=1).process(unsharded, 0).report.ci,
+        "unsharded_ci": TopoMonitor(check_every=1, **AT_CADENCE).process(unsharded, 0).report.ci,
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(data))
     dist.destroy_process_group()

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, digits
 from topocallbacks import TopoMonitor
 from topocallbacks.interventions import LoopActuator, current_learning_rates
@@ -159,7 +160,14 @@ def main(out: str, kind: str, mode: str) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.05 * s))
     on_disk = {"snapshot_dir": str(Path(out, "snapshots"))} if mode in ("disk", "kill") else {}
     monitor = TopoMonitor(
-        probe=x[:96], layer="encoder", check_every=5, index="rankme", policy=RULE, batch_size=16, **on_disk
+        probe=x[:96],
+        layer="encoder",
+        check_every=5,
+        index="rankme",
+        policy=RULE,
+        batch_size=16,
+        **on_disk,
+        **AT_CADENCE,
     )
     actuator = LoopActuator(optimizer, scheduler, model=net)
     now = [0]  # the step being acted on

@@ -18,6 +18,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, digits
 from topocallbacks.hf import TopoCollapseTrainerCallback
 
@@ -66,7 +67,12 @@ def main(out: str, action: str, fsdp: bool) -> None:
     policy = {**OLD_RULE, "action": action, "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1,
               "cooldown": 0, "max_lr_cuts": 2, "after_max_lr_cuts": "stop"}  # fmt: skip
     callback = TopoCollapseTrainerCallback(
-        probe=x[:33], layer="encoder", check_every=3, policy=policy, history_path=str(Path(out, "history.jsonl"))
+        probe=x[:33],
+        layer="encoder",
+        check_every=3,
+        policy=policy,
+        history_path=str(Path(out, "history.jsonl")),
+        **AT_CADENCE,
     )
     extra = {"fsdp": "full_shard", "fsdp_config": {"use_orig_params": True}} if fsdp else {}
     args = transformers.TrainingArguments(

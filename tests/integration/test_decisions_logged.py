@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import quiet_trainer
 from tests.integration.test_rollback_lightning import CollapsingMLP, loader, watcher
 from topocallbacks.sinks import ACTION_CODES
@@ -105,7 +106,9 @@ def test_hf_report_to_tensorboard_gets_the_scores_and_a_marker_and_the_reason_at
     from tests.integration.test_hf import PROBE, DigitsNet, always, arguments, digits_dataset
     from topocallbacks.hf import TopoCollapseTrainerCallback
 
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, policy=always("lower_lr"))
+    callback = TopoCollapseTrainerCallback(
+        probe=PROBE, layer="encoder", check_every=5, policy=always("lower_lr"), **AT_CADENCE
+    )
     args = arguments(tmp_path, report_to="tensorboard")
     Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[callback]).train()
     (cut,) = [r for r in callback.history if r.kind == "intervention"]

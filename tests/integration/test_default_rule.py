@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import digits, digits_loader
 from tests.integration.models import quiet_trainer as trainer
 from topocallbacks.functional.sentinels import ONE_DIRECTION_SHARE
@@ -83,7 +84,7 @@ class FaultyMLP(pl.LightningModule):
 
 
 def fit(tmp_path, model, steps, **options):
-    callback = TopoCollapseCallback(**options)
+    callback = TopoCollapseCallback(**options, **AT_CADENCE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a warn decision is a RuntimeWarning
         trainer(tmp_path, [callback], max_steps=steps).fit(model, digits_loader())
@@ -156,7 +157,9 @@ def test_a_stop_after_the_last_rollback_restores_the_last_healthy_state_bit_for_
                     copy.deepcopy(trainer.optimizers[0].state_dict()),
                 )
 
-    callback = TopoCollapseCallback(probe=PROBE, layer="fault", check_every=10, policy={"max_rollbacks": 1})
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="fault", check_every=10, policy={"max_rollbacks": 1}, **AT_CADENCE
+    )
     model = FaultyMLP(lr=0.05, lr_jump=(100, 40.0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, digits, zen_texts, zen_tokenizer
 from topocallbacks import InputError, Policy
 from topocallbacks.exceptions import ConfigError
@@ -101,7 +102,7 @@ def interventions(callback):
 
 
 def test_checks_land_in_log_history_every_n_steps(tmp_path):
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5)
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, **AT_CADENCE)
     trainer = Trainer(model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[callback])
     trainer.train()
     assert [r.step for r in checks(callback)] == [0, 5, 10]
@@ -114,7 +115,9 @@ def test_checks_land_in_log_history_every_n_steps(tmp_path):
 
 
 def test_a_stop_saves_a_checkpoint_then_stops_in_this_exact_hook_sequence(tmp_path):
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=always("stop"))
+    callback = TopoCollapseTrainerCallback(
+        probe=PROBE, layer="encoder", check_every=2, policy=always("stop"), **AT_CADENCE
+    )
     recorder = Recorder()
     trainer = Trainer(
         model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[callback, recorder]
@@ -145,6 +148,7 @@ def test_the_learning_rate_cut_is_still_in_effect_steps_later_under_the_linear_s
         check_every=2,
         # The rule holds at every check; after the one cut, "none" (a stop would go through the cooldown).
         policy=always("lower_lr", lr_factor=0.5, max_lr_cuts=1, after_max_lr_cuts="none"),
+        **AT_CADENCE,
     )
     recorder = Recorder()
     args = arguments(tmp_path, lr_scheduler_type="linear", warmup_steps=0)
@@ -160,7 +164,9 @@ def test_the_learning_rate_cut_is_still_in_effect_steps_later_under_the_linear_s
 
 
 def test_a_warning_names_the_step_and_the_reason(tmp_path):
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=always("warn"))
+    callback = TopoCollapseTrainerCallback(
+        probe=PROBE, layer="encoder", check_every=2, policy=always("warn"), **AT_CADENCE
+    )
     with pytest.warns(RuntimeWarning, match=r"topocallbacks at step 2: index .* >= threshold -1.0"):
         Trainer(
             model=DigitsNet(),
@@ -183,7 +189,7 @@ def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp
         "max_lr_cuts": 1,
         "after_max_lr_cuts": "none",
     }
-    first = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy)
+    first = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy, **AT_CADENCE)
     args = arguments(
         tmp_path, max_steps=8, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=rebuild
     )
@@ -193,7 +199,7 @@ def test_resume_restores_the_state_from_trainer_state_json_and_never_refires(tmp
     assert saved.stateful_callbacks["TopoCollapseTrainerCallback"]["args"]["probe_hash"] is not None
 
     first_history = list(first.history)
-    fresh = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy)
+    fresh = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy, **AT_CADENCE)
     trainer = Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[fresh])
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     # Two consecutive runs in one process (a notebook): the first run's callback, alive and watching the same layer
@@ -212,9 +218,11 @@ def test_a_rebuilt_callback_follows_the_new_arguments_of_the_users_callback(tmp_
     args = arguments(
         tmp_path, max_steps=12, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=True
     )
-    first = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2)
+    first = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, **AT_CADENCE)
     Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[first]).train()
-    fresh = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=4, history_path=str(tmp_path / "h"))
+    fresh = TopoCollapseTrainerCallback(
+        probe=PROBE, layer="encoder", check_every=4, history_path=str(tmp_path / "h"), **AT_CADENCE
+    )
     trainer = Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[fresh])
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     restored = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TopoCollapseTrainerCallback))
@@ -232,8 +240,8 @@ def test_two_rebuilt_callbacks_on_one_layer_each_resume_their_own_state(tmp_path
 
     def pair():
         return [
-            TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, prefix="topo/a"),
-            TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=4, prefix="topo/b"),
+            TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, prefix="topo/a", **AT_CADENCE),
+            TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=4, prefix="topo/b", **AT_CADENCE),
         ]
 
     Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=pair()).train()
@@ -250,7 +258,7 @@ def test_the_values_reach_report_to_tensorboard_and_the_console(tmp_path, capsys
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5)
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, **AT_CADENCE)
     # No logging steps of its own: the callback makes the Trainer log at its checks.
     args = arguments(tmp_path, report_to="tensorboard", logging_strategy="no")
     trainer = Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[callback])
@@ -275,7 +283,7 @@ def test_console_false_keeps_the_values_off_the_console_and_in_report_to(tmp_pat
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, console=False)
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, console=False, **AT_CADENCE)
     args = arguments(tmp_path, report_to="tensorboard", logging_strategy="no")
     Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[callback]).train()
     assert "topo/" not in capsys.readouterr().out
@@ -286,7 +294,7 @@ def test_console_false_keeps_the_values_off_the_console_and_in_report_to(tmp_pat
 def test_attach_places_the_callback_before_the_report_to_callbacks(tmp_path):
     pytest.importorskip("tensorboard")
     trainer = Trainer(model=DigitsNet(), args=arguments(tmp_path, report_to="tensorboard"))
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder")
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", **AT_CADENCE)
     assert callback.attach(trainer) is callback
     names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
     assert names[:3] == ["DefaultFlowCallback", "TopoCollapseTrainerCallback", "TensorBoardCallback"]
@@ -295,8 +303,8 @@ def test_attach_places_the_callback_before_the_report_to_callbacks(tmp_path):
 
 
 def test_two_callbacks_on_two_layers_log_under_their_layer(tmp_path, capsys):
-    a = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5)
-    b = TopoCollapseTrainerCallback(probe=PROBE, layer="head", check_every=5, summary=False)
+    a = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, **AT_CADENCE)
+    b = TopoCollapseTrainerCallback(probe=PROBE, layer="head", check_every=5, summary=False, **AT_CADENCE)
     trainer = Trainer(model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[a, b])
     trainer.train()
     assert (a.prefix, b.prefix) == ("topo/encoder", "topo/head")
@@ -315,7 +323,7 @@ def test_two_callbacks_on_two_layers_log_under_their_layer(tmp_path, capsys):
 def test_the_callback_writes_a_report_of_its_run(tmp_path):
     policy = Policy(**{**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1,
                        "warmup": 1, "cooldown": 0})  # fmt: skip
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, policy=policy)
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, policy=policy, **AT_CADENCE)
     Trainer(model=DigitsNet(), args=arguments(tmp_path), train_dataset=digits_dataset(), callbacks=[callback]).train()
     page = callback.report(tmp_path / "report", title="digits")
     html = page.read_text()
@@ -343,7 +351,7 @@ def test_a_text_probe_from_raw_strings_with_the_trainers_tokenizer(tmp_path, nam
         model = transformers.LlamaForCausalLM(config)
     ids = torch.tensor([tokenizer(t)["input_ids"][:8] + [0] * (8 - len(tokenizer(t)["input_ids"][:8])) for t in texts])
     data = [{"input_ids": row, "labels": row} for row in ids]
-    callback = TopoCollapseTrainerCallback.from_preset(name, probe=texts, check_every=2)
+    callback = TopoCollapseTrainerCallback.from_preset(name, probe=texts, check_every=2, **AT_CADENCE)
     trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=4, learning_rate=1e-3,
                       per_device_train_batch_size=8), train_dataset=data, processing_class=tokenizer,
                       data_collator=transformers.default_data_collator,
@@ -363,18 +371,18 @@ def test_a_batch_encoding_is_a_probe(tmp_path):
     tokenizer = zen_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
     encoding = tokenizer(zen_texts(), padding=True, return_tensors="pt")
-    callback = TopoCollapseTrainerCallback(probe=encoding, layer="transformer.ln_f", check_every=2)
+    callback = TopoCollapseTrainerCallback(probe=encoding, layer="transformer.ln_f", check_every=2, **AT_CADENCE)
     assert callback.monitor.probe.spec.source == "columns"
     assert len(callback.monitor.probe) == len(zen_texts())
     with pytest.raises(InputError, match="pass `tokenizer=` to the callback or `processing_class=` to the Trainer"):
-        TopoCollapseTrainerCallback(probe=zen_texts(), layer="encoder").on_train_begin(
+        TopoCollapseTrainerCallback(probe=zen_texts(), layer="encoder", **AT_CADENCE).on_train_begin(
             arguments(tmp_path), transformers.TrainerState(), transformers.TrainerControl(), model=DigitsNet()
         )
 
 
 @pytest.mark.slow
 def test_streaming_mode_keeps_a_meaningful_window_over_2000_steps(tmp_path):
-    callback = TopoCollapseTrainerCallback(layer="encoder", mode="stream", check_every=100)
+    callback = TopoCollapseTrainerCallback(layer="encoder", mode="stream", check_every=100, **AT_CADENCE)
     args = arguments(tmp_path, max_steps=2000, learning_rate=0.3, optim="sgd", per_device_train_batch_size=64)
     data = digits_dataset(n=1797)
     Trainer(model=DigitsNet(), args=args, train_dataset=data, callbacks=[callback]).train()
@@ -389,7 +397,7 @@ def test_streaming_mode_keeps_a_meaningful_window_over_2000_steps(tmp_path):
 def test_a_restore_without_the_users_callback_says_what_to_do(tmp_path):
     # What the Trainer rebuilds from a checkpoint (restore_callback_states_from_checkpoint) stands for the callback the
     # resumed Trainer was built with; a Trainer built without one gets the package's error at its first hook.
-    rebuilt = TopoCollapseTrainerCallback(layer="encoder", probe_hash="0" * 64, restoring=True)
+    rebuilt = TopoCollapseTrainerCallback(layer="encoder", probe_hash="0" * 64, restoring=True, **AT_CADENCE)
     args = arguments(tmp_path, max_steps=2)
     Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[rebuilt])
     with pytest.raises(InputError, match="pass the same callback, with the same probe, to the Trainer of the resumed"):
@@ -397,7 +405,9 @@ def test_a_restore_without_the_users_callback_says_what_to_do(tmp_path):
 
 
 def test_probe_from_the_train_dataset_drops_the_labels(tmp_path):
-    callback = TopoCollapseTrainerCallback(probe="train", layer="encoder", check_every=5, max_probe_samples=64)
+    callback = TopoCollapseTrainerCallback(
+        probe="train", layer="encoder", check_every=5, max_probe_samples=64, **AT_CADENCE
+    )
     Trainer(
         model=DigitsNet(), args=arguments(tmp_path, max_steps=5), train_dataset=digits_dataset(), callbacks=[callback]
     ).train()
@@ -408,12 +418,12 @@ def test_probe_from_the_train_dataset_drops_the_labels(tmp_path):
 
 def test_bad_arguments_are_named():
     with pytest.raises(InputError, match="`probe` given as text must be 'train' or 'eval'"):
-        TopoCollapseTrainerCallback(probe="val", layer="encoder")
+        TopoCollapseTrainerCallback(probe="val", layer="encoder", **AT_CADENCE)
     with pytest.raises(InputError, match=r"`mode` must be one of \['probe', 'stream'\], got 'batch'"):
-        TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", mode="batch")
+        TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", mode="batch", **AT_CADENCE)
     with pytest.raises(ConfigError, match="unknown argument `check_evry`; did you mean `check_every`"):
-        TopoCollapseTrainerCallback.from_preset("gpt", probe=PROBE, check_evry=3)
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="nope")
+        TopoCollapseTrainerCallback.from_preset("gpt", probe=PROBE, check_evry=3, **AT_CADENCE)
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="nope", **AT_CADENCE)
     with pytest.raises(InputError, match="`layer` 'nope' is not a module of DigitsNet"):
         callback.on_train_begin(None, transformers.TrainerState(), transformers.TrainerControl(), model=DigitsNet())
 
@@ -430,7 +440,7 @@ def test_gpt_preset_on_a_tiny_gpt2_through_trainer(tmp_path):
     mask[::3, 12:] = 0  # some padded windows: the preset's mean pooling must skip them
     data = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i]} for i in range(96)]
     probe = [{"input_ids": ids[i], "attention_mask": mask[i]} for i in range(48)]
-    callback = TopoCollapseTrainerCallback.from_preset("gpt", probe=probe, check_every=2)
+    callback = TopoCollapseTrainerCallback.from_preset("gpt", probe=probe, check_every=2, **AT_CADENCE)
     assert callback.monitor.settings.schedule.check_every == 2
     assert callback.monitor.settings.index.name == "diagram_drift"
     Trainer(model=model, args=arguments(tmp_path, max_steps=6, learning_rate=1e-3), train_dataset=data,
@@ -451,7 +461,7 @@ def test_import_without_transformers_gives_an_install_hint():
 
 
 def test_the_callback_pickles_and_its_state_is_json(tmp_path):
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5)
+    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, **AT_CADENCE)
     Trainer(
         model=DigitsNet(), args=arguments(tmp_path, max_steps=5), train_dataset=digits_dataset(), callbacks=[callback]
     ).train()
@@ -474,7 +484,7 @@ def test_a_dataset_that_is_not_a_torch_dataset_is_read_as_inputs(tmp_path):
             return {"x": self.x[index].tolist(), "labels": int(self.y[index])}
 
     x, y = flat_digits()
-    callback = TopoCollapseTrainerCallback(probe=Columns(x[:50], y[:50]), layer="encoder", check_every=5)
+    callback = TopoCollapseTrainerCallback(probe=Columns(x[:50], y[:50]), layer="encoder", check_every=5, **AT_CADENCE)
     assert callback.monitor.probe.spec.n_samples == 50
     assert set(callback.monitor.probe.items[0]) == {"x"}
     torch.testing.assert_close(callback.monitor.probe.items[3]["x"], x[3])

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch.multiprocessing
 sys.path.insert(0, {root!r})
 from tests.integration.models import OLD_RULE, TinyCNN, digits, digits_loader, quiet_trainer
+from tests.cadence import AT_CADENCE
 from topocallbacks.lightning import TopoCollapseCallback
 
 
@@ -42,8 +43,8 @@ if __name__ == "__main__":
     probe, _ = digits(33)
     policy = {{**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1,
                "cooldown": 100, "max_lr_cuts": 1, "after_max_lr_cuts": "none", "layer_rule": "any"}}
-    callback = TopoCollapseCallback(probe=probe, layer="avgpool", layers=["backbone.1", "backbone.3"],
-                                    check_every=10, policy=policy, background=sys.argv[2] == "background", lag=3)
+    callback = TopoCollapseCallback(probe=probe, layer="avgpool", layers=["backbone.1", "backbone.3"], check_every=10,
+                                    policy=policy, background=sys.argv[2] == "background", lag=3, **AT_CADENCE)
     trainer = quiet_trainer(out, [callback, Report(out, callback)], 30, devices=2, strategy="ddp_spawn")
     trainer.fit(TinyCNN(lr=0.02), digits_loader(batch_size=32))
 """

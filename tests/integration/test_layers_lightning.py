@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, TinyCNN, digits, digits_loader
 from tests.integration.models import quiet_trainer as trainer
 from topocallbacks import InputError, TopoMonitor
@@ -22,7 +23,7 @@ def checks(callback, layer=None):
 def test_every_layer_is_logged_under_its_name_at_each_check_with_a_csv_logger(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10)
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, **AT_CADENCE)
     fit = trainer(tmp_path, [callback], 20, logger=CSVLogger(str(tmp_path), name="run"), log_every_n_steps=50)
     fit.fit(TinyCNN(), digits_loader())
     assert callback.monitor.pipeline.layers == ["avgpool", *LAYERS]
@@ -45,11 +46,11 @@ def test_every_layer_reaches_tensorboard_and_equals_a_callback_on_that_layer_alo
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    several = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10)
+    several = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, **AT_CADENCE)
     fit = trainer(tmp_path, [several], 20, logger=TensorBoardLogger(str(tmp_path), name="run"))
     fit.fit(TinyCNN(), digits_loader())
     events = EventAccumulator(fit.logger.log_dir).Reload()
-    alone = TopoCollapseCallback(probe=PROBE, layer="backbone.3", check_every=10)
+    alone = TopoCollapseCallback(probe=PROBE, layer="backbone.3", check_every=10, **AT_CADENCE)
     trainer(tmp_path / "alone", [alone], 20).fit(TinyCNN(), digits_loader())
     logged = events.Scalars("topo/backbone.3/betti0")
     assert [(e.step, e.value) for e in logged] == [(r.step, r.report.betti0) for r in checks(alone)]
@@ -62,7 +63,9 @@ def test_every_layer_reaches_tensorboard_and_equals_a_callback_on_that_layer_alo
 def test_an_any_rule_acts_once_per_check_and_resumes_with_every_layer(tmp_path):
     policy = {**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
     policy |= {"cooldown": 0, "max_lr_cuts": 5, "layer_rule": "any"}
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy)
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy, **AT_CADENCE
+    )
     trainer(tmp_path, [callback], 30).fit(TinyCNN(lr=0.05), digits_loader())
     cuts = [r for r in callback.history if r.kind == "intervention"]
     # Every layer holds at every check after the warm-up: one cut per check, not one per layer.
@@ -71,7 +74,9 @@ def test_an_any_rule_acts_once_per_check_and_resumes_with_every_layer(tmp_path):
     assert "the rule holds on 3 of 3 layers" in cuts[0].reason
     assert "layer that moved first:" in cuts[0].reason
     state = json.loads(json.dumps(callback.state_dict()))
-    twin = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy)
+    twin = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy, **AT_CADENCE
+    )
     twin.load_state_dict(state)
     assert twin.state_dict() == state
     assert twin.monitor.pipeline.layers == ["avgpool", *LAYERS]
@@ -81,16 +86,18 @@ def test_an_any_rule_acts_once_per_check_and_resumes_with_every_layer(tmp_path):
 
 
 def test_bad_layers_fail_in_setup_with_close_matches(tmp_path):
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=["backbone.1", "backbon.3"], check_every=10)
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", layers=["backbone.1", "backbon.3"], check_every=10, **AT_CADENCE
+    )
     with pytest.raises(
         InputError, match=r"`layers` entry 'backbon.3' is not a module of TinyCNN; closest: \['backbone.3'"
     ):
         trainer(tmp_path, [callback], 5).fit(TinyCNN(), digits_loader())
     with pytest.raises(InputError, match=r"`layers` \(\['avgpool'\]\) works in probe mode only"):
-        TopoCollapseCallback(layers=["avgpool"], layer="avgpool", mode="stream")
+        TopoCollapseCallback(layers=["avgpool"], layer="avgpool", mode="stream", **AT_CADENCE)
     with pytest.raises(InputError, match=r"`layers` must be a non-empty list"):
-        TopoCollapseCallback(probe=PROBE, layers=[])
-    assert TopoMonitor(layers=["a", "b"]).several
+        TopoCollapseCallback(probe=PROBE, layers=[], **AT_CADENCE)
+    assert TopoMonitor(layers=["a", "b"], **AT_CADENCE).several
 
 
 def test_a_resume_from_a_checkpoint_keeps_every_layer_and_never_refires(tmp_path):
@@ -99,10 +106,14 @@ def test_a_resume_from_a_checkpoint_keeps_every_layer_and_never_refires(tmp_path
     policy = {**OLD_RULE, "action": "lower_lr", "score": "value", "threshold": -1.0, "patience": 1, "warmup": 1}
     policy |= {"max_lr_cuts": 1, "after_max_lr_cuts": "none", "layer_rule": "any", "cooldown": 100}
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=20, save_top_k=-1)
-    first = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy)
+    first = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy, **AT_CADENCE
+    )
     trainer(tmp_path, [first, saver], 20, enable_checkpointing=True).fit(TinyCNN(), digits_loader())
     path = next((tmp_path / "ckpt").glob("*step=20*.ckpt"))
-    second = TopoCollapseCallback(probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy)
+    second = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", layers=LAYERS, check_every=10, policy=policy, **AT_CADENCE
+    )
     trainer(tmp_path, [second], 40).fit(TinyCNN(), digits_loader(), ckpt_path=str(path))
     for layer in ["avgpool", *LAYERS]:
         assert [r.step for r in checks(second, layer)] == [0, 10, 20, 30, 40]  # step 20 not checked twice

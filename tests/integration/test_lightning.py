@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, TinyCNN, digits, digits_loader
 from tests.integration.models import quiet_trainer as trainer
 from topocallbacks import InputError, Policy
@@ -57,7 +58,7 @@ def blow_up_policy(action):
 
 def test_checks_run_every_n_steps_are_logged_and_leave_the_module_training(tmp_path):
     callback = TopoCollapseCallback(
-        probe=PROBE, layer="avgpool", check_every=10, history_path=str(tmp_path / "h.jsonl")
+        probe=PROBE, layer="avgpool", check_every=10, history_path=str(tmp_path / "h.jsonl"), **AT_CADENCE
     )
     model = TinyCNN()
     fit = trainer(tmp_path, [callback], max_steps=30)
@@ -74,7 +75,7 @@ def test_checks_run_every_n_steps_are_logged_and_leave_the_module_training(tmp_p
 
 def test_an_induced_lr_blow_up_warns(tmp_path):
     callback = TopoCollapseCallback(
-        probe=PROBE, layer="avgpool", check_every=10, index="paper", policy=blow_up_policy("warn")
+        probe=PROBE, layer="avgpool", check_every=10, index="paper", policy=blow_up_policy("warn"), **AT_CADENCE
     )
     with pytest.warns(RuntimeWarning, match=r"topocallbacks at step \d+: index - baseline .* >= threshold 0.15"):
         trainer(tmp_path, [callback], max_steps=120).fit(
@@ -88,7 +89,7 @@ def test_an_induced_lr_blow_up_warns(tmp_path):
 
 def test_an_induced_lr_blow_up_stops_the_run_with_a_checkpoint(tmp_path):
     callback = TopoCollapseCallback(
-        probe=PROBE, layer="avgpool", check_every=10, index="paper", policy=blow_up_policy("stop")
+        probe=PROBE, layer="avgpool", check_every=10, index="paper", policy=blow_up_policy("stop"), **AT_CADENCE
     )
     fit = trainer(tmp_path, [callback], max_steps=300)
     fit.fit(TinyCNN(lr=0.02, scheduler="ramp", lr_growth=1.1), digits_loader())
@@ -106,7 +107,7 @@ def test_a_stop_from_another_callback_is_never_cleared(tmp_path):
             if trainer.global_step == 5:
                 trainer.should_stop = True
 
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5)
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5, **AT_CADENCE)
     fit = trainer(tmp_path, [StopAt5(), callback], max_steps=50)
     fit.fit(TinyCNN(), digits_loader())
     assert fit.global_step == 5
@@ -129,7 +130,7 @@ def test_the_learning_rate_stays_cut_after_the_scheduler_steps(tmp_path, schedul
     trainer(tmp_path / "ref", [reference], max_steps=25).fit(
         TinyCNN(scheduler=scheduler, total_steps=25), digits_loader()
     )
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=cut_policy)
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=cut_policy, **AT_CADENCE)
     trainer(tmp_path / "cut", [callback, cut], max_steps=25).fit(
         TinyCNN(scheduler=scheduler, total_steps=25), digits_loader()
     )
@@ -154,7 +155,9 @@ def test_a_background_check_cuts_the_learning_rate_at_the_announced_step(tmp_pat
     trainer(tmp_path / "ref", [reference], max_steps=25).fit(
         TinyCNN(scheduler="cosine", total_steps=25), digits_loader()
     )
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=policy, background=True, lag=3)
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", check_every=10, policy=policy, background=True, lag=3, **AT_CADENCE
+    )
     trainer(tmp_path / "cut", [callback, cut], max_steps=25).fit(
         TinyCNN(scheduler="cosine", total_steps=25), digits_loader()
     )
@@ -180,13 +183,13 @@ def test_resume_restores_history_and_never_refires(tmp_path):
         "after_max_lr_cuts": "none",  # the rule holds at every check: one cut, then nothing
     }
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=20, save_top_k=-1)
-    first = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=Policy(**policy))
+    first = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=Policy(**policy), **AT_CADENCE)
     trainer(tmp_path, [first, saver], max_steps=20, enable_checkpointing=True).fit(
         TinyCNN(scheduler="cosine"), digits_loader()
     )
     assert [r.step for r in interventions(first)] == [10]
     path = next((tmp_path / "ckpt").glob("*step=20*.ckpt"))
-    second = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=Policy(**policy))
+    second = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, policy=Policy(**policy), **AT_CADENCE)
     rates = LearningRates()
     trainer(tmp_path, [second, rates], max_steps=40).fit(
         TinyCNN(scheduler="cosine"), digits_loader(), ckpt_path=str(path)
@@ -201,29 +204,29 @@ def test_resume_restores_history_and_never_refires(tmp_path):
 
 
 def test_the_callback_state_round_trip_is_idempotent_and_json(tmp_path):
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, **AT_CADENCE)
     trainer(tmp_path, [callback], max_steps=20).fit(TinyCNN(), digits_loader())
     state = json.loads(json.dumps(callback.state_dict()))
-    twin = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    twin = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, **AT_CADENCE)
     twin.load_state_dict(state)
     assert json.dumps(twin.state_dict()) == json.dumps(state)  # the engine marker survives before any check
-    again = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    again = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, **AT_CADENCE)
     again.load_state_dict(twin.state_dict())
     assert json.dumps(again.state_dict()) == json.dumps(state)
 
 
 def test_a_resume_with_another_probe_is_refused(tmp_path):
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
-    first = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    first = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, **AT_CADENCE)
     trainer(tmp_path, [first, saver], max_steps=10, enable_checkpointing=True).fit(TinyCNN(), digits_loader())
-    other = TopoCollapseCallback(probe=PROBE[:100] + 1.0, layer="avgpool", check_every=10)
+    other = TopoCollapseCallback(probe=PROBE[:100] + 1.0, layer="avgpool", check_every=10, **AT_CADENCE)
     path = next((tmp_path / "ckpt").glob("*.ckpt"))
     with pytest.raises(InputError, match="the probe differs"):
         trainer(tmp_path, [other], max_steps=20).fit(TinyCNN(), digits_loader(), ckpt_path=str(path))
 
 
 def test_early_stopping_and_model_checkpoint_can_monitor_the_index(tmp_path):
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5)
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5, **AT_CADENCE)
     stopping = EarlyStopping(monitor="topo/ci", mode="min", patience=1000, check_on_train_epoch_end=True, strict=True)
     saver = ModelCheckpoint(dirpath=tmp_path / "best", monitor="topo/ci", mode="min")
     trainer(tmp_path, [callback, stopping, saver], max_steps=60, enable_checkpointing=True).fit(
@@ -236,7 +239,9 @@ def test_early_stopping_and_model_checkpoint_can_monitor_the_index(tmp_path):
 
 
 def test_checks_at_validation_end(tmp_path):
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10_000, check_on_validation_end=True)
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", check_every=10_000, check_on_validation_end=True, **AT_CADENCE
+    )
     images, labels = digits(128)
     validation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=64)
     fit = trainer(
@@ -247,8 +252,8 @@ def test_checks_at_validation_end(tmp_path):
 
 
 def test_two_callbacks_on_two_layers_coexist_and_pickle(tmp_path):
-    a = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
-    b = TopoCollapseCallback(probe=PROBE, layer="backbone.1", check_every=10)
+    a = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, **AT_CADENCE)
+    b = TopoCollapseCallback(probe=PROBE, layer="backbone.1", check_every=10, **AT_CADENCE)
     assert a.state_key != b.state_key
     fit = trainer(tmp_path, [a, b], max_steps=10)
     fit.fit(TinyCNN(), digits_loader())
@@ -258,7 +263,7 @@ def test_two_callbacks_on_two_layers_coexist_and_pickle(tmp_path):
 
 
 def test_a_bad_layer_name_fails_in_setup_with_close_matches(tmp_path):
-    callback = TopoCollapseCallback(probe=PROBE, layer="avg_pool")
+    callback = TopoCollapseCallback(probe=PROBE, layer="avg_pool", **AT_CADENCE)
     with pytest.raises(InputError, match=r"`layer` 'avg_pool' is not a module of TinyCNN; closest: \['avgpool'"):
         trainer(tmp_path, [callback], max_steps=2).fit(TinyCNN(), digits_loader())
 
@@ -275,11 +280,11 @@ def test_a_bad_layer_name_fails_in_setup_with_close_matches(tmp_path):
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(InputError, match=match):
-        TopoCollapseCallback(**kwargs)
+        TopoCollapseCallback(**kwargs, **AT_CADENCE)
 
 
 def test_streaming_mode_watches_the_training_batches(tmp_path):
-    callback = TopoCollapseCallback(layer="avgpool", mode="stream", window=256, check_every=5)
+    callback = TopoCollapseCallback(layer="avgpool", mode="stream", window=256, check_every=5, **AT_CADENCE)
     fit = trainer(tmp_path, [callback], max_steps=20)
     fit.fit(TinyCNN(), digits_loader())
     records = checks(callback)
@@ -339,7 +344,7 @@ class DigitsMLP(pl.LightningModule):
 
 @pytest.mark.slow
 def test_a_streaming_window_stays_meaningful_over_2000_steps_of_drifting_features(tmp_path):
-    callback = TopoCollapseCallback(layer="drift", mode="stream", check_every=100)
+    callback = TopoCollapseCallback(layer="drift", mode="stream", check_every=100, **AT_CADENCE)
     model = DigitsMLP()
     trainer(tmp_path, [callback], max_steps=2000).fit(model, digits_loader())
     assert float(model.drift.gain()) > 90  # the drift this is about
@@ -368,7 +373,7 @@ def test_lightning_tensorboard_logger_receives_every_check_at_its_step(tmp_path)
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, **AT_CADENCE)
     # log_every_n_steps=50 never falls on a check step here: the checks must reach the logger anyway.
     fit = trainer(tmp_path, [callback], 30, logger=TensorBoardLogger(str(tmp_path), name="run"), log_every_n_steps=50)
     fit.fit(TinyCNN(), digits_loader())
@@ -382,7 +387,7 @@ def test_lightning_tensorboard_logger_receives_every_check_at_its_step(tmp_path)
 
 def test_the_index_is_available_at_every_epoch_end_with_checks_rarer_than_epochs(tmp_path):
     # 29 batches per epoch, a check every 100 steps: before the fix the first epoch end found no topo/index.
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=100)
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=100, **AT_CADENCE)
     stopping = EarlyStopping(
         monitor="topo/index", mode="max", patience=1000, check_on_train_epoch_end=True, strict=True
     )
@@ -408,9 +413,11 @@ def test_two_callbacks_on_two_layers_log_under_their_layer(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    a = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10)
-    b = TopoCollapseCallback(probe=PROBE, layer="*.1", check_every=10)  # a pattern: the resolved name is used
-    mine = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, prefix="mine", mode="probe")
+    a = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, **AT_CADENCE)
+    b = TopoCollapseCallback(
+        probe=PROBE, layer="*.1", check_every=10, **AT_CADENCE
+    )  # a pattern: the resolved name is used
+    mine = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=10, prefix="mine", mode="probe", **AT_CADENCE)
     stopping = EarlyStopping(monitor="topo/backbone.1/index", mode="max", patience=1000, check_on_train_epoch_end=True)
     fit = trainer(tmp_path, [a, b, mine, stopping], 30, logger=TensorBoardLogger(str(tmp_path), name="run"))
     fit.fit(TinyCNN(), digits_loader())
@@ -429,7 +436,7 @@ def test_two_callbacks_on_two_layers_log_under_their_layer(tmp_path):
 def test_an_end_of_run_summary_names_the_checks_and_the_interventions(tmp_path, caplog):
     history = tmp_path / "h.jsonl"
     callback = TopoCollapseCallback(
-        probe=PROBE, layer="avgpool", check_every=5, policy=always("lower_lr"), history_path=str(history)
+        probe=PROBE, layer="avgpool", check_every=5, policy=always("lower_lr"), history_path=str(history), **AT_CADENCE
     )
     with caplog.at_level("INFO"):
         trainer(tmp_path, [callback], max_steps=10).fit(TinyCNN(), digits_loader())
@@ -444,7 +451,7 @@ def test_an_end_of_run_summary_names_the_checks_and_the_interventions(tmp_path, 
     # The rule can stop (a diverged check stops), so healthy checks keep snapshots: the summary says how many.
     assert lines[-2] == f"  history: {history}"
     assert lines[-1].startswith("  rollback snapshots: 1 of 2 snapshot(s) of ")  # the warm-up check's
-    quiet = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5, summary=False)
+    quiet = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5, summary=False, **AT_CADENCE)
     caplog.clear()
     with caplog.at_level("INFO"):
         trainer(tmp_path, [quiet], max_steps=5).fit(TinyCNN(), digits_loader())
@@ -452,7 +459,9 @@ def test_an_end_of_run_summary_names_the_checks_and_the_interventions(tmp_path, 
 
 
 def test_the_callback_writes_a_report_of_its_run(tmp_path):
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=5, policy=always("lower_lr"))
+    callback = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", check_every=5, policy=always("lower_lr"), **AT_CADENCE
+    )
     trainer(tmp_path, [callback], max_steps=10).fit(TinyCNN(), digits_loader())
     page = callback.report(tmp_path / "report")
     assert {"index.png", "composite_0.png", "diagrams.png"} <= {p.name for p in page.parent.iterdir()}
@@ -466,7 +475,7 @@ def test_the_callback_writes_a_report_of_its_run(tmp_path):
 
 
 def test_streaming_with_gradient_accumulation_checks_once_per_check_step(tmp_path):
-    callback = TopoCollapseCallback(layer="avgpool", mode="stream", window=1024, check_every=5)
+    callback = TopoCollapseCallback(layer="avgpool", mode="stream", window=1024, check_every=5, **AT_CADENCE)
     fit = trainer(tmp_path, [callback], max_steps=20, accumulate_grad_batches=4)
     fit.fit(TinyCNN(), digits_loader())
     assert [r.step for r in checks(callback)] == [5, 10, 15, 20]  # one record per check, not one per micro-batch
@@ -492,7 +501,13 @@ def test_streaming_with_nan_decides_once_per_check_and_cuts_the_rate_at_check_st
     history = tmp_path / "h.jsonl"
     policy = {"on_diverged": "lower_lr", "max_lr_cuts": 2, "after_max_lr_cuts": "stop"}
     callback = TopoCollapseCallback(
-        layer="avgpool", mode="stream", window=256, check_every=5, policy=policy, history_path=str(history)
+        layer="avgpool",
+        mode="stream",
+        window=256,
+        check_every=5,
+        policy=policy,
+        history_path=str(history),
+        **AT_CADENCE,
     )
     rates = LearningRates()
     fit = trainer(tmp_path, [callback, rates], max_steps=30)
@@ -512,7 +527,7 @@ def test_streaming_with_nan_decides_once_per_check_and_cuts_the_rate_at_check_st
 def test_the_default_rule_rolls_an_induced_lr_blow_up_back_four_times_then_stops_at_the_last_healthy_state(tmp_path):
     # The loud path under test: the silent path (which also warns here, as the ramp moves the features away from
     # their warm-up before the loss confirms) is off; tests/unit/test_silent_path.py covers it.
-    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=2, silent_path=False)
+    callback = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=2, silent_path=False, **AT_CADENCE)
     assert callback.monitor.settings.index.name == "diagram_drift"
     rates = LearningRates()
     fit = trainer(tmp_path, [callback, rates], max_steps=300)

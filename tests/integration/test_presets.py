@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import digits, digits_loader, quiet_trainer, zen_texts, zen_tokenizer
 from topocallbacks import InputError
 from topocallbacks.lightning import TopoCollapseCallback
@@ -117,7 +118,7 @@ def test_each_preset_runs_on_its_architecture_with_finite_index_at_every_check(t
         if name in ("resnet", "vit")
         else torch.utils.data.DataLoader(torch.utils.data.TensorDataset(text_windows()), batch_size=16, shuffle=True)
     )
-    callback = TopoCollapseCallback.from_preset(name, probe=probe, check_every=5)
+    callback = TopoCollapseCallback.from_preset(name, probe=probe, check_every=5, **AT_CADENCE)
     trainer = quiet_trainer(tmp_path, [callback], 15)
     trainer.fit(tiny(name), loader)
     checks = [r for r in callback.history if r.kind == "check"]
@@ -136,9 +137,16 @@ def test_each_preset_runs_on_its_architecture_with_finite_index_at_every_check(t
 def test_a_text_probe_from_raw_strings_for_the_language_presets(tmp_path, name):
     tokenizer = zen_tokenizer(padding_side="right" if name == "gpt" else "left")
     texts = zen_texts()
-    assert TopoCollapseCallback.from_preset(name, probe=texts, tokenizer=tokenizer).monitor.probe.spec.n_samples == 37
+    assert (
+        TopoCollapseCallback.from_preset(
+            name, probe=texts, tokenizer=tokenizer, **AT_CADENCE
+        ).monitor.probe.spec.n_samples
+        == 37
+    )
     # The presets truncate at 256 tokens; these tiny models take 32 positions.
-    callback = TopoCollapseCallback.from_preset(name, probe=texts, tokenizer=tokenizer, check_every=5, max_length=20)
+    callback = TopoCollapseCallback.from_preset(
+        name, probe=texts, tokenizer=tokenizer, check_every=5, max_length=20, **AT_CADENCE
+    )
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(text_windows()), batch_size=16, shuffle=True)
     trainer = quiet_trainer(tmp_path, [callback], 10)
     trainer.fit(tiny(name), loader)
@@ -155,13 +163,15 @@ def test_a_text_probe_from_raw_strings_for_the_language_presets(tmp_path, name):
 def test_probe_from_the_validation_dataloader(tmp_path):
     images, labels = digits(96)
     validation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=32)
-    callback = TopoCollapseCallback.from_preset("resnet", probe="val", check_every=5, max_probe_samples=64)
+    callback = TopoCollapseCallback.from_preset(
+        "resnet", probe="val", check_every=5, max_probe_samples=64, **AT_CADENCE
+    )
     trainer = quiet_trainer(tmp_path, [callback], 5, num_sanity_val_steps=0, limit_val_batches=1)
     trainer.fit(tiny("resnet"), digits_loader(batch_size=32), validation)
     assert callback.monitor.probe.spec.source == "dataset:TensorDataset"
     assert callback.monitor.probe.spec.n_samples == 64
     assert len([r for r in callback.history if r.kind == "check"]) == 2
-    disabled = TopoCollapseCallback.from_preset("resnet", probe="val", check_every=5)
+    disabled = TopoCollapseCallback.from_preset("resnet", probe="val", check_every=5, **AT_CADENCE)
     with pytest.raises(InputError, match="does not load with limit_val_batches=0"):
         quiet_trainer(tmp_path, [disabled], 5, limit_val_batches=0).fit(
             tiny("resnet"), digits_loader(batch_size=32), validation
@@ -191,7 +201,9 @@ class TwoInputEncoder(pl.LightningModule):
 def test_a_text_probe_passes_only_the_inputs_the_models_forward_takes_and_says_which_it_dropped(tmp_path):
     tokenizer = zen_tokenizer(token_type_ids=True)
     assert "token_type_ids" in tokenizer("a text")  # what made such a model fail before
-    callback = TopoCollapseCallback(probe=zen_texts(), tokenizer=tokenizer, layer="encoder", check_every=5)
+    callback = TopoCollapseCallback(
+        probe=zen_texts(), tokenizer=tokenizer, layer="encoder", check_every=5, **AT_CADENCE
+    )
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(text_windows() % 250), batch_size=16)
     with pytest.warns(RuntimeWarning, match=r"TwoInputEncoder.forward takes no token_type_ids") as said:
         quiet_trainer(tmp_path, [callback], 10).fit(TwoInputEncoder(), loader)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE
 from tests.integration.test_hf import PROBE, arguments, flat_digits
 from topocallbacks.hf import TopoCollapseTrainerCallback
@@ -128,7 +129,7 @@ def rule(**overrides):
 
 def callback(policy, **overrides):
     return TopoCollapseTrainerCallback(
-        probe=PROBE, layer="encoder", check_every=2, policy=policy, summary=False, **overrides
+        probe=PROBE, layer="encoder", check_every=2, policy=policy, summary=False, **overrides, **AT_CADENCE
     )
 
 

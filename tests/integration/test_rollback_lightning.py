@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from sklearn.datasets import load_digits
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, quiet_trainer
 from tests.integration.ranks import run_two_ranks
 from topocallbacks.lightning import TopoCollapseCallback
@@ -135,7 +136,14 @@ def _norm(module):
 def watcher(**overrides):
     policy = {**RULE, **overrides.pop("policy", {})}
     return TopoCollapseCallback(
-        probe=PROBE, layer="encoder", check_every=5, index="rankme", policy=policy, summary=False, **overrides
+        probe=PROBE,
+        layer="encoder",
+        check_every=5,
+        index="rankme",
+        policy=policy,
+        summary=False,
+        **overrides,
+        **AT_CADENCE,
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.cadence import AT_CADENCE
 from tests.integration.test_decisions_logged import fit_with
 
 pytest.importorskip("wandb")
@@ -78,7 +79,9 @@ def test_hf_report_to_loggers_get_the_settings_and_wandb_gets_the_cut(tmp_path, 
     # HF's MLflowCallback keeps a tracking URI another test of this process set: this test's store, explicitly.
     mlflow.set_tracking_uri(f"file:{tmp_path / 'mlruns'}")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "topo")
-    callback = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=5, policy=always("lower_lr"))
+    callback = TopoCollapseTrainerCallback(
+        probe=PROBE, layer="encoder", check_every=5, policy=always("lower_lr"), **AT_CADENCE
+    )
     args = arguments(tmp_path, report_to=["tensorboard", "mlflow", "wandb"])
     Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[callback]).train()
     rule = callback.monitor.settings.rule

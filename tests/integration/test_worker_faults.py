@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 from transformers import Trainer, TrainerCallback
 
+from tests.cadence import AT_CADENCE
 from tests.integration.models import TinyCNN, digits, digits_loader
 from tests.integration.models import quiet_trainer as trainer
 from tests.integration.test_hf import PROBE as FLAT_PROBE
@@ -49,7 +50,7 @@ def worker_warnings(caught):
 @pytest.mark.slow
 @pytest.mark.parametrize("how", list(SIGNALS))
 def test_a_lightning_fit_survives_its_worker(tmp_path, how):
-    callback = TopoCollapseCallback(probe=digits(64)[0], layer="avgpool", **options(how))
+    callback = TopoCollapseCallback(probe=digits(64)[0], layer="avgpool", **options(how), **AT_CADENCE)
     struck = []
 
     class Strike(pl.Callback):
@@ -73,7 +74,7 @@ def test_a_lightning_fit_survives_its_worker(tmp_path, how):
 @pytest.mark.slow
 @pytest.mark.parametrize("how", list(SIGNALS))
 def test_a_trainer_run_survives_its_worker(tmp_path, how):
-    callback = TopoCollapseTrainerCallback(probe=FLAT_PROBE, layer="encoder", **options(how))
+    callback = TopoCollapseTrainerCallback(probe=FLAT_PROBE, layer="encoder", **options(how), **AT_CADENCE)
 
     class Strike(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -97,7 +98,7 @@ def test_a_trainer_run_survives_its_worker(tmp_path, how):
 
 @pytest.mark.slow
 def test_a_second_failure_moves_the_checks_into_the_loop(tmp_path):
-    callback = TopoCollapseCallback(probe=digits(64)[0], layer="avgpool", **options("kill -9"))
+    callback = TopoCollapseCallback(probe=digits(64)[0], layer="avgpool", **options("kill -9"), **AT_CADENCE)
 
     class StrikeTwice(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

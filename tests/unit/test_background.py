@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cadence import AT_CADENCE
 from tests.waiting import HANG_SECONDS, wait_until
 from topocallbacks import InputError, TopoMonitor
 from topocallbacks._worker import WorkerFailed, WorkerProcess
@@ -95,9 +96,9 @@ def probe():
 
 
 def test_background_checks_give_the_training_loops_records_at_the_announced_step(probe):
-    inline = TopoMonitor(probe=probe, background=False, **settings())
+    inline = TopoMonitor(probe=probe, background=False, **settings(), **AT_CADENCE)
     inline_records, inline_done = train(inline)
-    background = TopoMonitor(probe=probe, background=True, lag=3, **settings())
+    background = TopoMonitor(probe=probe, background=True, lag=3, **settings(), **AT_CADENCE)
     try:
         records, done = train(background)
         assert background.background
@@ -128,7 +129,7 @@ def test_a_plan_that_moves_the_checks_decides_the_same_whether_the_worker_is_sti
     # `background` is automatic: a worker starts beside the loop at the first check. How soon it is ready depends on
     # the machine; a check it cannot take yet is evaluated in the loop. Either way, the same records, applied at the
     # steps the plan says.
-    inline = TopoMonitor(probe=probe, background=False, **settings())
+    inline = TopoMonitor(probe=probe, background=False, **settings(), **AT_CADENCE)
     inline_records, _ = train(inline)
     planned = TopoMonitor(probe=probe, plan={"at_step": 8, "background": True, "lag": 3}, **settings())
     try:
@@ -174,7 +175,14 @@ def test_a_late_worker_makes_the_loop_wait_and_the_record_says_so():
     rng = np.random.default_rng(0)
     frames = {step: rng.normal(size=(300, 24)) for step in range(0, 12, 2)}
     monitor = TopoMonitor(
-        check_every=2, background=True, lag=1, mode="stream", window=600, points_per_batch=None, check_budget_ms=1e4
+        check_every=2,
+        background=True,
+        lag=1,
+        mode="stream",
+        window=600,
+        points_per_batch=None,
+        check_budget_ms=1e4,
+        **AT_CADENCE,
     )
     main = threading.current_thread()
     try:
@@ -209,7 +217,7 @@ def test_a_worker_slow_to_start_is_waited_for_and_the_timeout_counts_for_its_che
     # no stuck check. Here the start is made slower than the timeout by construction (stopped before it could say it
     # was ready, resumed after twice the timeout); a check of the ready worker that does not answer still times out.
     timeout = 3.0
-    monitor = TopoMonitor(check_every=1, background=True, lag=0, worker_timeout=timeout)
+    monitor = TopoMonitor(check_every=1, background=True, lag=0, worker_timeout=timeout, **AT_CADENCE)
     rng = np.random.default_rng(3)
     main = threading.current_thread()
 
@@ -247,7 +255,7 @@ def test_a_worker_slow_to_start_is_waited_for_and_the_timeout_counts_for_its_che
 
 def test_a_worker_that_never_starts_is_reported_as_such(monkeypatch):
     monkeypatch.setattr("topocallbacks._worker.START_TIMEOUT", 1.0)
-    worker = WorkerProcess(TopoMonitor().settings.as_dict(), None, threads=1)
+    worker = WorkerProcess(TopoMonitor(**AT_CADENCE).settings.as_dict(), None, threads=1)
     try:
         os.kill(worker.process.pid, signal.SIGSTOP)  # never resumed: it can never say it is ready
         with pytest.raises(WorkerFailed, match=r"did not start within 1 s"):
@@ -258,12 +266,12 @@ def test_a_worker_that_never_starts_is_reported_as_such(monkeypatch):
 
 @pytest.mark.slow
 def test_a_pending_check_survives_a_checkpoint_and_is_applied_after_the_resume(probe):
-    uninterrupted = TopoMonitor(probe=probe, background=True, lag=3, **settings())
+    uninterrupted = TopoMonitor(probe=probe, background=True, lag=3, **settings(), **AT_CADENCE)
     try:
         full, full_done = train(uninterrupted, steps=14)
     finally:
         uninterrupted.close()
-    first = TopoMonitor(probe=probe, background=True, lag=3, **settings())
+    first = TopoMonitor(probe=probe, background=True, lag=3, **settings(), **AT_CADENCE)
     try:
         head, _ = train(first, stop_at=9)  # the check at step 8 is pending (applied at 11)
         assert [p.step for p in first.runner._pending] == [8]
@@ -272,7 +280,7 @@ def test_a_pending_check_survives_a_checkpoint_and_is_applied_after_the_resume(p
         first.close()
     assert state["runner"]["pending"][0]["done"]
     assert state["runner"]["pending"][0]["apply_at"] == 11
-    resumed = TopoMonitor(probe=probe, background=True, lag=3, **settings())
+    resumed = TopoMonitor(probe=probe, background=True, lag=3, **settings(), **AT_CADENCE)
     try:
         resumed.load_state_dict(state)
         model = digits_mlp()[0]
@@ -292,7 +300,7 @@ def test_a_pending_check_survives_a_checkpoint_and_is_applied_after_the_resume(p
 def test_a_check_that_fails_in_the_worker_raises_in_the_loop_as_it_would_there():
     # The check itself raised in the worker (bad input): it is run again in the loop, where its own error comes,
     # exactly as without a worker; the worker that ran it is gone.
-    monitor = TopoMonitor(check_every=1, background=True, lag=0)
+    monitor = TopoMonitor(check_every=1, background=True, lag=0, **AT_CADENCE)
     rng = np.random.default_rng(1)
     try:
         monitor.process(rng.normal(size=(30, 4)), 0)
@@ -307,7 +315,7 @@ def test_a_monitor_with_a_running_worker_pickles_and_closing_ends_the_process(mo
     # The worker gets all the time it needs to exit (a busy machine may take longer than the usual grace to end
     # an interpreter): the test asserts that it exits by itself, not how fast.
     monkeypatch.setattr("topocallbacks._worker._STOP_GRACE", HANG_SECONDS)
-    monitor = TopoMonitor(check_every=1, background=True)
+    monitor = TopoMonitor(check_every=1, background=True, **AT_CADENCE)
     monitor.process(np.random.default_rng(2).normal(size=(30, 4)), 0)
     process = monitor.runner._worker.process
     twin = pickle.loads(pickle.dumps(monitor))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cadence import AT_CADENCE
 from tests.unit.test_background import without_timing
 from tests.waiting import wait_until
 from topocallbacks import TopoMonitor
@@ -407,9 +408,9 @@ def test_a_given_plan_is_taken_at_its_step_without_measuring_and_the_checks_are_
 def test_checks_evaluated_in_the_loop_beside_a_started_worker_reach_it_before_it_evaluates_the_next():
     rng = np.random.default_rng(0)
     clouds = [rng.normal(size=(120, 8)) + 0.05 * i for i in range(3)]
-    inline = TopoMonitor(check_every=1, background=False, policy={"action": "warn"})
+    inline = TopoMonitor(check_every=1, background=False, policy={"action": "warn"}, **AT_CADENCE)
     expected = [inline.process(cloud, step, loss=1.0) for step, cloud in enumerate(clouds)]
-    monitor = TopoMonitor(check_every=1, background=False, policy={"action": "warn"})
+    monitor = TopoMonitor(check_every=1, background=False, policy={"action": "warn"}, **AT_CADENCE)
     try:
         monitor.runner.prestart()  # a worker starts from the empty pipeline
         first = [monitor.process(cloud, step, loss=1.0) for step, cloud in enumerate(clouds[:2])]  # in the loop

@@ -7,13 +7,14 @@ import sys
 import numpy as np
 import pytest
 
+from tests.cadence import AT_CADENCE
 from topocallbacks import TopoMonitor
 from topocallbacks.cli import main
 
 
 def history_file(folder):
     path = folder / "history.jsonl"
-    monitor = TopoMonitor(check_every=1, history_path=str(path))
+    monitor = TopoMonitor(check_every=1, history_path=str(path), **AT_CADENCE)
     cloud = np.random.default_rng(0).normal(size=(60, 6))
     for step in range(4):
         monitor.process(cloud * (1 + 0.1 * step), step * 10)

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from tests.cadence import AT_CADENCE
 from topocallbacks import TopoMonitor
 from topocallbacks.check import CheckRecord, record_from_dict
 from topocallbacks.report import write_report
@@ -9,7 +10,7 @@ from topocallbacks.sinks import JsonlSink
 
 
 def run(tmp_path):
-    monitor = TopoMonitor(check_every=1, summary=False, history_path=str(tmp_path / "history.jsonl"))
+    monitor = TopoMonitor(check_every=1, summary=False, history_path=str(tmp_path / "history.jsonl"), **AT_CADENCE)
     rng = np.random.default_rng(0)
     for step in range(14):
         spread = 1.0 if step < 12 else 0.05  # a collapse at the end, with the loss jumping

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from tests.cadence import AT_CADENCE
 from tests.unit.rules import old_policy
 from topocallbacks import InputError
 from topocallbacks.interventions import current_learning_rates, scale_learning_rate
@@ -123,7 +124,7 @@ def test_loop_actuator_cuts_then_stops_a_plain_loop_and_its_rescue_checkpoint_ho
     policy = old_policy(
         action="lower_lr", score="value", threshold=-1.0, patience=1, warmup=1, cooldown=0, max_lr_cuts=2
     )
-    monitor = TopoMonitor(probe=x[:64], layer="1", check_every=3, policy=policy, background=False)
+    monitor = TopoMonitor(probe=x[:64], layer="1", check_every=3, policy=policy, background=False, **AT_CADENCE)
     actuator = LoopActuator(
         optimizer,
         scheduler,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
+from tests.cadence import AT_CADENCE
 from tests.unit.rules import old_rule
 from topocallbacks import InputError, TopoMonitor
 from topocallbacks.exceptions import ConfigError
@@ -60,7 +61,7 @@ def test_one_probe_forward_per_check_whatever_the_number_of_layers():
     calls = {"model": 0, "head": 0}
     model.register_forward_pre_hook(lambda *_: calls.__setitem__("model", calls["model"] + 1))
     model[6].register_forward_pre_hook(lambda *_: calls.__setitem__("head", calls["head"] + 1))
-    monitor = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=1, batch_size=64)
+    monitor = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=1, batch_size=64, **AT_CADENCE)
     for step in range(3):
         records = monitor.on_step(step, model=model)
         assert [r.layer for r in records] == ["2", "4", "0"]  # the primary layer's record (the first) comes last
@@ -72,8 +73,8 @@ def test_one_probe_forward_per_check_whatever_the_number_of_layers():
 def test_each_layer_is_what_a_monitor_of_that_layer_alone_computes():
     model = mlp()
     rule = old_rule(warmup=1)  # the index alone: the records' decisions are the index rule's
-    several = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=5, policy=rule)
-    alone = {layer: TopoMonitor(probe=PROBE, layer=layer, check_every=5, policy=rule) for layer in LAYERS}
+    several = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=5, policy=rule, **AT_CADENCE)
+    alone = {layer: TopoMonitor(probe=PROBE, layer=layer, check_every=5, policy=rule, **AT_CADENCE) for layer in LAYERS}
     for step in range(0, 16):
         several.on_step(step, model=model)
         for monitor in alone.values():
@@ -110,7 +111,7 @@ RULE = old_rule(score="value", threshold=1e-6, patience=1, warmup=2, cooldown=0)
 @pytest.mark.parametrize(("kind", "rule"), [("moved", "threshold"), ("line", "sentinel")])
 @pytest.mark.parametrize(("layer_rule", "fires"), [("primary", False), ("any", True), (2, False), ("all", False)])
 def test_a_move_on_a_non_primary_layer_acts_only_under_any(layer_rule, fires, kind, rule):
-    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "layer_rule": layer_rule})
+    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "layer_rule": layer_rule}, **AT_CADENCE)
     records = [monitor.process(features, step) for step, features in enumerate(clouds({"b": {5}}, kind=kind))]
     assert {r.layer for r in records} == {"a"}  # process() returns the primary layer's record
     held = [(r.step, r.decision.rule) for r in checks(monitor, "b") if r.decision.rule is not None]
@@ -128,7 +129,7 @@ def test_a_move_on_a_non_primary_layer_acts_only_under_any(layer_rule, fires, ki
 
 
 def test_two_layers_moving_at_one_check_cut_the_learning_rate_once():
-    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "action": "lower_lr", "layer_rule": "any"})
+    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "action": "lower_lr", "layer_rule": "any"}, **AT_CADENCE)
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
     actuator = LoopActuator(optimizer)  # no model: no snapshots for a stop to restore, said once
 
@@ -148,7 +149,7 @@ def test_two_layers_moving_at_one_check_cut_the_learning_rate_once():
 
 
 def test_k_of_n_needs_k_layers():
-    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "layer_rule": 2})
+    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "layer_rule": 2}, **AT_CADENCE)
     for step, cloud in enumerate(clouds({"a": {5}, "b": {3, 5}}, steps=6)):
         record = monitor.process(cloud, step)
         assert record.decision.fired == (step == 5)
@@ -158,15 +159,15 @@ def test_k_of_n_needs_k_layers():
 def test_resume_keeps_every_layer_state_and_continues_identically():
     model = mlp()
     settings = MonitorSettings().merged({"layers": LAYERS, "check_every": 4, "policy": old_rule(warmup=1)})
-    straight = TopoMonitor(settings, probe=PROBE)
-    first = TopoMonitor(settings, probe=PROBE)
+    straight = TopoMonitor(settings, probe=PROBE, **AT_CADENCE)
+    first = TopoMonitor(settings, probe=PROBE, **AT_CADENCE)
     for step in range(0, 9):
         straight.on_step(step, model=model)
         first.on_step(step, model=model)
         train(model, 1, step)
     state = json.loads(json.dumps(first.state_dict()))
     assert set(state["pipeline"]["layers"]["states"]) == set(LAYERS)
-    resumed = TopoMonitor(settings, probe=PROBE)
+    resumed = TopoMonitor(settings, probe=PROBE, **AT_CADENCE)
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state
     assert resumed.pipeline.layers == LAYERS
@@ -182,9 +183,9 @@ def test_resume_keeps_every_layer_state_and_continues_identically():
 
 
 def test_a_state_of_other_layers_is_refused():
-    first = TopoMonitor(layers=["a", "b"])
+    first = TopoMonitor(layers=["a", "b"], **AT_CADENCE)
     first.process(clouds({}, steps=1)[0], 0)
-    other = TopoMonitor(layers=["a", "c"])
+    other = TopoMonitor(layers=["a", "c"], **AT_CADENCE)
     other.process({"a": np.ones((5, 2)) * np.arange(5)[:, None], "c": np.arange(10.0).reshape(5, 2)}, 0)
     with pytest.raises(InputError, match=r"the saved state watched layers \['a', 'b'\], this monitor watches"):
         other.load_state_dict(first.state_dict())
@@ -192,8 +193,8 @@ def test_a_state_of_other_layers_is_refused():
 
 def test_background_checks_give_the_records_of_checks_in_the_loop():
     model = mlp()
-    inline = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=3, background=False)
-    behind = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=3, background=True, lag=1)
+    inline = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=3, background=False, **AT_CADENCE)
+    behind = TopoMonitor(probe=PROBE, layers=LAYERS, check_every=3, background=True, lag=1, **AT_CADENCE)
     try:
         for step in range(8):
             inline.on_step(step, model=model)
@@ -232,7 +233,9 @@ def test_patterns_and_preset_shortcuts():
         assert load(name).settings.probe.shortcuts["all_blocks"]
     # A preset's shortcut, end to end: one pass over a real (tiny) GPT-2 watches ln_f and every block.
     ids = torch.randint(0, 50, (24, 6), generator=torch.Generator().manual_seed(0))
-    monitor = TopoMonitor(load("gpt").settings, probe={"input_ids": ids}, layers=["all_blocks"], max_probe_samples=None)
+    monitor = TopoMonitor(
+        load("gpt").settings, probe={"input_ids": ids}, layers=["all_blocks"], max_probe_samples=None, **AT_CADENCE
+    )
     records = monitor.on_step(0, model=gpt)
     assert [r.layer for r in records] == ["transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.ln_f"]
 
@@ -252,30 +255,30 @@ def test_patterns_and_preset_shortcuts():
 )
 def test_bad_arguments_are_refused_with_their_name_and_value(overrides, match):
     with pytest.raises(InputError, match=match):
-        TopoMonitor(**overrides)
+        TopoMonitor(**overrides, **AT_CADENCE)
 
 
 def test_bad_layers_are_refused_at_the_first_check_with_close_matches():
     model = mlp()
     with pytest.raises(InputError, match=r"`layers` entry '9' is not a module of Sequential; some names: \['0', '1'"):
-        TopoMonitor(probe=PROBE, layers=["0", "9"]).check(model, 0)
+        TopoMonitor(probe=PROBE, layers=["0", "9"], **AT_CADENCE).check(model, 0)
     with pytest.raises(InputError, match=r"`layers` entries '\[02\]' and '2' both designate module '2'"):
-        TopoMonitor(probe=PROBE, layers=["[02]", "2"]).check(model, 0)
+        TopoMonitor(probe=PROBE, layers=["[02]", "2"], **AT_CADENCE).check(model, 0)
     with pytest.raises(InputError, match=r"`layers` pattern 'x\*' matches no module of Sequential"):
-        TopoMonitor(probe=PROBE, layers=["0", "x*"]).resolve_layers(model)
+        TopoMonitor(probe=PROBE, layers=["0", "x*"], **AT_CADENCE).resolve_layers(model)
     with pytest.raises(InputError, match=r"`policy.layer_rule` is 3, but 2 layers are watched"):
-        TopoMonitor(probe=PROBE, layers=["0", "2"], policy={"layer_rule": 3}).check(model, 0)
+        TopoMonitor(probe=PROBE, layers=["0", "2"], policy={"layer_rule": 3}, **AT_CADENCE).check(model, 0)
     with pytest.raises(InputError, match=r"`layers` must designate at least 2 layers to watch several, got \['0'\]"):
-        TopoMonitor(probe=PROBE, layers=["0"]).check(model, 0)
+        TopoMonitor(probe=PROBE, layers=["0"], **AT_CADENCE).check(model, 0)
     with pytest.raises(InputError, match=r"pass the features as a mapping \{layer: \(n, d\) array\}"):
-        TopoMonitor(layers=["a", "b"]).process(np.zeros((4, 2)), 0)
+        TopoMonitor(layers=["a", "b"], **AT_CADENCE).process(np.zeros((4, 2)), 0)
     with pytest.raises(ConfigError, match=r"unknown argument `layer_rule`: it is a policy option"):
-        TopoMonitor(layers=["a", "b"], layer_rule="any")
+        TopoMonitor(layers=["a", "b"], layer_rule="any", **AT_CADENCE)
 
 
 def test_the_primary_layer_comes_first_and_is_listed_once():
     model = mlp()
-    monitor = TopoMonitor(probe=PROBE, layer="4", layers=["[024]"])
+    monitor = TopoMonitor(probe=PROBE, layer="4", layers=["[024]"], **AT_CADENCE)
     assert monitor.resolve_layers(model) == ["4", "0", "2"]
     record = monitor.check(model, 0)
     assert record.layer == "4"
@@ -288,7 +291,7 @@ def test_a_rollback_restores_once_and_rewinds_every_layer():
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     actuator = LoopActuator(optimizer, model=model)
-    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "action": "rollback", "layer_rule": "any"})
+    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "action": "rollback", "layer_rule": "any"}, **AT_CADENCE)
     weights = {}
     for step, cloud in enumerate(clouds({"b": {5}})):
         with torch.no_grad():
@@ -308,7 +311,7 @@ def test_a_rollback_restores_once_and_rewinds_every_layer():
 
 def test_the_report_of_several_layers_draws_the_primary_layers_diagrams(tmp_path):
     pytest.importorskip("matplotlib")
-    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "layer_rule": "any"})
+    monitor = TopoMonitor(layers=["a", "b"], policy={**RULE, "layer_rule": "any"}, **AT_CADENCE)
     for step, cloud in enumerate(clouds({"b": {5}}, steps=7)):
         monitor.process(cloud, step)
     page = monitor.report(tmp_path).read_text()

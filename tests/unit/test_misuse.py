@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cadence import AT_CADENCE
 from topocallbacks import TopoMonitor
 from topocallbacks.exceptions import ConfigError, InputError
 from topocallbacks.presets import load
@@ -29,12 +30,12 @@ FEATURES = np.random.default_rng(0).normal(size=(40, 4))
 )
 def test_bad_steps_losses_and_norms_are_named_with_their_value(arguments, message):
     with pytest.raises(InputError, match=message):
-        TopoMonitor(check_every=1).process(FEATURES, **arguments)
+        TopoMonitor(check_every=1, **AT_CADENCE).process(FEATURES, **arguments)
 
 
 @pytest.mark.parametrize("entry", ["on_step", "observe"])
 def test_every_entry_point_checks_its_step(entry):
-    monitor = TopoMonitor(check_every=1, mode="stream" if entry == "observe" else "probe")
+    monitor = TopoMonitor(check_every=1, mode="stream" if entry == "observe" else "probe", **AT_CADENCE)
     call = {"on_step": lambda: monitor.on_step("3"), "observe": lambda: monitor.observe(FEATURES, "3")}[entry]
     with pytest.raises(InputError, match=r"`step` must be an integer >= 0, got '3'"):
         call()
@@ -42,13 +43,13 @@ def test_every_entry_point_checks_its_step(entry):
 
 def test_a_non_finite_loss_or_norm_is_data_not_misuse():
     # NaN and Inf are what divergence looks like: they make a diverged check, not an error.
-    record = TopoMonitor(check_every=1).process(FEATURES, 0, loss=float("nan"), grad_norm=float("inf"))
+    record = TopoMonitor(check_every=1, **AT_CADENCE).process(FEATURES, 0, loss=float("nan"), grad_norm=float("inf"))
     assert record.decision.rule == "diverged"
 
 
 @pytest.mark.parametrize("model", [None, "net", 3])
 def test_check_without_a_model_names_the_argument(model):
-    monitor = TopoMonitor(check_every=1, layer="0", probe=torch.randn(20, 8))
+    monitor = TopoMonitor(check_every=1, layer="0", probe=torch.randn(20, 8), **AT_CADENCE)
     with pytest.raises(InputError, match=r"`model` must be a torch module, got "):
         monitor.check(model, 0)
 
@@ -62,7 +63,7 @@ def test_check_without_a_model_names_the_argument(model):
 )
 def test_a_probe_the_model_cannot_take_names_the_model_the_layer_the_step_and_the_probe(probe, said):
     net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
-    monitor = TopoMonitor(check_every=1, layer="0", probe=probe)
+    monitor = TopoMonitor(check_every=1, layer="0", probe=probe, **AT_CADENCE)
     with pytest.raises(InputError) as raised:
         monitor.check(net, 3)
     text = str(raised.value)
@@ -72,9 +73,9 @@ def test_a_probe_the_model_cannot_take_names_the_model_the_layer_the_step_and_th
 
 
 def test_a_preset_is_given_to_the_monitor_as_to_the_callbacks():
-    by_name = TopoMonitor(preset="gpt", check_every=20)
-    by_class = TopoMonitor.from_preset("gpt", check_every=20)
+    by_name = TopoMonitor(preset="gpt", check_every=20, **AT_CADENCE)
+    by_class = TopoMonitor.from_preset("gpt", check_every=20, **AT_CADENCE)
     expected = load("gpt").settings.merged({"check_every": 20})
     assert by_name.settings == by_class.settings == expected
     with pytest.raises(ConfigError, match="preset"):
-        TopoMonitor(preset="gtp")
+        TopoMonitor(preset="gtp", **AT_CADENCE)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cadence import AT_CADENCE
 from topocallbacks import ConfigError, InputError, MonitorSettings, Policy, TopoMonitor
 from topocallbacks import functional as F
 from topocallbacks.check import CheckRecord
@@ -35,7 +36,9 @@ def digits_mlp():
 def test_plain_pytorch_loop_in_three_lines(tmp_path):
     model, x, y = digits_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = TopoMonitor(probe=x[:300], layer="3", check_every=10, history_path=str(tmp_path / "history.jsonl"))
+    monitor = TopoMonitor(
+        probe=x[:300], layer="3", check_every=10, history_path=str(tmp_path / "history.jsonl"), **AT_CADENCE
+    )
     for step in range(31):
         batch = torch.randint(0, len(x), (32,))
         loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
@@ -61,17 +64,19 @@ def test_plain_pytorch_loop_in_three_lines(tmp_path):
 def test_normalisation_makes_the_index_blind_to_feature_scale():
     rng = np.random.default_rng(0)
     features = rng.normal(size=(200, 8))
-    monitor = TopoMonitor(check_every=1)
+    monitor = TopoMonitor(check_every=1, **AT_CADENCE)
     first = monitor.process(features, 0)
     shrunk = monitor.process(features * 1e-3, 1)
     assert shrunk.report.ci == pytest.approx(first.report.ci)
-    raw = TopoMonitor(check_every=1, normalize=False)
+    raw = TopoMonitor(check_every=1, normalize=False, **AT_CADENCE)
     raw.process(features, 0)
     assert raw.process(features * 1e-3, 1).report.betti0 == 1  # everything within the old ε: one blob
 
 
 def test_diverged_features_are_logged_and_trigger_the_configured_action(tmp_path):
-    monitor = TopoMonitor(policy={"action": "warn", "on_diverged": "stop"}, history_path=str(tmp_path / "h.jsonl"))
+    monitor = TopoMonitor(
+        policy={"action": "warn", "on_diverged": "stop"}, history_path=str(tmp_path / "h.jsonl"), **AT_CADENCE
+    )
     monitor.process(np.random.default_rng(0).normal(size=(50, 4)), 0)
     broken = np.full((50, 4), np.nan)
     record = monitor.process(broken, 100)
@@ -86,7 +91,7 @@ def test_diverged_features_are_logged_and_trigger_the_configured_action(tmp_path
 @pytest.mark.parametrize("projection", ["pca", "random"])
 def test_projection_is_fitted_once_and_kept(projection):
     rng = np.random.default_rng(1)
-    monitor = TopoMonitor(projection=projection, projection_dim=5, check_every=1)
+    monitor = TopoMonitor(projection=projection, projection_dim=5, check_every=1, **AT_CADENCE)
     first = rng.normal(size=(80, 20))
     monitor.process(first, 0)
     kept = json.dumps(monitor.state_dict()["pipeline"]["transform"])
@@ -98,7 +103,7 @@ def test_projection_is_fitted_once_and_kept(projection):
 
 def test_streaming_mode_watches_a_window_of_training_batches():
     rng = np.random.default_rng(2)
-    monitor = TopoMonitor(mode="stream", window=128, check_every=4)
+    monitor = TopoMonitor(mode="stream", window=128, check_every=4, **AT_CADENCE)
     records = [monitor.observe(rng.normal(size=(16, 6)), step) for step in range(12)]
     # Every 4 steps from step 4: the window of step 0 holds a single batch.
     assert [r is not None for r in records] == [step % 4 == 0 and step > 0 for step in range(12)]
@@ -109,7 +114,7 @@ def test_streaming_mode_watches_a_window_of_training_batches():
     assert [r is not None for r in again] == [True, False, False, False]
     assert len(checks(monitor)) == 3
     with pytest.raises(InputError, match="observe\\(\\) is for streaming mode"):
-        TopoMonitor().observe(np.zeros((4, 2)), 0)
+        TopoMonitor(**AT_CADENCE).observe(np.zeros((4, 2)), 0)
 
 
 def test_state_round_trip_keeps_epsilon_history_and_policy(tmp_path):
@@ -120,7 +125,7 @@ def test_state_round_trip_keeps_epsilon_history_and_policy(tmp_path):
         "index": "paper",
         "policy": {"action": "lower_lr", "threshold": 0.0, "patience": 1, "warmup": 1},
     }
-    monitor = TopoMonitor(**settings)
+    monitor = TopoMonitor(**settings, **AT_CADENCE)
     monitor.check(model, 0)
     record = monitor.check(model, 100)
     assert record.decision.action.value == "lower_lr"
@@ -128,7 +133,7 @@ def test_state_round_trip_keeps_epsilon_history_and_policy(tmp_path):
     assert done.detail == "learning rate x 0.5"
     assert done.lr_factor == 0.5
     state = json.loads(json.dumps(monitor.state_dict()))
-    restored = TopoMonitor(**settings)
+    restored = TopoMonitor(**settings, **AT_CADENCE)
     restored.load_state_dict(state)
     assert restored.epsilon_ == monitor.epsilon_
     assert as_json(restored.history) == as_json(monitor.history)  # (NaN engine predictions: compared as JSON)
@@ -141,7 +146,7 @@ def test_state_round_trip_keeps_epsilon_history_and_policy(tmp_path):
     assert restored.check(model, 200).report.ci == pytest.approx(monitor.check(model, 200).report.ci)
     twin = pickle.loads(pickle.dumps(monitor))
     assert as_json(twin.history) == as_json(monitor.history)
-    other_probe = TopoMonitor(probe=x[100:200], layer="1")
+    other_probe = TopoMonitor(probe=x[100:200], layer="1", **AT_CADENCE)
     with pytest.raises(InputError, match="the probe differs"):
         other_probe.load_state_dict(state)
 
@@ -150,7 +155,7 @@ def test_tensorboard_scalars_are_written(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    monitor = TopoMonitor(tensorboard_dir=str(tmp_path / "tb"), diagram_every=1, check_every=1)
+    monitor = TopoMonitor(tensorboard_dir=str(tmp_path / "tb"), diagram_every=1, check_every=1, **AT_CADENCE)
     rng = np.random.default_rng(3)
     for step in range(3):
         monitor.process(rng.normal(size=(60, 4)), step * 10)
@@ -201,7 +206,7 @@ def test_jsonl_reader_skips_a_torn_last_line(tmp_path):
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(InputError, match=match):
-        TopoMonitor(**kwargs)
+        TopoMonitor(**kwargs, **AT_CADENCE)
 
 
 # --- the watched index (diagram drift by default, chosen by benchmarks/collapse) -------------------------------
@@ -210,7 +215,7 @@ def test_bad_arguments(kwargs, match):
 def test_default_index_is_diagram_drift_and_matches_the_functional_definition():
     rng = np.random.default_rng(0)
     frames = [rng.normal(size=(120, 6)) for _ in range(3)]
-    monitor = TopoMonitor(check_every=1)
+    monitor = TopoMonitor(check_every=1, **AT_CADENCE)
     assert monitor.settings.index.name == "diagram_drift"
     rule = monitor.policy.settings
     assert (rule.score, rule.threshold, rule.warmup) == ("zscore", 4.5, 10)
@@ -234,27 +239,27 @@ def test_default_index_is_diagram_drift_and_matches_the_functional_definition():
 
 def test_rankme_is_handed_to_the_policy_negated_and_paper_keeps_the_threshold_policy():
     features = np.random.default_rng(1).normal(size=(100, 5))
-    rankme = TopoMonitor(check_every=1, index="rankme")
+    rankme = TopoMonitor(check_every=1, index="rankme", **AT_CADENCE)
     record = rankme.process(features, 0)
     assert record.index_value == pytest.approx(F.effective_rank(features - features.mean(axis=0)))
     assert record.decision.value == pytest.approx(-record.index_value)
-    paper = TopoMonitor(check_every=1, index="paper")
+    paper = TopoMonitor(check_every=1, index="paper", **AT_CADENCE)
     record = paper.process(features, 0)
     assert record.index_value == record.report.ci
     assert (paper.policy.settings.score, paper.policy.settings.threshold) == ("value", 0.7)
     with pytest.raises(InputError, match=r"`index` must be one of \['diagram_drift', 'paper', 'rankme'\], got 'ci'"):
-        TopoMonitor(index="ci")
+        TopoMonitor(index="ci", **AT_CADENCE)
 
 
 def test_drift_state_survives_a_round_trip_so_a_resume_continues_the_drift():
     rng = np.random.default_rng(2)
     frames = [rng.normal(size=(80, 4)) for _ in range(3)]
-    uninterrupted = TopoMonitor(check_every=1)
+    uninterrupted = TopoMonitor(check_every=1, **AT_CADENCE)
     expected = [uninterrupted.process(f, i).index_value for i, f in enumerate(frames)]
-    first = TopoMonitor(check_every=1)
+    first = TopoMonitor(check_every=1, **AT_CADENCE)
     first.process(frames[0], 0)
     first.process(frames[1], 1)
-    resumed = TopoMonitor(check_every=1)
+    resumed = TopoMonitor(check_every=1, **AT_CADENCE)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert resumed.process(frames[2], 2).index_value == pytest.approx(expected[2])
     assert pickle.loads(pickle.dumps(first)).state_dict() == first.state_dict()
@@ -265,13 +270,13 @@ def test_drift_state_survives_a_round_trip_so_a_resume_continues_the_drift():
 
 def test_settings_overrides_and_a_settings_value_configure_the_same_monitor():
     settings = MonitorSettings().merged({"check_every": 7, "index": "rankme", "policy": {"patience": 2}})
-    direct = TopoMonitor(check_every=7, index="rankme", policy={"patience": 2})
-    assert direct.settings == settings == TopoMonitor(settings).settings
+    direct = TopoMonitor(check_every=7, index="rankme", policy={"patience": 2}, **AT_CADENCE)
+    assert direct.settings == settings == TopoMonitor(settings, **AT_CADENCE).settings
     assert settings.schedule.check_every == 7
     assert settings.rule.patience == 2
     assert settings.rule.threshold == 4.5  # merged into the index's default rule
-    assert TopoMonitor(settings, seed=3).settings.seed == 3  # overrides merge into a given value
-    from_policy = TopoMonitor(policy=Policy(action="stop", score="value", threshold=0.9))
+    assert TopoMonitor(settings, seed=3, **AT_CADENCE).settings.seed == 3  # overrides merge into a given value
+    from_policy = TopoMonitor(policy=Policy(action="stop", score="value", threshold=0.9), **AT_CADENCE)
     assert (from_policy.policy.settings.action, from_policy.policy.settings.threshold) == ("stop", 0.9)
     assert MonitorSettings().merged(settings.as_dict()) == settings
     assert json.loads(json.dumps(settings.as_dict())) == settings.as_dict()
@@ -279,11 +284,11 @@ def test_settings_overrides_and_a_settings_value_configure_the_same_monitor():
 
 def test_an_unknown_option_gets_a_did_you_mean_and_a_policy_option_a_pointer():
     with pytest.raises(ConfigError, match=r"unknown argument `chek_every`; did you mean `check_every`\?"):
-        TopoMonitor(chek_every=3)
+        TopoMonitor(chek_every=3, **AT_CADENCE)
     with pytest.raises(ConfigError, match=r"`threshold`: it is a policy option, pass policy=\{'threshold': ...\}"):
-        TopoMonitor(threshold=3)
+        TopoMonitor(threshold=3, **AT_CADENCE)
     with pytest.raises(ConfigError, match=r"unknown key `policy.patiense`; did you mean `policy.patience`\?"):
-        TopoMonitor(policy={"patiense": 3})
+        TopoMonitor(policy={"patiense": 3}, **AT_CADENCE)
 
 
 class RecordingActuator:
@@ -307,7 +312,10 @@ class RecordingActuator:
 
 def test_a_stop_is_recorded_before_its_checkpoint_is_saved(tmp_path):
     monitor = TopoMonitor(
-        check_every=1, index="paper", policy={"action": "stop", "threshold": 0.0, "patience": 1, "warmup": 1}
+        check_every=1,
+        index="paper",
+        policy={"action": "stop", "threshold": 0.0, "patience": 1, "warmup": 1},
+        **AT_CADENCE,
     )
     actuator = RecordingActuator()
     saved_history = []
@@ -321,10 +329,12 @@ def test_a_stop_is_recorded_before_its_checkpoint_is_saved(tmp_path):
 
 
 def test_paths_may_be_path_objects(tmp_path):
-    monitor = TopoMonitor(check_every=1, history_path=tmp_path / "h.jsonl", tensorboard_dir=tmp_path / "tb")
+    monitor = TopoMonitor(
+        check_every=1, history_path=tmp_path / "h.jsonl", tensorboard_dir=tmp_path / "tb", **AT_CADENCE
+    )
     assert monitor.settings.output.history_path == str(tmp_path / "h.jsonl")  # kept as text: settings stay JSON
     monitor.process(np.random.default_rng(0).normal(size=(20, 3)), step=0)
     monitor.close()
     assert (tmp_path / "h.jsonl").read_text().count("\n") == 1
     with pytest.raises(InputError, match=r"`history_path` must be a path \(a non-empty string or os.PathLike\)"):
-        TopoMonitor(history_path=3)
+        TopoMonitor(history_path=3, **AT_CADENCE)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cadence import AT_CADENCE
 from topocallbacks import InputError, TopoMonitor
 from topocallbacks.check import Plan
 from topocallbacks.intake import Intake, OptimizerStep
@@ -139,7 +140,7 @@ def test_the_intake_averages_each_check_once_and_says_when_a_watched_channel_is_
 
 
 def test_the_monitors_state_is_the_sum_of_its_parts():
-    monitor = TopoMonitor(check_every=1, policy={"channels": ["index"], "require": 1})
+    monitor = TopoMonitor(check_every=1, policy={"channels": ["index"], "require": 1}, **AT_CADENCE)
     rng = np.random.default_rng(1)
     for step in range(3):
         monitor.process(rng.normal(size=(30, 5)), step)
@@ -149,12 +150,12 @@ def test_the_monitors_state_is_the_sum_of_its_parts():
     assert state["rescuer"] == monitor.rescuer.state_dict()
     assert state["runner"] == monitor.runner.state_dict()
     assert state["pipeline"] == monitor.pipeline.state_dict()
-    twin = TopoMonitor(check_every=1, policy={"channels": ["index"], "require": 1})
+    twin = TopoMonitor(check_every=1, policy={"channels": ["index"], "require": 1}, **AT_CADENCE)
     twin.load_state_dict(json.loads(json.dumps(state)))
     assert twin.state_dict() == state
     old = {**state, "version": 6}
     with pytest.raises(InputError, match="version"):
-        TopoMonitor().load_state_dict(old)
+        TopoMonitor(**AT_CADENCE).load_state_dict(old)
 
 
 def test_a_check_request_evaluates_the_probe_or_a_window_and_refuses_what_it_cannot():

@@ -16,7 +16,7 @@ import json, sys
 from topocallbacks import TopoMonitor, check
 from topocallbacks.functional import _jit
 before = {"numba": "numba" in sys.modules, "scipy.optimize": "scipy.optimize" in sys.modules}
-monitor = TopoMonitor(check_every=1)
+monitor = TopoMonitor(check_every=1, overhead_budget=None)
 thread = check.prepare_in_background()
 thread.join(120)
 import numpy as np

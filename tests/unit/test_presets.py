@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cadence import AT_CADENCE
 from tests.waiting import HANG_SECONDS
 from topocallbacks import ConfigError, MonitorSettings, Policy, presets
 from topocallbacks.presets import parse_preset
@@ -150,20 +151,22 @@ def test_from_preset_overrides_every_value():
     from topocallbacks.lightning import TopoCollapseCallback
 
     probe = torch.randn(8, 3)
-    callback = TopoCollapseCallback.from_preset("gpt", probe=probe, check_every=20, policy={"patience": 5})
+    callback = TopoCollapseCallback.from_preset(
+        "gpt", probe=probe, check_every=20, policy={"patience": 5}, **AT_CADENCE
+    )
     settings = callback.monitor.settings
     assert settings.schedule.check_every == 20
     assert settings.rule.patience == 5
     assert settings.rule.threshold == presets.load("gpt").settings.rule.threshold  # merged, not replaced
     assert callback.layer == presets.load("gpt").settings.probe.layer
-    replaced = TopoCollapseCallback.from_preset("resnet", probe=probe, policy=Policy(action="stop"))
+    replaced = TopoCollapseCallback.from_preset("resnet", probe=probe, policy=Policy(action="stop"), **AT_CADENCE)
     assert replaced.monitor.policy.settings.action == "stop"
     with pytest.raises(ConfigError, match=r"unknown argument `chek_every`; did you mean `check_every`\?"):
-        TopoCollapseCallback.from_preset("gpt", probe=probe, chek_every=3)
+        TopoCollapseCallback.from_preset("gpt", probe=probe, chek_every=3, **AT_CADENCE)
     with pytest.raises(ConfigError, match=r"unknown key `policy.patient`; did you mean `policy.patience`\?"):
-        TopoCollapseCallback.from_preset("gpt", probe=probe, policy={"patient": 3})
+        TopoCollapseCallback.from_preset("gpt", probe=probe, policy={"patient": 3}, **AT_CADENCE)
     with pytest.raises(ConfigError, match="give a `preset` or a MonitorSettings value as `settings`, not both"):
-        TopoCollapseCallback(probe=probe, preset="gpt", settings=MonitorSettings())
+        TopoCollapseCallback(probe=probe, preset="gpt", settings=MonitorSettings(), **AT_CADENCE)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
+from tests.cadence import AT_CADENCE
 from tests.unit.rules import old_rule
 from tests.waiting import HANG_SECONDS
 from topocallbacks import InputError, TopoMonitor
@@ -57,6 +58,7 @@ def run_monitor(history_path=None, *, layer_shift=0.0, diverge=True, seed=0):
         check_every=1,
         history_path=None if history_path is None else str(history_path),
         policy=old_rule(warmup=3, action="lower_lr"),
+        **AT_CADENCE,
     )
     actuator = TinyActuator()
 
@@ -251,7 +253,7 @@ def test_the_layer_that_moved_is_named():
     """Two layers; only the second one's features are squeezed: the diagnosis names it."""
     probe = _digits_probe(100, 1)
     rng = np.random.default_rng(3)
-    monitors = {layer: TopoMonitor(check_every=1, policy=old_rule(warmup=3)) for layer in LAYERS}
+    monitors = {layer: TopoMonitor(check_every=1, policy=old_rule(warmup=3), **AT_CADENCE) for layer in LAYERS}
     records = []
     for i in range(9):
         for layer, monitor in monitors.items():
@@ -299,7 +301,7 @@ def test_records_of_the_monitor_are_accepted_directly(tmp_path):
 
 
 def test_a_history_with_only_diverged_checks(tmp_path):
-    monitor = TopoMonitor(check_every=1)
+    monitor = TopoMonitor(check_every=1, **AT_CADENCE)
     for step in range(3):
         monitor.process(np.full((20, 4), np.nan), step)
     path = write_report(monitor.history, tmp_path)
@@ -422,7 +424,7 @@ def test_the_scores_figure_draws_each_score_its_threshold_and_the_interventions(
 def test_the_loss_the_rule_saw_is_in_the_records_and_drawn_with_the_interventions(tmp_path):
     probe = _digits_probe(80, 0)
     rng = np.random.default_rng(3)
-    monitor = TopoMonitor(check_every=1, summary=False)
+    monitor = TopoMonitor(check_every=1, summary=False, **AT_CADENCE)
     losses = {}
     for i in range(8):
         losses[i * 5] = 2.0 / (1 + i)
@@ -439,7 +441,9 @@ def test_the_loss_the_rule_saw_is_in_the_records_and_drawn_with_the_intervention
 
 def test_a_sentinel_is_named_with_dead_units_and_its_own_hints(tmp_path):
     probe = _digits_probe(80, 0)
-    monitor = TopoMonitor(check_every=1, summary=False, policy={"action": "warn", "channels": ["index"], "require": 1})
+    monitor = TopoMonitor(
+        check_every=1, summary=False, policy={"action": "warn", "channels": ["index"], "require": 1}, **AT_CADENCE
+    )
     for i in range(5):
         monitor.process(probe + 0.05 * np.random.default_rng(i).normal(size=probe.shape), i * 5)
     monitor.process(np.full_like(probe, 0.3), 25)  # every unit constant: a dead layer
@@ -460,7 +464,7 @@ def test_the_hints_follow_what_the_loss_did_at_the_alarm(tmp_path):
     rng = np.random.default_rng(4)
     pages = {}
     for case, last_loss in (("jumped", 5.0), ("fell", 0.2)):
-        monitor = TopoMonitor(check_every=1, summary=False, policy=old_rule(warmup=3, action="warn"))
+        monitor = TopoMonitor(check_every=1, summary=False, policy=old_rule(warmup=3, action="warn"), **AT_CADENCE)
         for i in range(7):
             features = probe + 0.05 * rng.normal(size=probe.shape)
             if i == 6:

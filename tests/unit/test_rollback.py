@@ -12,6 +12,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
+from tests.cadence import AT_CADENCE
 from tests.unit.rules import old_policy, old_rule
 from topocallbacks import TopoMonitor
 from topocallbacks.check import CheckRecord, InterventionRecord
@@ -97,7 +98,7 @@ def assert_state_equal(model, optimizer, scheduler, saved) -> None:
 
 def rollback_monitor(**policy) -> TopoMonitor:
     rule = old_rule(action="rollback", warmup=3, **policy)
-    return TopoMonitor(check_every=CHECK_EVERY, policy=rule, summary=False)
+    return TopoMonitor(check_every=CHECK_EVERY, policy=rule, summary=False, **AT_CADENCE)
 
 
 def fault_at(start: int, stop: int = 10**9):
@@ -234,7 +235,7 @@ def test_diverged_features_roll_back_when_asked():
     ],
 )
 def test_snapshots_are_taken_only_when_the_rule_can_roll_back_or_stop(rule, keeps):
-    loop = Loop(TopoMonitor(check_every=CHECK_EVERY, policy=old_rule(warmup=3, **rule), summary=False))
+    loop = Loop(TopoMonitor(check_every=CHECK_EVERY, policy=old_rule(warmup=3, **rule), summary=False, **AT_CADENCE))
     assert loop.monitor.keeps_snapshots is keeps
     loop.run(range(0, 30), healthy_features)
     assert [s.step for s in loop.monitor.snapshots.snapshots] == ([20, 25] if keeps else [])
@@ -286,6 +287,7 @@ def test_snapshots_on_disk_are_kept_to_their_number_and_summarised(tmp_path):
         snapshots=2,
         snapshot_dir=str(tmp_path / "snaps"),
         summary=False,
+        **AT_CADENCE,
     )
     loop = Loop(monitor)
     loop.run(range(0, 21), healthy_features)
@@ -319,7 +321,7 @@ def constant_features(step: int) -> np.ndarray:
 
 @pytest.mark.parametrize("patience", [1, 3, 5, 12])
 def test_a_collapse_that_persists_is_flagged_at_every_check_whatever_the_patience(patience):
-    monitor = TopoMonitor(check_every=1, policy=old_rule(patience=patience, warmup=5), summary=False)
+    monitor = TopoMonitor(check_every=1, policy=old_rule(patience=patience, warmup=5), summary=False, **AT_CADENCE)
     records = []
     for step in range(40):
         features = constant_features(step) if step >= 20 else healthy_features(step)
@@ -349,7 +351,7 @@ def diagram_drift(first, second) -> float:
 def test_drift_is_the_smaller_distance_to_the_previous_check_or_the_last_unflagged_one():
     # Collapsed onto one point up to a noise (relative spread 2.3e-4) that no sentinel reads as a collapse: the
     # index alone sees it, at its onset; then the cloud is measured against its previous check, not a frozen past.
-    monitor = TopoMonitor(check_every=1, policy=old_rule(warmup=5), summary=False)
+    monitor = TopoMonitor(check_every=1, policy=old_rule(warmup=5), summary=False, **AT_CADENCE)
     values, expected, to_healthy = [], [], []
     for step in range(30):
         previous, reference = monitor.pipeline.last_diagrams, monitor.pipeline.reference_diagrams
@@ -383,7 +385,7 @@ def test_a_marginal_alarm_does_not_freeze_the_reference():
 
     # The loud path's reference is under test: the silent path (which warns at step 21 on the new level, a lasting
     # move from its warm-up reference) is off here and tested in test_silent_path.py.
-    monitor = TopoMonitor(check_every=1, policy=old_rule(warmup=5), summary=False, silent_path=False)
+    monitor = TopoMonitor(check_every=1, policy=old_rule(warmup=5), summary=False, silent_path=False, **AT_CADENCE)
     records, diagrams = [], []
     for step in range(30):
         records.append(monitor.process(moved(step), step))
@@ -408,7 +410,7 @@ def test_ordinary_schedule_changes_stay_quiet(schedule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 200))
     else:
         scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=100)
-    monitor = TopoMonitor(probe=X[:128], layer="1", check_every=10, summary=False)
+    monitor = TopoMonitor(probe=X[:128], layer="1", check_every=10, summary=False, **AT_CADENCE)
     generator = torch.Generator().manual_seed(0)
     flagged = []
     for step in range(400):
@@ -470,7 +472,9 @@ def test_a_nan_loss_is_a_diverged_check():
 
 
 def test_the_monitor_averages_the_steps_dynamics_and_reads_tensors_once():
-    monitor = TopoMonitor(check_every=5, policy=old_rule(channels=["index", "loss"], warmup=0), summary=False)
+    monitor = TopoMonitor(
+        check_every=5, policy=old_rule(channels=["index", "loss"], warmup=0), summary=False, **AT_CADENCE
+    )
     for step in range(4):
         monitor.record_dynamics(torch.tensor(float(step)), None)
     monitor.process(healthy_features(0), 5, loss=4.0)  # this step's own value joins the four before it
@@ -502,7 +506,7 @@ def test_rollback_policy_state_round_trips():
 
 
 def test_a_nan_loss_with_nothing_to_roll_back_to_escalates_like_diverged_features():
-    monitor = TopoMonitor(check_every=1, policy=old_rule(on_diverged="rollback"), summary=False)
+    monitor = TopoMonitor(check_every=1, policy=old_rule(on_diverged="rollback"), summary=False, **AT_CADENCE)
     loop = Loop(monitor)
     done = monitor.act(monitor.process(healthy_features(0), 0, loss=math.nan), loop.actuator)
     assert done is not None
@@ -629,7 +633,7 @@ def test_an_actuator_that_cannot_skip_is_refused_clearly_and_counts_are_checked(
 def test_the_default_rule_stops_after_its_rollbacks_at_the_last_healthy_state_bit_for_bit(tmp_path):
     # The default rule (no policy given), the loss passed: a total collapse from step 30 on, inside the warm-up of
     # 10 checks, whose cause outlives every rollback.
-    loop = Loop(TopoMonitor(check_every=CHECK_EVERY, summary=False), directory=tmp_path)
+    loop = Loop(TopoMonitor(check_every=CHECK_EVERY, summary=False, **AT_CADENCE), directory=tmp_path)
     loop.losses = {}
     done = loop.run(range(0, 100), lambda s: constant_features(s) if s >= 30 else healthy_features(s))
     assert loop.monitor.settings.rule.warmup == 10  # the checks of steps 0-45
@@ -725,7 +729,11 @@ def test_a_training_setup_that_cannot_snapshot_degrades_to_warnings(tmp_path):
 def test_snapshots_on_disk_skip_the_memory_check(monkeypatch, tmp_path):
     monkeypatch.setattr("topocallbacks.snapshots.host_memory_available", lambda: 2**16)
     monitor = TopoMonitor(
-        check_every=CHECK_EVERY, policy=old_rule(action="rollback", warmup=3), snapshot_dir=str(tmp_path), summary=False
+        check_every=CHECK_EVERY,
+        policy=old_rule(action="rollback", warmup=3),
+        snapshot_dir=str(tmp_path),
+        summary=False,
+        **AT_CADENCE,
     )
     loop = Loop(monitor)
     done = loop.run(range(0, 61), fault_at(50, 51))

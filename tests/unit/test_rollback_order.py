@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cadence import AT_CADENCE
 from tests.unit.rules import old_rule
 from tests.unit.test_rollback import CHECK_EVERY, Loop, collapsed_features, fault_at, healthy_features
 from topocallbacks import TopoMonitor
@@ -55,7 +56,7 @@ def test_bad_orders_and_orders_without_the_loss_are_refused_by_name():
 
 def ordered_loop(order: str, **policy) -> Loop:
     rule = old_rule(action="rollback", warmup=3, max_rollbacks=4, rollback_skip=3, rollback_order=order, **policy)
-    return Loop(TopoMonitor(check_every=CHECK_EVERY, policy=rule, summary=False))
+    return Loop(TopoMonitor(check_every=CHECK_EVERY, policy=rule, summary=False, **AT_CADENCE))
 
 
 def test_from_second_neither_skips_nor_cuts_at_the_first_rollback_and_does_both_from_the_second():
@@ -88,7 +89,11 @@ def loss_monitor(order: str, **policy) -> tuple[TopoMonitor, LoopActuator, torch
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return TopoMonitor(check_every=CHECK_EVERY, policy=rule, summary=False), LoopActuator(optimizer, model=model), model
+    return (
+        TopoMonitor(check_every=CHECK_EVERY, policy=rule, summary=False, **AT_CADENCE),
+        LoopActuator(optimizer, model=model),
+        model,
+    )
 
 
 def feed(monitor, actuator, steps, loss, features=healthy_features):

@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 
+from tests.cadence import AT_CADENCE
 from topocallbacks import TopoMonitor
 from topocallbacks.sinks import scalars_of
 
 
 def test_a_sentinel_that_acts_has_its_curve_at_that_step():
-    monitor = TopoMonitor(policy={"action": "warn", "channels": ["index"], "require": 1})
+    monitor = TopoMonitor(policy={"action": "warn", "channels": ["index"], "require": 1}, **AT_CADENCE)
     rng = np.random.default_rng(0)
     healthy = monitor.process(rng.normal(size=(64, 8)), step=0)
     line = np.outer(rng.normal(size=64), rng.normal(size=8))  # every point on one line through the origin

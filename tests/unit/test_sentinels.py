@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.datasets import load_digits
 
+from tests.cadence import AT_CADENCE
 from topocallbacks import TopoMonitor
 from topocallbacks.functional.sentinels import (
     CONSTANT_SPREAD,
@@ -136,7 +137,7 @@ def test_two_clusters_on_a_line_are_a_binary_classifiers_terminal_phase_not_a_co
 def test_healthy_features_times_a_huge_factor_are_not_a_collapse(healthy, factor):
     # A monitor with a healthy history, then the same healthy features x 1e155 (whose squares overflow float64)
     # or x 1e300: the same records, no action. It used to read them as a collapse and stop.
-    plain, scaled = TopoMonitor(check_every=20), TopoMonitor(check_every=20)
+    plain, scaled = TopoMonitor(check_every=20, **AT_CADENCE), TopoMonitor(check_every=20, **AT_CADENCE)
     for i, cloud in enumerate(healthy):
         loss = 2.0 / (1 + i)
         a = plain.process(cloud, 20 * i, loss=loss)

@@ -11,6 +11,7 @@ import pytest
 
 import topocallbacks.functional.collapse as collapse_module
 import topocallbacks.transform as transform_module
+from tests.cadence import AT_CADENCE
 from topocallbacks import TopoMonitor
 from topocallbacks.functional.collapse import DEGREE_BAND
 from topocallbacks.transform import FeatureTransform
@@ -50,7 +51,7 @@ def radius(batch):
 
 
 def replay(stream, check_every=100):
-    monitor = TopoMonitor(mode="stream", check_every=check_every)
+    monitor = TopoMonitor(mode="stream", check_every=check_every, **AT_CADENCE)
     # Steps from 1, as a trainer counts them after each update (a streaming window is first checked at step 100).
     records = [r for step, batch in enumerate(stream, start=1) if (r := monitor.observe(batch, step)) is not None]
     return monitor, records

@@ -170,3 +170,49 @@ def test_the_lint_finds_what_it_forbids(tmp_path):
         (15, "asserts a duration against a bound"),
         (16, "asserts a duration against a bound"),
     ]
+
+
+#: What builds a monitor: the classes, and their `from_preset` constructors.
+MONITOR_BUILDERS = {"TopoMonitor", "TopoCollapseCallback", "TopoCollapseTrainerCallback", "from_preset"}
+#: The keywords that name the budget a monitor checks under (`tests.cadence`): none (``**AT_CADENCE``), one the test
+#: chose, or a recorded plan.
+BUDGET_KEYWORDS = {"overhead_budget", "plan"}
+
+
+def unbudgeted_monitors(tree: ast.AST) -> list[int]:
+    """The lines of the calls in ``tree`` that build a monitor or callback without naming its overhead budget."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+        if name not in MONITOR_BUILDERS:
+            continue
+        named = {k.arg for k in node.keywords if k.arg is not None}
+        spread = [k.value for k in node.keywords if k.arg is None]
+        if named & BUDGET_KEYWORDS or any(isinstance(v, ast.Name) and v.id == "AT_CADENCE" for v in spread):
+            continue
+        lines.append(node.lineno)
+    return lines
+
+
+def test_every_monitor_a_test_builds_names_its_overhead_budget():
+    # With a budget the checks follow the machine's timings (one plan, made at the third check): a test that counts
+    # checks or decisions must say `**AT_CADENCE` (checks exactly as configured) or the budget it tests, whatever
+    # the shipped default is (tests/cadence.py). Scripts the tests run (DDP, FSDP) are held to it too.
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for line in unbudgeted_monitors(ast.parse(path.read_text())):
+            found.append(f"{path.relative_to(TESTS)}:{line}")
+    assert not found, "build these with **AT_CADENCE (tests/cadence.py) or an explicit budget:\n" + "\n".join(found)
+
+
+def test_the_budget_lint_sees_a_missing_budget_and_accepts_the_three_ways_to_name_one():
+    source = """
+TopoMonitor(check_every=5)
+TopoCollapseCallback.from_preset("gpt", probe=p)
+TopoMonitor(check_every=5, **AT_CADENCE)
+TopoCollapseTrainerCallback(probe=p, overhead_budget=0.02)
+TopoCollapseCallback(probe=p, plan={"at_step": 20})
+"""
+    assert unbudgeted_monitors(ast.parse(source)) == [2, 3]
