@@ -38,6 +38,9 @@ from topocallbacks.interventions import LoopActuator, current_learning_rates
 
 RULE = {**OLD_RULE, "action": "rollback", "score": "value", "threshold": -4.0, "patience": 1, "warmup": 1}
 RULE |= {"cooldown": 0, "sentinels": False, "rollback_lr_factor": 0.5, "rollback_skip": 3, "max_rollbacks": 2}
+#: The monitor the sharded scripts build (here and `lightning_sharded_rollback.py`): a check of the effective rank
+#: every 5 steps under `RULE`, 16 probe samples a pass.
+MONITOR = {"check_every": 5, "index": "rankme", "policy": RULE, "batch_size": 16}
 COLLAPSE_AT = (12, 22)
 STEPS = 30
 
@@ -159,16 +162,7 @@ def main(out: str, kind: str, mode: str) -> None:
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.05 * s))
     on_disk = {"snapshot_dir": str(Path(out, "snapshots"))} if mode in ("disk", "kill") else {}
-    monitor = TopoMonitor(
-        probe=x[:96],
-        layer="encoder",
-        check_every=5,
-        index="rankme",
-        policy=RULE,
-        batch_size=16,
-        **on_disk,
-        **AT_CADENCE,
-    )
+    monitor = TopoMonitor(probe=x[:96], layer="encoder", **MONITOR, **on_disk, **AT_CADENCE)
     actuator = LoopActuator(optimizer, scheduler, model=net)
     now = [0]  # the step being acted on
     if mode in ("fail", "kill") and rank == 1:

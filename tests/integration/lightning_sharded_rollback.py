@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.cadence import AT_CADENCE
-from tests.integration.fsdp_rollback import RULE, Classifier, collapse, record_state
+from tests.integration.fsdp_rollback import MONITOR, Classifier, collapse, record_state
 from tests.integration.models import digits
 from topocallbacks.lightning import TopoCollapseCallback
 
@@ -77,16 +77,7 @@ class Report(pl.Callback):
 
 
 def main(out: str, strategy: str = "model_parallel", accelerator: str = "cpu", devices: str = "2") -> None:
-    callback = TopoCollapseCallback(
-        probe=X[:96],
-        layer="net.encoder",
-        check_every=5,
-        index="rankme",
-        policy=RULE,
-        batch_size=16,
-        summary=False,
-        **AT_CADENCE,
-    )
+    callback = TopoCollapseCallback(probe=X[:96], layer="net.encoder", summary=False, **MONITOR, **AT_CADENCE)
     n = int(devices)
     chosen = (
         ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1)
