@@ -222,7 +222,7 @@ def chosen_is_shipped(stage: int = 1) -> bool:
 SHIPPED_AT = {1: "## Stage 2", 4: "## Stage 5"}
 
 
-def stage2_committed(stage: int = 1) -> bool:
+def shipping_stage_written(stage: int = 1) -> bool:
     """Whether the pre-registration's stage that ships the choice is written (the held-out split runs only after)."""
     return SHIPPED_AT[stage] in PREREGISTRATION.read_text()
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     shipped_at = SHIPPED_AT[args.stage][3:]
-    if args.split == "held_out" and not args.quick and not stage2_committed(args.stage):
+    if args.split == "held_out" and not args.quick and not shipping_stage_written(args.stage):
         parser.error(f"the held-out cases of stage {args.stage} run only after {shipped_at} of "
                      "benchmarks/DEFAULT_BUDGET.md")  # fmt: skip
     if args.split == "held_out" and not args.quick and not chosen_is_shipped(args.stage):

@@ -317,8 +317,8 @@ def _wide_check(wide: dict[str, Any] | None) -> str:
     return (
         f" A wide layer, {wide['n']} points of {wide['dim']}-d features (the digits MLP's hidden layer the overhead "
         f"budget's 1-ms case watches): {_ms(wide['healthy_ms'])} a healthy check, {_ms(wide['collapsed_ms'])} a "
-        "collapsed one; the dimension costs in the distances and the spectra (a 512 x 512 Gram matrix), not in the "
-        "topology."
+        f"collapsed one; the dimension costs in the distances and the spectra (a {min(wide['n'], wide['dim'])} x "
+        f"{min(wide['n'], wide['dim'])} Gram matrix), not in the topology."
     )
 
 
@@ -341,8 +341,7 @@ def first_check() -> str:
 
 def _default_budget_rows(split: str, budget: Any = None, stage: int = 1) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """``(case, row)`` of a stored default-budget split, its rows of ``budget`` only (None: every row)."""
-    name = f"default_budget_{split}.json" if stage == 1 else f"default_budget_stage{stage}_{split}.json"
-    cases = stored(name)["cases"]
+    cases = stored(f"{suite('', 'default_budget').stem(stage, split)}.json")["cases"]
     return [(case, row) for case in cases for row in case["rows"] if budget is None or row["budget"] == budget]
 
 

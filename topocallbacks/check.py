@@ -25,7 +25,7 @@ from .functional.indices import _diagram_distance
 from .functional.sentinels import SentinelValues
 from .mmhm import UpdateStats
 from .policy import Decision
-from .settings import INDEX_NAMES, IndexSettings, resolve_weights
+from .settings import INDEX_NAMES, PLAN_KEYS, IndexSettings, resolve_weights
 
 __all__ = [
     "ORIENTATION",
@@ -180,7 +180,7 @@ class Plan:
     @property
     def settings(self) -> dict[str, Any]:
         """What ``plan=`` takes to follow this plan again (from the check of the same step, without measuring)."""
-        return {k: getattr(self, k) for k in ("at_step", "intervals", "background", "lag", "probe_size")}
+        return {k: getattr(self, k) for k in PLAN_KEYS}
 
     def describe(self) -> str:
         """The plan in words: "a check every 2 x check_every, in the background with decisions 15 steps later...".

@@ -39,7 +39,7 @@ def test_the_held_out_cases_wait_for_stage_2(monkeypatch, tmp_path):
     text = tmp_path / "DEFAULT_BUDGET.md"
     text.write_text("# Pre-registration\n\nStage 1 only.\n")
     monkeypatch.setattr(default_budget, "PREREGISTRATION", text)
-    assert not default_budget.stage2_committed()
+    assert not default_budget.shipping_stage_written()
     with pytest.raises(SystemExit):
         default_budget.main(["--split", "held_out", "--out", str(tmp_path)])
     assert not list(tmp_path.glob("default_budget_*"))
@@ -107,7 +107,7 @@ def test_the_shipped_default_checks_at_the_configured_cadence_until_a_budget_kee
 
 def test_the_held_out_fits_measured_the_default_a_user_gets():
     payload = json.loads((RESULTS / "default_budget_held_out.json").read_text())
-    assert default_budget.stage2_committed()
+    assert default_budget.shipping_stage_written()
     measured = chosen_settings()
     # The same object, field for field; `schedule.plan` came later (stage 4) and, None, is left out of the digest.
     as_then = measured.as_dict()
