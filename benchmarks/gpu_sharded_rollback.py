@@ -82,7 +82,8 @@ def hf_worker(out: str, version: str) -> None:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from tests.integration.fsdp_rollback import RULE, Classifier, collapse, record_state
+    from tests.cadence import AT_CADENCE
+    from tests.integration.fsdp_rollback import MONITOR, Classifier, collapse, record_state
     from tests.integration.models import digits
     from topocallbacks.hf import TopoCollapseTrainerCallback
 
@@ -114,9 +115,8 @@ def hf_worker(out: str, version: str) -> None:
         def on_step_end(self, args, state, control, **kw):
             record_state(self.seen, state.global_step, trainer.model_wrapped, trainer.optimizer.optimizer)
 
-    watcher = TopoCollapseTrainerCallback(
-        probe=x[:96], layer="encoder", check_every=5, index="rankme", policy=RULE, batch_size=16, summary=False
-    )
+    # The checks as the CPU test's (fsdp_rollback.py), at exactly their cadence: the case asserts what they decide.
+    watcher = TopoCollapseTrainerCallback(probe=x[:96], layer="encoder", summary=False, **MONITOR, **AT_CADENCE)
     args = TrainingArguments(
         output_dir=out, max_steps=20, per_device_train_batch_size=32, learning_rate=3e-3, lr_scheduler_type="linear",
         report_to=[], save_strategy="no", logging_steps=1000, seed=0,

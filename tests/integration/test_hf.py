@@ -500,7 +500,8 @@ def test_a_budgeted_train_plans_once_and_a_second_train_given_that_plan_checks_a
     Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[first]).train()
     (made,) = [r.plan for r in checks(first) if r.plan is not None]
     assert made.at_step == 4
-    second = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy, plan=made.settings)
+    second = TopoCollapseTrainerCallback(probe=PROBE, layer="encoder", check_every=2, policy=policy,
+                                         plan=made.settings, **AT_CADENCE)  # fmt: skip
     Trainer(model=DigitsNet(), args=args, train_dataset=digits_dataset(), callbacks=[second]).train()
 
     def what(callback):

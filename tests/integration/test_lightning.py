@@ -595,7 +595,9 @@ def test_a_budgeted_fit_plans_once_and_a_second_fit_given_that_plan_checks_and_d
     (made,) = [r.plan for r in checks(first) if r.plan is not None]
     assert made.at_step == 4
     assert f"rerun with plan={made.settings}" in caplog.text
-    second = TopoCollapseCallback(probe=PROBE, layer="avgpool", check_every=2, policy=policy, plan=made.settings)
+    second = TopoCollapseCallback(
+        probe=PROBE, layer="avgpool", check_every=2, policy=policy, plan=made.settings, **AT_CADENCE
+    )
     assert second.monitor.settings.schedule.overhead_budget is None
     trainer(tmp_path / "b", [second], max_steps=60).fit(TinyCNN(), digits_loader())
 

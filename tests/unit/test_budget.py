@@ -393,7 +393,7 @@ def test_a_given_plan_is_taken_at_its_step_without_measuring_and_the_checks_are_
     torch.manual_seed(0)
     model, probe = Net(), torch.randn(256, 16)
     rerun = TopoMonitor(probe=probe, layer="body", check_every=5, background=False, plan=made.settings,
-                        policy={"action": "warn"})  # fmt: skip
+                        policy={"action": "warn"}, **AT_CADENCE)  # fmt: skip
     assert rerun.settings.schedule.overhead_budget is None
     for step in range(121):
         rerun.on_step(step, model=model, loss=1.0)

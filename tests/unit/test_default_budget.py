@@ -77,10 +77,17 @@ def test_the_stored_stage4_design_choice_follows_the_rule_on_the_same_cases():
     assert payload["choice"] == default_budget.choose(payload["cases"])
 
 
-def test_stage4s_held_out_cases_wait_until_its_choice_ships(tmp_path):
+def test_stage4s_choice_is_the_shipped_default_and_its_held_out_cases_wait_for_the_stage_that_ships_it(
+    monkeypatch, tmp_path
+):
     chosen = json.loads((RESULTS / "default_budget_stage4_design.json").read_text())["choice"]["chosen"]
-    assert MonitorSettings().schedule.overhead_budget != chosen  # not shipped yet: the ship gates come first
-    assert not default_budget.chosen_is_shipped(4)
+    assert MonitorSettings().schedule.overhead_budget == chosen  # stage 6: the default is the rule's choice
+    assert default_budget.chosen_is_shipped(4)
+    # Shipped, the held-out cases still run only after the stage that records the gates (stage 7).
+    before = tmp_path / "DEFAULT_BUDGET.md"
+    before.write_text(default_budget.PREREGISTRATION.read_text().split(default_budget.SHIPPED_AT[4])[0])
+    monkeypatch.setattr(default_budget, "PREREGISTRATION", before)
+    assert not default_budget.shipping_stage_written(4)
     with pytest.raises(SystemExit):
         default_budget.main(["--stage", "4", "--split", "held_out", "--out", str(tmp_path)])
     assert not list(tmp_path.glob("default_budget_*"))
@@ -96,10 +103,9 @@ def chosen_settings():
     return MonitorSettings().merged({"overhead_budget": chosen})
 
 
-def test_the_shipped_default_checks_at_the_configured_cadence_until_a_budget_keeps_decisions_reproducible(tmp_path):
+def test_stage1s_withdrawn_choice_is_not_the_shipped_default_and_its_held_out_cases_do_not_run_again(tmp_path):
     assert "## Stage 3" in default_budget.PREREGISTRATION.read_text()
-    assert MonitorSettings().schedule.overhead_budget is None
-    assert not default_budget.chosen_is_shipped()
+    assert not default_budget.chosen_is_shipped()  # 0.05, withdrawn by stage 3; stage 6 ships stage 4's choice
     with pytest.raises(SystemExit):  # the held-out cases would measure another default than the registered one
         default_budget.main(["--split", "held_out", "--out", str(tmp_path)])
     assert not list(tmp_path.glob("default_budget_*"))

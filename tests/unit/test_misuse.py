@@ -75,7 +75,7 @@ def test_a_probe_the_model_cannot_take_names_the_model_the_layer_the_step_and_th
 def test_a_preset_is_given_to_the_monitor_as_to_the_callbacks():
     by_name = TopoMonitor(preset="gpt", check_every=20, **AT_CADENCE)
     by_class = TopoMonitor.from_preset("gpt", check_every=20, **AT_CADENCE)
-    expected = load("gpt").settings.merged({"check_every": 20})
+    expected = load("gpt").settings.merged({"check_every": 20, **AT_CADENCE})
     assert by_name.settings == by_class.settings == expected
     with pytest.raises(ConfigError, match="preset"):
         TopoMonitor(preset="gtp", **AT_CADENCE)

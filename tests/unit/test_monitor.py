@@ -269,7 +269,7 @@ def test_drift_state_survives_a_round_trip_so_a_resume_continues_the_drift():
 
 
 def test_settings_overrides_and_a_settings_value_configure_the_same_monitor():
-    settings = MonitorSettings().merged({"check_every": 7, "index": "rankme", "policy": {"patience": 2}})
+    settings = MonitorSettings().merged({"check_every": 7, "index": "rankme", "policy": {"patience": 2}, **AT_CADENCE})
     direct = TopoMonitor(check_every=7, index="rankme", policy={"patience": 2}, **AT_CADENCE)
     assert direct.settings == settings == TopoMonitor(settings, **AT_CADENCE).settings
     assert settings.schedule.check_every == 7
