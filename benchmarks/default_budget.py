@@ -219,7 +219,7 @@ def chosen_is_shipped(stage: int = 1) -> bool:
 
 
 #: The pre-registration's stage after which a stage's held-out cases may run.
-SHIPPED_AT = {1: "## Stage 2", 4: "## Stage 5"}
+SHIPPED_AT = {1: "## Stage 2", 4: "## Stage 7"}
 
 
 def shipping_stage_written(stage: int = 1) -> bool:

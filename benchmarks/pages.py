@@ -420,7 +420,7 @@ def default_budget_stage4() -> str:
 
     shipped = MonitorSettings().schedule.overhead_budget
     status = (
-        "It is the shipped default."
+        "It is the shipped default (the registration's stage 6 flipped it; its gates: stage 7)."
         if shipped == choice["chosen"]
         else f"It is not shipped yet (the default is `overhead_budget={shipped}`): the registration's ship gates (the "
         "test suite at that default, its tests about the rule pinned to `None`, within 15 minutes) come first, and the "

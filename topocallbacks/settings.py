@@ -369,10 +369,11 @@ class ScheduleSettings(_Section):
         check_budget_ms: streaming mode: the window is capped so that the engine's predicted time for a check of
             it (a rebuild, the worst case) stays within this budget; the record gives the window used.
         overhead_budget: the share of the training step time the monitor may cost the loop (probe pass, waits for
-            the worker, evaluation in the loop, snapshots, records), e.g. 0.05 (the figure
-            ``benchmarks/DEFAULT_BUDGET.md`` chose), or None, the default (measured and logged, not enforced: checks
-            at exactly the configured cadence, where and on the probe configured, so that a run's decisions do not
-            depend on the machine's speed). The share is measured at every check (``topo/overhead``, whatever this
+            the worker, evaluation in the loop, snapshots, records): 0.02 by default (the figure
+            ``benchmarks/DEFAULT_BUDGET.md`` chose by its pre-registered rule in stage 4), or None
+            (measured and logged, not enforced: checks at exactly the configured cadence, where and on the probe
+            configured, so that a run's checks and decisions do not depend on the machine's speed, e.g. for a test
+            that counts them). The share is measured at every check (``topo/overhead``, whatever this
             setting) and, with a budget, kept by adapting the checks the schedule calls (``on_step``), in this order
             and only as far as needed, planned on the cheaper of the last two intervals: where checks are evaluated
             (the background worker, when ``background`` is automatic and a core is free), the lag of a background
@@ -400,7 +401,7 @@ class ScheduleSettings(_Section):
     worker_threads: int = _option(2, _integer(1))
     worker_timeout: float = _option(60.0, _positive)
     check_budget_ms: float = _option(250.0, _positive)
-    overhead_budget: float | None = _option(None, _optional(_positive))
+    overhead_budget: float | None = _option(0.02, _optional(_positive))
     plan: dict[str, Any] | None = _option(None, _optional(_plan))
 
     @property
