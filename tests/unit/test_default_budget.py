@@ -126,3 +126,18 @@ def test_the_held_out_fits_measured_the_default_a_user_gets():
         (row,) = case["rows"]
         assert row["budget"] == "default"
         assert row["meets"] == (row["wall_ratio"] <= case["target"])
+
+
+def test_stage4s_held_out_fits_measured_the_default_a_user_gets():
+    payload = json.loads((RESULTS / f"{default_budget.stem(4, 'held_out')}.json").read_text())
+    assert (payload["stage"], payload["split"], payload["repeats"]) == (4, "held_out", default_budget.REPEATS)
+    assert payload["settings_sha256"] == default_budget.settings_sha()  # `MonitorSettings()`, field for field
+    chosen = json.loads((RESULTS / "default_budget_stage4_design.json").read_text())["choice"]["chosen"]
+    assert payload["shipped_budget"] == chosen == MonitorSettings().schedule.overhead_budget
+    held_out = [c.name for c in default_budget.CASES if c.split == "held_out" and 4 in c.stages]
+    assert [case["case"] for case in payload["cases"]] == held_out
+    for case in payload["cases"]:
+        (row,) = case["rows"]
+        assert row["budget"] == "default"
+        assert row["meets"] == (row["wall_ratio"] <= case["target"])
+        assert row["last_plan"]["at_step"] is not None  # the budget planned, once
