@@ -111,6 +111,16 @@ def test_stage1s_withdrawn_choice_is_not_the_shipped_default_and_its_held_out_ca
     assert not list(tmp_path.glob("default_budget_*"))
 
 
+def assert_held_out_rows(payload, stage):
+    """A stored held-out split: the stage's held-out cases in order, one row each at the default, `meets` as stored."""
+    held_out = [c.name for c in default_budget.CASES if c.split == "held_out" and stage in c.stages]
+    assert [case["case"] for case in payload["cases"]] == held_out
+    for case in payload["cases"]:
+        (row,) = case["rows"]
+        assert row["budget"] == "default"
+        assert row["meets"] == (row["wall_ratio"] <= case["target"])
+
+
 def test_the_held_out_fits_measured_the_default_a_user_gets():
     payload = json.loads((RESULTS / "default_budget_held_out.json").read_text())
     assert default_budget.shipping_stage_written()
@@ -120,12 +130,7 @@ def test_the_held_out_fits_measured_the_default_a_user_gets():
     assert as_then["schedule"].pop("plan") is None
     assert payload["settings_sha256"] == hashlib.sha256(json.dumps(as_then, sort_keys=True).encode()).hexdigest()
     assert payload["shipped_budget"] == measured.schedule.overhead_budget
-    held_out = [c.name for c in default_budget.CASES if c.split == "held_out" and 1 in c.stages]
-    assert [case["case"] for case in payload["cases"]] == held_out
-    for case in payload["cases"]:
-        (row,) = case["rows"]
-        assert row["budget"] == "default"
-        assert row["meets"] == (row["wall_ratio"] <= case["target"])
+    assert_held_out_rows(payload, stage=1)
 
 
 def test_stage4s_held_out_fits_measured_the_default_a_user_gets():
@@ -134,10 +139,5 @@ def test_stage4s_held_out_fits_measured_the_default_a_user_gets():
     assert payload["settings_sha256"] == default_budget.settings_sha()  # `MonitorSettings()`, field for field
     chosen = json.loads((RESULTS / "default_budget_stage4_design.json").read_text())["choice"]["chosen"]
     assert payload["shipped_budget"] == chosen == MonitorSettings().schedule.overhead_budget
-    held_out = [c.name for c in default_budget.CASES if c.split == "held_out" and 4 in c.stages]
-    assert [case["case"] for case in payload["cases"]] == held_out
-    for case in payload["cases"]:
-        (row,) = case["rows"]
-        assert row["budget"] == "default"
-        assert row["meets"] == (row["wall_ratio"] <= case["target"])
-        assert row["last_plan"]["at_step"] is not None  # the budget planned, once
+    assert_held_out_rows(payload, stage=4)
+    assert all(case["rows"][0]["last_plan"]["at_step"] is not None for case in payload["cases"])  # planned, once
