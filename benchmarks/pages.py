@@ -408,11 +408,9 @@ def default_budget() -> str:
 @block("default-budget-stage4-held-out", "default_budget_stage4_held_out.json")
 def default_budget_stage4_held_out() -> str:
     """The costs page's account of stage 4's held-out fits at the shipped default: the new cases, then the seen ones."""
-    bench = suite("", "default_budget")
-    held = stored(f"{bench.stem(4, 'held_out')}.json")
-    new = {c.name for c in bench.CASES if c.stages == (4,)}
-    rows = _default_budget_rows("held_out", stage=4)
-    rows = [r for r in rows if r[0]["case"] in new] + [r for r in rows if r[0]["case"] not in new]
+    held = stored(f"{suite('', 'default_budget').stem(4, 'held_out')}.json")
+    unseen, seen = _stage4_held_out()
+    rows = unseen + seen
 
     def tally(kind: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
         missed = [
@@ -425,8 +423,6 @@ def default_budget_stage4_held_out() -> str:
             f" (missed: {'; '.join(missed)})" if missed else ""
         )
 
-    unseen = [r for r in rows if r[0]["case"] in new]
-    seen = [r for r in rows if r[0]["case"] not in new]
     return "\n".join(
         [
             _fill(
@@ -443,6 +439,15 @@ def default_budget_stage4_held_out() -> str:
             _fill(_own_figure(rows)),
         ]
     )
+
+
+def _stage4_held_out() -> tuple[
+    list[tuple[dict[str, Any], dict[str, Any]]], list[tuple[dict[str, Any], dict[str, Any]]]
+]:
+    """Stage 4's held-out ``(case, row)``: the cases never run before, then those seen in stage 2."""
+    new = {c.name for c in suite("", "default_budget").CASES if c.stages == (4,)}
+    rows = _default_budget_rows("held_out", stage=4)
+    return [r for r in rows if r[0]["case"] in new], [r for r in rows if r[0]["case"] not in new]
 
 
 def _own_figure(rows: list[tuple[dict[str, Any], dict[str, Any]]], lead: str = "The monitor's own figure") -> str:
@@ -505,14 +510,12 @@ def default_budget_stage4() -> str:
 def default_budget_readme() -> str:
     """The README's short table: stage 4's held-out fits at the shipped default, then its design fits at the choice."""
     chosen = stored("default_budget_stage4_design.json")["choice"]["chosen"]
-    new = {c.name for c in suite("", "default_budget").CASES if c.stages == (4,)}
     lines = [
         f"| fit (one CPU thread), `overhead_budget={chosen:g}` (stage 4) | step | wall time vs no callback | target |",
         "|---|---|---|---|",
     ]
-    held = _default_budget_rows("held_out", stage=4)
-    split = [(r, "held out") for r in held if r[0]["case"] in new]
-    split += [(r, "held out, seen in stage 2") for r in held if r[0]["case"] not in new]
+    unseen, seen = _stage4_held_out()
+    split = [(r, "held out") for r in unseen] + [(r, "held out, seen in stage 2") for r in seen]
     split += [(r, "design") for r in _default_budget_rows("design", chosen, stage=4)]
     for (case, row), kind in split:
         every = "shipped cadence" if case["check_every"] is None else f"`check_every={case['check_every']}`"
