@@ -862,3 +862,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "none", "accuracy", True, steps=900, fault_step=900, check_every=10, build=LongTail),
     ]
 }  # fmt: skip
+
+# Round 4 (ROUND4.md): the embedding is the product.
+from embeddings import ROUND4  # noqa: E402  (after every name embeddings.py imports from here)
+
+SCENARIOS.update(ROUND4)

@@ -155,8 +155,11 @@ def default_actions(frames: np.ndarray, steps: np.ndarray, values: dict[str, np.
     return default_replay(frames, steps, values)[0]
 
 
-def default_replay(frames: np.ndarray, steps: np.ndarray, values: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
-    """`default_actions`, and where of those the default's silent path decided (its reason starts "silent path")."""
+def default_replay(
+    frames: np.ndarray, steps: np.ndarray, values: dict[str, np.ndarray], settings: Any = None
+) -> tuple[np.ndarray, ...]:
+    """`default_actions`, and where of those the default's silent path decided (its reason starts "silent path");
+    ``settings``: other `MonitorSettings` than the default's (round 4 replays round 2's path turned on)."""
     from topocallbacks.pipeline import CheckPipeline
     from topocallbacks.settings import MonitorSettings
 
@@ -164,7 +167,7 @@ def default_replay(frames: np.ndarray, steps: np.ndarray, values: dict[str, np.n
         value = float(values[name][i])
         return value if math.isfinite(value) else None
 
-    pipeline = CheckPipeline(MonitorSettings())
+    pipeline = CheckPipeline(MonitorSettings() if settings is None else settings)
     fired, silent = np.zeros(len(frames)), np.zeros(len(frames))
     for i, (frame, step) in enumerate(zip(frames, steps, strict=True)):
         dynamics = {"loss": channel("loss", i), "grad_norm": channel("grad_norm", i)}
