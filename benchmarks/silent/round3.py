@@ -16,7 +16,6 @@ and the outputs family alone and with each of round 2's combinations at the outp
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import sys
@@ -118,8 +117,6 @@ def run_values(data: Any, kind: str, steps: np.ndarray, place: str) -> dict[str,
 def load_runs(directory: Path, split: str, place: str, at_features: list[r1.Run] | None = None) -> list[r1.Run]:
     """The split's runs with their signals at ``place`` (``at_features``: the same runs at the features, whose
     non-classifiers the outputs place takes as they are: their outputs are their features)."""
-    from silence import harm_point
-
     names = [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
     runs = []
     for name, seed in itertools.product(names, r1.EVALUATION_SEEDS):
@@ -129,15 +126,24 @@ def load_runs(directory: Path, split: str, place: str, at_features: list[r1.Run]
         with np.load(recording(directory, name, seed)) as data:
             if name in CLASSIFIERS and split == "design":
                 same_features(directory, name, seed, data)
-            trap, fault = name.startswith("trap_"), int(data["fault_step"])
-            point = None
-            if not trap:
-                metrics = data["collapse/metric"], data["healthy/metric"]
-                point = harm_point(data["collapse/check_steps"], *metrics, fault, bool(data["higher_is_better"]))
-            for kind in ("healthy",) if trap else ("collapse", "healthy"):
-                steps = data[f"{kind}/check_steps"]
-                values = run_values(data, kind, steps, place)
-                runs.append(r1.Run(name, seed, "trap" if trap else kind, steps, values, fault, point))
+            runs += runs_of(data, name, seed, lambda kind, steps: run_values(data, kind, steps, place))
+    return runs
+
+
+def runs_of(data: Any, name: str, seed: int, values_of: Any) -> list[r1.Run]:
+    """One recording's runs (a trap's one, a faulted run and its twin with the 5 % point), each with
+    ``values_of(kind, steps)``."""
+    from silence import harm_point
+
+    trap, fault = name.startswith("trap_"), int(data["fault_step"])
+    point = None
+    if not trap:
+        metrics = data["collapse/metric"], data["healthy/metric"]
+        point = harm_point(data["collapse/check_steps"], *metrics, fault, bool(data["higher_is_better"]))
+    runs = []
+    for kind in ("healthy",) if trap else ("collapse", "healthy"):
+        steps = data[f"{kind}/check_steps"]
+        runs.append(r1.Run(name, seed, "trap" if trap else kind, steps, values_of(kind, steps), fault, point))
     return runs
 
 
@@ -264,27 +270,17 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = r1.parser_for(__doc__, SPLITS)
-    args = parser.parse_args(argv)
-    stored = args.out / f"silent_r3_{args.split}.json"
-    if args.render:
-        stored.with_suffix(".md").write_text(markdown(json.loads(stored.read_text())))
-        return 0
-    if args.split == "held_out" and STAGE_2 not in ROUND3.read_text():
-        parser.error("round 3's held-out split is recorded and evaluated only after its stage 2 (ROUND3.md)")
-    commit = r1._commit()
+    return r1.round_main(argv, __doc__, SPLITS, "silent_r3", ROUND3, STAGE_2, evaluate, markdown)
+
+
+def evaluate(args: Any) -> dict[str, Any]:
+    """Record the split's missing evaluation seeds when asked (the classifiers with their logits), then report."""
     scenarios = [*scenarios_of(args.split), *(TRAPS[t] for t in SPLITS[args.split][1])]
     if args.record:
         r1.record_missing(sorted(set(scenarios) & CLASSIFIERS), args.recordings / "round3", args.jobs)
         r1.record_missing(sorted(set(scenarios) - CLASSIFIERS), args.recordings, args.jobs)
     classes, traps = SPLITS[args.split]
-    payload = {"split": args.split, "classes": list(classes), "traps": list(traps), "commit": commit,
-               **report(args.recordings, args.split)}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    stored.write_text(json.dumps(payload, indent=1) + "\n")
-    stored.with_suffix(".md").write_text(markdown(payload))
-    print(f"round 3, {args.split}: chosen {payload.get('chosen')}")
-    return 0
+    return {"classes": list(classes), "traps": list(traps), **report(args.recordings, args.split)}
 
 
 if __name__ == "__main__":

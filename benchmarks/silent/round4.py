@@ -11,8 +11,8 @@ design split chooses by ROUND4.md's rule. Writes ``benchmarks/results/silent_r4_
 
 from __future__ import annotations
 
+import functools
 import itertools
-import json
 import os
 import sys
 from pathlib import Path
@@ -71,22 +71,17 @@ def alarms(run: r1.Run, signal: str, score: str, k: float, p: int) -> np.ndarray
 
 def load_runs(directory: Path, split: str) -> list[r1.Run]:
     """The split's runs with every signal at the watched embedding (round 3's), and the opt-in silent path."""
-    from silence import harm_point
+
+    def values_of(data: Any, kind: str, steps: np.ndarray) -> dict[str, np.ndarray]:
+        values = r3.run_values(data, kind, steps, "features")
+        values["opt_in_silent"] = opt_in_replay(data[f"{kind}/features"], steps, values)
+        return values
 
     names = [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
     runs = []
     for name, seed in itertools.product(names, r1.EVALUATION_SEEDS):
         with np.load(recording(directory, name, seed)) as data:
-            trap, fault = name.startswith("trap_"), int(data["fault_step"])
-            point = None
-            if not trap:
-                metrics = data["collapse/metric"], data["healthy/metric"]
-                point = harm_point(data["collapse/check_steps"], *metrics, fault, bool(data["higher_is_better"]))
-            for kind in ("healthy",) if trap else ("collapse", "healthy"):
-                steps = data[f"{kind}/check_steps"]
-                values = r3.run_values(data, kind, steps, "features")
-                values["opt_in_silent"] = opt_in_replay(data[f"{kind}/features"], steps, values)
-                runs.append(r1.Run(name, seed, "trap" if trap else kind, steps, values, fault, point))
+            runs += r3.runs_of(data, name, seed, functools.partial(values_of, data))
     return runs
 
 
@@ -155,30 +150,15 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = r1.parser_for(__doc__, SPLITS)
-    args = parser.parse_args(argv)
-    stored = args.out / f"silent_r4_{args.split}.json"
-    if args.render:
-        stored.with_suffix(".md").write_text(markdown(json.loads(stored.read_text())))
-        return 0
-    if args.split == "held_out" and STAGE_2 not in ROUND4.read_text():
-        parser.error("round 4's held-out split is recorded and evaluated only after its stage 2 (ROUND4.md)")
-    commit = r1._commit()
+    return r1.round_main(argv, __doc__, SPLITS, "silent_r4", ROUND4, STAGE_2, evaluate, markdown)
+
+
+def evaluate(args: Any) -> dict[str, Any]:
+    """Record the split's missing evaluation seeds when asked, then report."""
     scenarios, traps = scenarios_of(args.split), [TRAPS[t] for t in SPLITS[args.split][1]]
     if args.record:
         r1.record_missing([*scenarios, *traps], args.recordings, args.jobs)
-    payload = {"split": args.split, "scenarios": list(scenarios), "traps": traps, "commit": commit,
-               **report(args.recordings, args.split)}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    stored.write_text(json.dumps(payload, indent=1, default=_plain) + "\n")
-    stored.with_suffix(".md").write_text(markdown(json.loads(stored.read_text())))
-    print(f"round 4, {args.split}: chosen {payload['chosen']}")
-    return 0
-
-
-def _plain(value: Any) -> Any:
-    """numpy scalars in the stored results as plain numbers."""
-    return value.item() if hasattr(value, "item") else str(value)
+    return {"scenarios": list(scenarios), "traps": traps, **report(args.recordings, args.split)}
 
 
 if __name__ == "__main__":

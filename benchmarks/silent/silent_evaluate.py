@@ -421,6 +421,32 @@ def parser_for(description: str | None, splits: dict[str, Any]) -> argparse.Argu
     return parser
 
 
+def round_main(argv: list[str] | None, doc: str | None, splits: dict[str, Any], stem: str, registration: Path,
+               stage_2: str, evaluate: Any, markdown: Any) -> int:  # fmt: skip
+    """A later round's command line (rounds 3 and 4): parse; ``--render`` rewrites the page from the stored JSON;
+    the held-out split runs only once ``registration`` holds ``stage_2``; else ``evaluate(args)`` (which records
+    first when asked) gives the payload, stored as ``<out>/<stem>_<split>.{json,md}`` with the split and commit."""
+    parser = parser_for(doc, splits)
+    args = parser.parse_args(argv)
+    stored = args.out / f"{stem}_{args.split}.json"
+    if args.render:
+        stored.with_suffix(".md").write_text(markdown(json.loads(stored.read_text())))
+        return 0
+    if args.split == "held_out" and stage_2 not in registration.read_text():
+        parser.error(f"the held-out split is recorded and evaluated only after its stage 2 ({registration.name})")
+    payload = {"split": args.split, "commit": _commit(), **evaluate(args)}  # the commit before the work
+    args.out.mkdir(parents=True, exist_ok=True)
+    stored.write_text(json.dumps(payload, indent=1, default=_plain) + "\n")
+    stored.with_suffix(".md").write_text(markdown(json.loads(stored.read_text())))
+    print(f"{stem}, {args.split}: chosen {payload.get('chosen')}")
+    return 0
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars in the stored results as plain numbers."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = parser_for(__doc__, SPLITS)
     args = parser.parse_args(argv)
