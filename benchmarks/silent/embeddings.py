@@ -227,8 +227,9 @@ class SimSiamFade(ImageEmbedding, SelfSupervised):
 
     fade = 600
 
-    def __init__(self, seed: int, part: str) -> None:
+    def __init__(self, seed: int, part: str, fade: int = 600) -> None:
         super().__init__(seed)
+        self.fade = fade
         torch.manual_seed(seed)
         self.model = SimSiamMLP()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
@@ -334,8 +335,9 @@ ROUND4: dict[str, Scenario] = {
                  "the variance term's weight fades 25 -> 0 over 600 steps", "gradual", "pair_accuracy_at_threshold",
                  True, steps=1200, fault_step=300, check_every=10, build=VICRegVarianceFade),
         Scenario("simsiam_predictor_fade", "SimSiam MLP (128-d projector)", "Fashion-MNIST",
-                 "the predictor fades into the identity over 600 steps", "gradual", "pair_accuracy_at_threshold",
-                 True, steps=1200, fault_step=300, check_every=10, build=lambda seed: SimSiamFade(seed, "predictor")),
+                 "the predictor fades into the identity over 700 steps", "gradual", "pair_accuracy_at_threshold",
+                 True, steps=1200, fault_step=300, check_every=10,
+                 build=lambda seed: SimSiamFade(seed, "predictor", fade=700)),
         Scenario("trap_simclr_to_supcon", "SimCLR MLP (128-d embedding)", "Fashion-MNIST",
                  "none (SimCLR, then supervised contrastive from step 300)", "none", "pair_accuracy_at_threshold",
                  True, steps=1200, fault_step=1200, check_every=10, build=SimCLRToSupCon),
