@@ -225,7 +225,8 @@ def write_markdown(payload: dict[str, Any], path: Path) -> None:
 
 #: How a table row names the rules replayed as they act (round 3 adds the default's silent path alone).
 REPLAYS = {"default": "`MonitorSettings()`", "default_silent": "`MonitorSettings().silent`",
-           "loss_rule": "`Policy` on the loss alone, its defaults"}  # fmt: skip
+           "loss_rule": "`Policy` on the loss alone, its defaults",
+           "opt_in_silent": "`MonitorSettings()` with `silent_path=True`"}  # fmt: skip
 
 
 def row(name: str, found: dict[str, Any] | None) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import sys
 from pathlib import Path
@@ -85,15 +86,6 @@ def load_runs(directory: Path, split: str) -> list[r1.Run]:
     return runs
 
 
-def with_intervals(row: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A result row with the exact 95 % intervals of its catch rate (faulted runs) and healthy-alarm rate."""
-    if row is None:
-        return None
-    caught, healthy = r1.interval(row["runs_caught"], row["runs"]), r1.interval(row["healthy_alarmed"],
-                                                                              row["healthy_runs"])  # fmt: skip
-    return {**row, "caught_interval": caught, "alarmed_interval": healthy}
-
-
 def report(directory: Path, split: str) -> dict[str, Any]:
     """Admission, every candidate and anchor at the features, the replayed rules (both cadences) and the choice."""
     scenarios = scenarios_of(split)
@@ -104,12 +96,67 @@ def report(directory: Path, split: str) -> dict[str, Any]:
     shipped = r2.shipped_cadence_runs(runs, lambda run: recording(directory, run.scenario, run.seed))
     found["shipped"] = {name: r2.replayed(shipped, here, name, r3.alarms) for name in REPLAYED[1:3]}
     found["opt_in_silent"] = r2.replayed(runs, here, "opt_in_silent", alarms)
-    found["at_zero"] = {name: with_intervals(row) for name, row in found["at_zero"].items()}
-    found["best"] = with_intervals(found["best"])
-    for name in REPLAYED:
-        if name in found:
-            found[name] = with_intervals(found[name])
-    return {"admission": admission, "admitted": list(here), **found, "chosen": found["best"]}
+    if split == "held_out":  # the two-sided loss anchor at its setting with no design alarm (ROUND4.md's target)
+        stored = json.loads((r1.RESULTS / "silent_r4_design.json").read_text())
+        found["loss_anchor"] = judged(runs, here, stored["at_zero"].get("loss_two_sided"))
+    out = {"admission": admission, "admitted": list(here), **found, "chosen": found["best"]}
+    design = out if split == "design" else json.loads((r1.RESULTS / "silent_r4_design.json").read_text())
+    if design["chosen"] is not None:  # the design's choice, and which of its signals fired first where it caught
+        out["design_choice"] = judged(runs, here, design["chosen"])
+        out["first_signals"] = first_signals(runs, design["chosen"])
+    if split == "held_out":
+        out["targets"] = targets(out, design)
+    return out
+
+
+def judged(runs: list[r1.Run], scenarios: tuple[str, ...], row: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A stored candidate row (combination, score, k, p) judged again on ``runs``."""
+    if row is None:
+        return None
+    signals = FAMILY_SIGNALS[row["combination"]]
+    return {"combination": row["combination"], **r2.judge(runs, scenarios, signals, row["score"], row["k"],
+                                                          row["p"], alarms)}  # fmt: skip
+
+
+#: Every combination's signals, and the anchors' (one each).
+FAMILY_SIGNALS = {**r1.combinations(), **{name: (name,) for name in r1.ANCHORS}}
+
+
+def first_signals(runs: list[r1.Run], row: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """For each faulted scenario, how often each of the chosen combination's signals alarmed at its first alarm
+    after the fault, on the runs it caught (a signal the topology computes, ``modes``, counts apart)."""
+    signals = FAMILY_SIGNALS[row["combination"]]
+    found: dict[str, dict[str, int]] = {}
+    for run in runs:
+        if run.kind != "collapse" or run.point is None:
+            continue
+        hits = {s: alarms(run, s, row["score"], row["k"], row["p"]) & (run.steps > run.fault) for s in signals}
+        fired = [i for i in range(run.steps.size) if any(h[i] for h in hits.values())]
+        if not fired or run.steps[fired[0]] >= run.point:
+            continue
+        counts = found.setdefault(run.scenario, {})
+        for signal, hit in hits.items():
+            counts[signal] = counts.get(signal, 0) + int(hit[fired[0]])
+    return found
+
+
+def targets(held_out: dict[str, Any], design: dict[str, Any]) -> dict[str, Any]:
+    """ROUND4.md's targets on the held-out split: the design's choice catches every admitted held-out scenario, few
+    healthy runs alarmed (held out; both splits), and the loss alone (its rule; the two-sided loss anchor at its
+    zero-design-alarm setting) catches at most one admitted held-out scenario."""
+    admitted = held_out["admitted"]
+    choice, before = held_out.get("design_choice"), design.get("design_choice")
+    anchor = held_out.get("loss_anchor") or {"scenarios_caught": []}
+    loss_caught = sorted(set(held_out["loss_rule"]["scenarios_caught"]) | set(anchor["scenarios_caught"]))
+    healthy = None if choice is None else choice["healthy_alarmed"]
+    both = None if choice is None or before is None else choice["healthy_alarmed"] + before["healthy_alarmed"]
+    runs = None if choice is None or before is None else choice["healthy_runs"] + before["healthy_runs"]
+    return {
+        "catches_admitted": choice is not None and bool(admitted) and set(admitted) <= set(choice["scenarios_caught"]),
+        "healthy_held_out": healthy, "healthy_held_out_met": healthy is not None and healthy <= 1,
+        "healthy_both": both, "healthy_both_runs": runs, "healthy_both_met": both is not None and both <= 1,
+        "loss_caught": loss_caught, "loss_met": len(loss_caught) <= 1,
+    }  # fmt: skip
 
 
 def markdown(payload: dict[str, Any]) -> str:
@@ -131,7 +178,10 @@ def markdown(payload: dict[str, Any]) -> str:
         what = "nothing" if chosen is None else (f"`{chosen['combination']}`, score {chosen['score']}, "
                                                  f"k {chosen['k']:g}, p {chosen['p']}")  # fmt: skip
         lines += ["", f"Chosen: {what}."]
-    rows = [("the default (every 10 steps)", payload["default"]),
+    rows = [*([("the design's choice", payload["design_choice"])] if payload.get("design_choice") else []),
+            *([("two-sided loss at its zero-design-alarm setting", payload["loss_anchor"])]
+              if payload.get("loss_anchor") else []),
+            ("the default (every 10 steps)", payload["default"]),
             ("the default, shipped cadence", payload["shipped"]["default"]),
             ("round 2's silent path turned on (`silent_path=True`)", payload["opt_in_silent"]),
             ("loss-only rule", payload["loss_rule"]),
@@ -142,11 +192,37 @@ def markdown(payload: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, found in rows:
         rate = "-"
-        if found is not None and found["runs"]:
-            low, high = found["caught_interval"]
+        if found is not None and found["runs"]:  # the exact 95 % interval of the faulted runs caught
+            low, high = r1.interval(found["runs_caught"], found["runs"])
             rate = f"{found['runs_caught']}/{found['runs']} ({low:.2f}-{high:.2f})"
         lines.append(f"{r2.row(name, found)} {rate} |")
+    if payload.get("first_signals"):
+        lines += ["", "Which of the design choice's signals alarmed at its first alarm, on the faulted runs it caught "
+                  "(`modes` is the topological one: Betti-0 at a fixed scale, clusters of >= 1 % of the probe):", "",
+                  "| scenario | " + " | ".join(FAMILY_SIGNALS[payload["design_choice"]["combination"]]) + " |",
+                  "|---|" + "---|" * len(FAMILY_SIGNALS[payload["design_choice"]["combination"]])]  # fmt: skip
+        for name, counts in payload["first_signals"].items():
+            lines.append(f"| {name} | " + " | ".join(str(n) for n in counts.values()) + " |")
+    if "targets" in payload:
+        lines += ["", "Targets (ROUND4.md, held-out split):", "", "| target | result | |", "|---|---|---|",
+                  *(f"| {what} | {result} | {'met' if met else '**missed**'} |" for what, result, met in
+                    target_rows(payload))]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def target_rows(payload: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """The held-out targets as (what, result, met) rows."""
+    t = payload["targets"]
+    caught = ", ".join((payload.get("design_choice") or {}).get("scenarios_caught", [])) or "none"
+    return [
+        ("the design's choice catches every admitted held-out scenario",
+         f"{caught} caught of {', '.join(payload['admitted']) or 'none admitted'}", t["catches_admitted"]),
+        ("healthy runs alarmed, held out (<= 1)", f"{t['healthy_held_out']}/18", t["healthy_held_out_met"]),
+        ("healthy runs alarmed, both splits (<= 1)", f"{t['healthy_both']}/{t['healthy_both_runs']}",
+         t["healthy_both_met"]),
+        ("the loss alone catches <= 1 admitted held-out scenario", ", ".join(t["loss_caught"]) or "none",
+         t["loss_met"]),
+    ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,10 @@ SHORT = {
     "finetune_forgetting_images": "S8 image fine-tune",
     "digits_class_dropped": "S9 digits class dropped",
     "labels_merged": "S10 labels merged",
+    "simclr_negatives_fade": "D1 SimCLR negatives fade",
+    "simsiam_stopgrad_fade": "D2 SimSiam stop-gradient fade",
+    "vicreg_variance_fade": "H1 VICReg variance fade",
+    "simsiam_predictor_fade": "H2 SimSiam predictor fade",
 }
 
 
