@@ -593,11 +593,19 @@ def _quoted(text: str) -> str:
     return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in lines)
 
 
-@block("silent-status", "silent_r2_held_out.json", "silent_r3_design.json", "silent_r3_held_out.json")
+@block("silent-status", "silent_r4_design.json", "silent_r4_held_out.json", "silent_r2_held_out.json")
 def silent_status() -> str:
-    """The README's lead: why the default ships without a silent path (``silent_pages.round3_status``)."""
-    status = suite("silent", "silent_pages").round3_status
-    return _quoted(status(*(stored(f"silent_{name}.json") for name in ("r2_held_out", "r3_design", "r3_held_out"))))
+    """The README's lead: what round 4's choice caught held out, and why the default still ships without a silent
+    path (``silent_pages.round4_status``)."""
+    status = suite("silent", "silent_pages").round4_status
+    return _quoted(status(*(stored(f"silent_{name}.json") for name in ("r4_design", "r4_held_out", "r2_held_out"))))
+
+
+@block("silent-round4", "silent_r4_held_out.json", "silent_r4_design.json")
+def silent_round4() -> str:
+    """The evidence page's round 4: the held-out split, then the design split (round4.py's Markdown)."""
+    markdown = suite("silent", "round4").markdown
+    return "\n".join(markdown(stored(f"silent_r4_{split}.json")).rstrip("\n") for split in ("held_out", "design"))
 
 
 @block("silent-round3", "silent_r3_held_out.json", "silent_r3_design.json")

@@ -237,3 +237,38 @@ def _round3_held_out(held_out: dict[str, Any]) -> str:
         f"On round 3's held-out split, recorded after that choice ({'; '.join(where)}; {healthy} healthy runs), "
         f"{verdict} on 5 of 6 seeds at no healthy alarm."
     )
+
+
+def round4_status(design: dict[str, Any], held_out: dict[str, Any], r2_held_out: dict[str, Any]) -> str:
+    """The README's lead after round 4: what its design choice caught held out (the loss-only rule beside it), the
+    registered verdict and what the default does, which signal fired, and the earlier rounds in a clause."""
+    chosen, caught, targets = design["chosen"], held_out["design_choice"], held_out["targets"]
+    seeds = caught["seeds_caught"]
+    won = [name for name in held_out["admitted"] if seeds.get(name, 0) >= 5]
+    lost = [name for name in held_out["admitted"] if seeds.get(name, 0) < 5]
+    first = {signal for counts in held_out["first_signals"].values() for signal, n in counts.items() if n}
+    loss, r2 = held_out["loss_rule"], r2_held_out["default"]
+    verdict = (f"is missed ({', '.join(_short(n) for n in lost)} not caught on 5 of 6 seeds)" if lost
+               else "is met")  # fmt: skip
+    others = all(targets[k] for k in ("healthy_held_out_met", "healthy_both_met", "loss_met"))
+    return (
+        "**Silent collapse, what the loss does not show: the first fault class caught on runs never seen while "
+        "choosing; the default still ships without a silent path.** Round 4 (pre-registered) watches embedding "
+        "models whose harm is the pair accuracy, at the operating threshold, of the very embedding the monitor "
+        f"watches. On its design split it chose the absolute-scale geometry family (`{chosen['combination']}`, "
+        f"score {chosen['score']}, k {chosen['k']:g}, p {chosen['p']}: {chosen['runs_caught']}/{chosen['runs']} "
+        f"design faulted runs caught before their harm, no alarm on {chosen['healthy_runs']} healthy runs). On the "
+        f"held-out split, recorded after that choice, it caught {' and '.join(SHORT[n] for n in won) or 'nothing'} "
+        f"on {' and '.join(f'{seeds[n]} of 6' for n in won) or '-'} seeds before the harm and "
+        f"{' and '.join(SHORT[n] for n in lost) or 'nothing else'} on "
+        f"{' and '.join(f'{seeds.get(n, 0)} of 6' for n in lost) or '-'} ({caught['runs_caught_silently']} of its "
+        f"{caught['runs_caught']} catches before any loss-only warning; median lead {caught['median_lead']:.0f} "
+        f"steps), alarming on {caught['healthy_alarmed']} of {caught['healthy_runs']} healthy runs; the loss-only "
+        f"rule caught {loss['runs_caught']}/{loss['runs']}. The registered target of every admitted held-out class "
+        f"{verdict}; the others ({targets['healthy_held_out']}/18 and {targets['healthy_both']}/"
+        f"{targets['healthy_both_runs']} healthy alarms, the loss alone catching <= 1 class) are "
+        f"{'met' if others else 'not all met'}. By the ship rule `silent_path` stays off by default. What fired "
+        f"first: {', '.join(f'`{s}`' for s in sorted(first))}, never the topological mode counter. Earlier rounds "
+        f"(classifiers, generators, a VAE) held up nowhere held out: round 2's path caught {r2['runs_caught']}/"
+        f"{r2['runs']} of its held-out faulted runs, round 3 chose nothing."
+    )

@@ -192,3 +192,24 @@ def test_the_held_out_targets_follow_the_registered_thresholds(round4):
     assert not missed["healthy_both_met"]
     assert missed["loss_caught"] == ["simsiam_predictor_fade", "vicreg_variance_fade"]
     assert not missed["loss_met"]
+
+
+def test_the_stored_results_apply_the_registered_rules(round4):
+    """The stored choice is the best at zero design alarms of the stored rows (ROUND4.md's rule), the held-out split
+    judged that choice, and its targets follow from the stored rows."""
+    import json
+
+    design = json.loads((round4.r1.RESULTS / "silent_r4_design.json").read_text())
+    held_out = json.loads((round4.r1.RESULTS / "silent_r4_held_out.json").read_text())
+    best = round4.r2.best_at_zero(design["results"])
+    assert design["chosen"] == best
+    assert best["healthy_alarmed"] == 0
+    assert best["scenarios_caught"]
+    choice = held_out["design_choice"]
+    assert {key: choice[key] for key in ("combination", "score", "k", "p")} == {
+        key: design["chosen"][key] for key in ("combination", "score", "k", "p")
+    }
+    assert held_out["targets"] == round4.targets(held_out, design)
+    assert held_out["admitted"] == [n for n, found in held_out["admission"].items() if found["silence_passed"]]
+    for found in held_out["admission"].values():
+        assert found["silence_passed"] == (sum(c["passed"] for c in found["seeds"]) >= 5)
