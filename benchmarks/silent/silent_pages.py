@@ -199,46 +199,6 @@ def targets_table(design: dict[str, Any], held_out: dict[str, Any]) -> str:
 # --- round 2 (ROUND2.md; round2.py's results) ------------------------------------------------------------------
 
 
-def round3_status(r2_held_out: dict[str, Any], design: dict[str, Any], held_out: dict[str, Any]) -> str:
-    """The README's lead after round 3: the default ships without a silent path, and why (round 2's held-out miss,
-    round 3's admission and its design split's empty choice), then round 3's held-out split."""
-    admitted = [name for name, found in design["admission"].items() if found["features"] or found["outputs"]]
-    at_outputs_only = [name for name in admitted if not design["admission"][name]["features"]]
-    healthy = design["places"]["features"]["default"]["healthy_runs"]
-    r2_default = r2_held_out["default"]
-    return (
-        "**Silent collapse, what the loss does not show: no silent path has earned a place in the default, which now "
-        "ships without one.** Round 2's path, chosen on faults already seen, caught "
-        f"{r2_default['runs_caught']}/{r2_default['runs']} of its new held-out faulted runs before their harm; in "
-        "the one that passed its silence check the harm was in the classifier's head, not in the features watched. "
-        "Round 3, pre-registered, counts a fault only where its harm is in what the monitor watches: "
-        f"{len(admitted)} of the {len(design['admission'])} design scenarios qualified "
-        f"({', '.join(_short(n) for n in admitted)}; {', '.join(_short(n) for n in at_outputs_only)} only at a "
-        "classifier's outputs), and no candidate (round 2's path, a new family on the outputs, the anchors) caught "
-        f"one on 5 of 6 seeds at no alarm on the {healthy} healthy runs. By its registered rule the silent path now "
-        f"ships off (`silent_path=True` turns round 2's on). {_round3_held_out(held_out)}"
-    )
-
-
-def _round3_held_out(held_out: dict[str, Any]) -> str:
-    """Round 3's held-out split in a sentence: what was admitted where, and what the best candidate of any family
-    caught there at no healthy alarm."""
-    admission = held_out["admission"]
-    where = []
-    for name, found in admission.items():
-        places = [place for place in ("features", "outputs") if found[place]]
-        where.append(f"{_short(name)} {'admitted at the ' + ' and '.join(places) if places else 'not admitted'}")
-    caught = sorted({name for found in held_out["places"].values() for row in found["at_zero"].values()
-                     if row is not None for name in row["scenarios_caught"]})  # fmt: skip
-    healthy = held_out["places"]["features"]["default"]["healthy_runs"]
-    verdict = (f"a candidate caught {', '.join(_short(n) for n in caught)}" if caught
-               else "no family or anchor caught an admitted scenario")  # fmt: skip
-    return (
-        f"On round 3's held-out split, recorded after that choice ({'; '.join(where)}; {healthy} healthy runs), "
-        f"{verdict} on 5 of 6 seeds at no healthy alarm."
-    )
-
-
 def round4_status(design: dict[str, Any], held_out: dict[str, Any], r2_held_out: dict[str, Any]) -> str:
     """The README's lead after round 4: what its design choice caught held out (the loss-only rule beside it), the
     registered verdict and what the default does, which signal fired, and the earlier rounds in a clause."""

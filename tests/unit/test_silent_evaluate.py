@@ -232,23 +232,29 @@ def r2_row(seeds, silently=None, healthy_alarmed=0, healthy_runs=18):
             "healthy_runs": healthy_runs, "median_lead": None}  # fmt: skip
 
 
-def test_round_three_status_says_the_default_ships_without_a_silent_path_and_why():
+def test_round_four_status_says_what_the_choice_caught_held_out_and_why_the_default_stays_off():
     pages = benchmark_pages()
-    held_out = {"default": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0}, healthy_alarmed=6)}
-    admission = {"watermark_shortcut": {"features": False, "outputs": True},
-                 "generator_modes_grid": {"features": True, "outputs": True},
-                 "vae_kl_bug": {"features": False, "outputs": False}}  # fmt: skip
-    design = {"admission": admission, "places": {"features": {"default": r2_row({"x": 0}, healthy_runs=78)}}}
-    r3_held_out = {"admission": {"digits_class_dropped": {"features": False, "outputs": False},
-                                 "labels_merged": {"features": False, "outputs": True}},
-                   "places": {"features": {"default": r2_row({"x": 0}), "at_zero": {"drift": None}},
-                              "outputs": {"at_zero": {"outputs": r2_row({"labels_merged": 0})}}}}  # fmt: skip
-    lead = pages.round3_status(held_out, design, r3_held_out)
-    assert lead.startswith("**Silent collapse, what the loss does not show: no silent path has earned a place in the "
-                           "default, which now ships without one.**")  # fmt: skip
-    assert "caught 0/12 of its new held-out faulted runs" in lead
-    assert "2 of the 3 design scenarios qualified (S3, S4a; S3 only at a classifier's outputs)" in lead
-    assert "at no alarm on the 78 healthy runs" in lead
-    assert "(S9 not admitted; S10 admitted at the outputs; 18 healthy runs), no family or anchor caught" in lead
-    r3_held_out["places"]["outputs"]["at_zero"]["outputs"] = r2_row({"labels_merged": 5})
-    assert "a candidate caught S10 on 5 of 6 seeds" in pages.round3_status(held_out, design, r3_held_out)
+    design = {"chosen": {**r2_row({"simclr_negatives_fade": 5, "simsiam_stopgrad_fade": 4}), "combination": "geometry",
+                         "score": "frozen_r"}}  # fmt: skip
+    choice = r2_row({"vicreg_variance_fade": 6, "simsiam_predictor_fade": 1},
+                    {"vicreg_variance_fade": 6, "simsiam_predictor_fade": 1}, healthy_alarmed=1)  # fmt: skip
+    choice["median_lead"], choice["runs_caught_silently"] = 90.0, 7
+    targets = {"catches_admitted": False, "healthy_held_out": 1, "healthy_held_out_met": True, "healthy_both": 1,
+               "healthy_both_runs": 36, "healthy_both_met": True, "loss_caught": [], "loss_met": True}  # fmt: skip
+    held_out = {"admitted": ["vicreg_variance_fade", "simsiam_predictor_fade"], "design_choice": choice,
+                "targets": targets, "loss_rule": r2_row({"vicreg_variance_fade": 0, "simsiam_predictor_fade": 0}),
+                "first_signals": {"vicreg_variance_fade": {"spread": 6, "modes": 0}}}  # fmt: skip
+    r2_held_out = {"default": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0})}
+    lead = pages.round4_status(design, held_out, r2_held_out)
+    assert "(`geometry`, score frozen_r, k 4.5, p 1: 9/12 design faulted runs caught" in lead
+    assert (
+        "caught H1 VICReg variance fade on 6 of 6 seeds before the harm and H2 SimSiam predictor fade on 1 of 6" in lead
+    )
+    assert "7 of its 7 catches before any loss-only warning; median lead 90 steps" in lead
+    assert "the loss-only rule caught 0/12" in lead
+    assert "every admitted held-out class is missed (H2 not caught on 5 of 6 seeds)" in lead
+    assert "(1/18 and 1/36 healthy alarms, the loss alone catching <= 1 class) are met" in lead
+    assert "What fired first: `spread`, never the topological mode counter" in lead
+    assert "round 2's path caught 0/12" in lead
+    choice["seeds_caught"]["simsiam_predictor_fade"] = 5
+    assert "of every admitted held-out class is met" in pages.round4_status(design, held_out, r2_held_out)
