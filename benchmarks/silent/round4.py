@@ -99,7 +99,8 @@ def report(directory: Path, split: str) -> dict[str, Any]:
     if split == "held_out":  # the two-sided loss anchor at its setting with no design alarm (ROUND4.md's target)
         stored = json.loads((r1.RESULTS / "silent_r4_design.json").read_text())
         found["loss_anchor"] = judged(runs, here, stored["at_zero"].get("loss_two_sided"))
-    out = {"admission": admission, "admitted": list(here), **found, "chosen": found["best"]}
+    out = {"admission": admission, "admitted": list(here), **found, "chosen": found["best"],
+           "recording_seconds": recording_seconds(directory, split)}  # fmt: skip
     design = out if split == "design" else json.loads((r1.RESULTS / "silent_r4_design.json").read_text())
     if design["chosen"] is not None:  # the design's choice, and which of its signals fired first where it caught
         out["design_choice"] = judged(runs, here, design["chosen"])
@@ -107,6 +108,20 @@ def report(directory: Path, split: str) -> dict[str, Any]:
     if split == "held_out":
         out["targets"] = targets(out, design)
     return out
+
+
+def recording_seconds(directory: Path, split: str) -> dict[str, float]:
+    """Each scenario's recording time (seconds, summed over its evaluation seeds; both branches of a seed are one
+    recording), as the recorder measured it (``jobs`` processes shared the machine's cores)."""
+    names = [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
+    found = {}
+    for name in names:
+        total = 0.0
+        for seed in r1.EVALUATION_SEEDS:
+            with np.load(recording(directory, name, seed)) as data:
+                total += float(data["seconds"])
+        found[name] = round(total, 1)
+    return found
 
 
 def judged(runs: list[r1.Run], scenarios: tuple[str, ...], row: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -203,6 +218,9 @@ def markdown(payload: dict[str, Any]) -> str:
                   "|---|" + "---|" * len(FAMILY_SIGNALS[payload["design_choice"]["combination"]])]  # fmt: skip
         for name, counts in payload["first_signals"].items():
             lines.append(f"| {name} | " + " | ".join(str(n) for n in counts.values()) + " |")
+    if payload.get("recording_seconds"):
+        times = ", ".join(f"{name} {seconds / 60:.0f} min" for name, seconds in payload["recording_seconds"].items())
+        lines += ["", f"Recording time, 6 seeds each (two processes on two cores): {times}."]
     if "targets" in payload:
         lines += ["", "Targets (ROUND4.md, held-out split):", "", "| target | result | |", "|---|---|---|",
                   *(f"| {what} | {result} | {'met' if met else '**missed**'} |" for what, result, met in
