@@ -43,6 +43,11 @@ def scenarios_of(split: str) -> tuple[str, ...]:
     return tuple(name for c in SPLITS[split][0] for name in CLASSES[c])
 
 
+def names_of(split: str) -> list[str]:
+    """Every scenario of a split: the faulted ones, then the traps."""
+    return [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
+
+
 def recording(directory: Path, name: str, seed: int) -> Path:
     return directory / f"{name}-seed{seed}.npz"
 
@@ -78,9 +83,8 @@ def load_runs(directory: Path, split: str) -> list[r1.Run]:
         values["opt_in_silent"] = opt_in_replay(data[f"{kind}/features"], steps, values)
         return values
 
-    names = [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
     runs = []
-    for name, seed in itertools.product(names, r1.EVALUATION_SEEDS):
+    for name, seed in itertools.product(names_of(split), r1.EVALUATION_SEEDS):
         with np.load(recording(directory, name, seed)) as data:
             runs += r3.runs_of(data, name, seed, functools.partial(values_of, data))
     return runs
@@ -96,12 +100,11 @@ def report(directory: Path, split: str) -> dict[str, Any]:
     shipped = r2.shipped_cadence_runs(runs, lambda run: recording(directory, run.scenario, run.seed))
     found["shipped"] = {name: r2.replayed(shipped, here, name, r3.alarms) for name in REPLAYED[1:3]}
     found["opt_in_silent"] = r2.replayed(runs, here, "opt_in_silent", alarms)
-    if split == "held_out":  # the two-sided loss anchor at its setting with no design alarm (ROUND4.md's target)
-        stored = json.loads((r1.RESULTS / "silent_r4_design.json").read_text())
-        found["loss_anchor"] = judged(runs, here, stored["at_zero"].get("loss_two_sided"))
     out = {"admission": admission, "admitted": list(here), **found, "chosen": found["best"],
            "recording_seconds": recording_seconds(directory, split)}  # fmt: skip
     design = out if split == "design" else json.loads((r1.RESULTS / "silent_r4_design.json").read_text())
+    if split == "held_out":  # the two-sided loss anchor at its setting with no design alarm (ROUND4.md's target)
+        out["loss_anchor"] = judged(runs, here, design["at_zero"].get("loss_two_sided"))
     if design["chosen"] is not None:  # the design's choice, and which of its signals fired first where it caught
         out["design_choice"] = judged(runs, here, design["chosen"])
         out["first_signals"] = first_signals(runs, design["chosen"])
@@ -113,9 +116,8 @@ def report(directory: Path, split: str) -> dict[str, Any]:
 def recording_seconds(directory: Path, split: str) -> dict[str, float]:
     """Each scenario's recording time (seconds, summed over its evaluation seeds; both branches of a seed are one
     recording), as the recorder measured it (``jobs`` processes shared the machine's cores)."""
-    names = [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
     found = {}
-    for name in names:
+    for name in names_of(split):
         total = 0.0
         for seed in r1.EVALUATION_SEEDS:
             with np.load(recording(directory, name, seed)) as data:
