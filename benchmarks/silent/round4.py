@@ -222,7 +222,11 @@ def markdown(payload: dict[str, Any]) -> str:
             lines.append(f"| {name} | " + " | ".join(str(n) for n in counts.values()) + " |")
     if payload.get("recording_seconds"):
         times = ", ".join(f"{name} {seconds / 60:.0f} min" for name, seconds in payload["recording_seconds"].items())
-        lines += ["", f"Recording time, 6 seeds each (two processes on two cores): {times}."]
+        lines += [
+            "",
+            f"Recording time, 6 seeds each (the recorder's wall-clock; two processes on two cores, not alone on the "
+            f"machine): {times}.",
+        ]
     if "targets" in payload:
         lines += ["", "Targets (ROUND4.md, held-out split):", "", "| target | result | |", "|---|---|---|",
                   *(f"| {what} | {result} | {'met' if met else '**missed**'} |" for what, result, met in
