@@ -12,6 +12,13 @@ features are the embedding of the first 512 of those images.
 * H2 ``simsiam_predictor_fade`` (held out): SimSiam whose predictor is faded into the identity (the loss falls);
 * T5 ``trap_simclr_to_supcon`` (design trap): SimCLR, then supervised contrastive training (healthy);
 * T6 ``trap_temperature_anneal`` (held-out trap): SimCLR with its temperature annealed 0.5 -> 0.1 (healthy).
+
+Round 5 (``ROUND5.md``: round 4's six scenarios are its design split) adds its held-out split:
+
+* H3 ``barlow_redundancy_fade``: Barlow Twins whose redundancy-reduction weight fades to 0 (the loss falls);
+* H4 ``simclr_views_identical``: SimCLR whose second view is, for a growing share of each batch, the first view
+  itself (a data-loader bug: the loss falls);
+* T7 ``trap_barlow_redundancy_rise`` (held-out trap): Barlow Twins whose redundancy weight rises x4 (healthy).
 """
 
 from __future__ import annotations
@@ -322,6 +329,81 @@ class TemperatureAnneal(SimCLRNegativesFade):
         return {"lr": 0.05, "negatives": 1.0, "temperature": 0.5 - 0.4 * faded(step, 300, 300)}
 
 
+# --- round 5 (ROUND5.md), held out: Barlow Twins and a view bug ---------------------------------------------------
+
+
+def barlow_twins(z1: torch.Tensor, z2: torch.Tensor, redundancy: float = 5e-3) -> torch.Tensor:
+    """Barlow Twins' loss (Zbontar et al., 2021): the cross-correlation of the two views' batch-standardised
+    embeddings pulled towards the identity, its diagonal with weight 1 and its off-diagonal (the redundancy) with
+    weight ``redundancy``.
+
+    Examples:
+        >>> z = torch.randn(64, 8)
+        >>> float(barlow_twins(z, z, 0.0)) < 1e-6  # identical views: every diagonal correlation is 1
+        True
+    """
+    n = z1.shape[0]
+    a = (z1 - z1.mean(0)) / (z1.std(0) + 1e-5)
+    b = (z2 - z2.mean(0)) / (z2.std(0) + 1e-5)
+    c = a.T @ b / (n - 1)
+    diagonal = torch.diagonal(c)
+    return (1 - diagonal).pow(2).sum() + redundancy * (c.pow(2).sum() - diagonal.pow(2).sum())
+
+
+class BarlowRedundancyFade(ImageEmbedding, Trainee):
+    """H3: Barlow Twins (redundancy weight 5e-3) on the SimCLR scenario's embedding model (two views of 128 images,
+    Adam at 1e-3); from the fault step the redundancy weight falls linearly to 0 over ``fade`` steps (a
+    configuration bug: only the invariance term is left, and nothing keeps the dimensions apart)."""
+
+    batch_size = 128
+    fade = 600
+    redundancy = 5e-3
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        model = _projector_net()
+        super().__init__(seed, model, torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.0),
+                         self._schedule_of)  # fmt: skip
+        self.train_x, self.train_y = images("train")
+        self._pairs()
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        gone = faded(step, fault, self.fade) if kind == "collapse" else 0.0
+        return {"lr": 1e-3, "redundancy": self.redundancy * (1.0 - gone)}
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        views, _ = _two_views(self, step, self.batch_size)
+        z1, z2 = self.model(views).chunk(2)
+        return barlow_twins(z1, z2, settings["redundancy"])
+
+
+class SimCLRViewsIdentical(SimCLRNegativesFade):
+    """H4: the SimCLR scenario (negatives kept); from the fault step a share of each batch, growing linearly from 0
+    to 1 over ``fade`` steps, gets its first augmented view as its second one too (a data-loader bug: the two views
+    are one; matching them is trivial, so the loss falls, and nothing teaches invariance any more)."""
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        same = faded(step, fault, self.fade) if kind == "collapse" else 0.0
+        return {"lr": 0.05, "negatives": 1.0, "temperature": 0.5, "same_view": same}
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        views, _ = _two_views(self, step, self.batch_size)
+        first, second = views.chunk(2)
+        if settings["same_view"] > 0:  # its own draw, so the batch and the augmentation stay the twin's
+            chosen = np.random.default_rng((self.seed, step, 1)).random(first.shape[0]) < settings["same_view"]
+            second = torch.where(torch.from_numpy(chosen)[:, None, None, None], first, second)
+        z = F.normalize(self.model(torch.cat([first, second])), dim=1)
+        return nt_xent(z, settings["temperature"])
+
+
+class BarlowRedundancyRise(BarlowRedundancyFade):
+    """T7 (held-out trap): the Barlow Twins scenario with its redundancy weight raised linearly x4 (5e-3 -> 2e-2)
+    over steps 300-600 (a healthy change: the embedding's dimensions are pushed further apart)."""
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        return {"lr": 1e-3, "redundancy": self.redundancy * (1.0 + 3.0 * faded(step, 300, 300))}
+
+
 ROUND4: dict[str, Scenario] = {
     scenario.name: scenario
     for scenario in [
@@ -345,5 +427,21 @@ ROUND4: dict[str, Scenario] = {
         Scenario("trap_temperature_anneal", "SimCLR MLP (128-d embedding)", "Fashion-MNIST",
                  "none (temperature 0.5 -> 0.1 over steps 300-600)", "none", "pair_accuracy_at_threshold", True,
                  steps=1200, fault_step=1200, check_every=10, build=TemperatureAnneal),
+    ]
+}  # fmt: skip
+
+ROUND5: dict[str, Scenario] = {
+    scenario.name: scenario
+    for scenario in [
+        Scenario("barlow_redundancy_fade", "Barlow Twins MLP (128-d embedding)", "Fashion-MNIST",
+                 "the redundancy weight fades 5e-3 -> 0 over 600 steps", "gradual", "pair_accuracy_at_threshold",
+                 True, steps=1200, fault_step=300, check_every=10, build=BarlowRedundancyFade),
+        Scenario("simclr_views_identical", "SimCLR MLP (128-d embedding)", "Fashion-MNIST",
+                 "the second view becomes the first for a share of the batch growing 0 -> 1 over 600 steps",
+                 "gradual", "pair_accuracy_at_threshold", True, steps=1200, fault_step=300, check_every=10,
+                 build=SimCLRViewsIdentical),
+        Scenario("trap_barlow_redundancy_rise", "Barlow Twins MLP (128-d embedding)", "Fashion-MNIST",
+                 "none (redundancy weight x4 over steps 300-600)", "none", "pair_accuracy_at_threshold", True,
+                 steps=1200, fault_step=1200, check_every=10, build=BarlowRedundancyRise),
     ]
 }  # fmt: skip

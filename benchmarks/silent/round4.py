@@ -11,6 +11,7 @@ design split chooses by ROUND4.md's rule. Writes ``benchmarks/results/silent_r4_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -38,14 +39,31 @@ ROUND4 = HERE / "ROUND4.md"
 STAGE_2 = "## Stage 2: the choice (round 4)"
 
 
-def scenarios_of(split: str) -> tuple[str, ...]:
-    """The faulted scenarios of a split, in its classes' order."""
-    return tuple(name for c in SPLITS[split][0] for name in CLASSES[c])
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A round of embedding scenarios (rounds 4 and 5): its number, classes, traps and splits (a split: its classes'
+    ids and its traps' ids). Its results are ``silent_r<number>_<split>.{json,md}``."""
+
+    number: int
+    classes: dict[str, tuple[str, ...]]
+    traps: dict[str, str]
+    splits: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+
+    @property
+    def stem(self) -> str:
+        return f"silent_r{self.number}"
+
+    def scenarios_of(self, split: str) -> tuple[str, ...]:
+        """The faulted scenarios of a split, in its classes' order."""
+        return tuple(name for c in self.splits[split][0] for name in self.classes[c])
+
+    def names_of(self, split: str) -> list[str]:
+        """Every scenario of a split: the faulted ones, then the traps."""
+        return [*self.scenarios_of(split), *(self.traps[t] for t in self.splits[split][1])]
 
 
-def names_of(split: str) -> list[str]:
-    """Every scenario of a split: the faulted ones, then the traps."""
-    return [*scenarios_of(split), *(TRAPS[t] for t in SPLITS[split][1])]
+LAYOUT = Layout(4, CLASSES, TRAPS, SPLITS)
+scenarios_of, names_of = LAYOUT.scenarios_of, LAYOUT.names_of
 
 
 def recording(directory: Path, name: str, seed: int) -> Path:
@@ -75,7 +93,7 @@ def alarms(run: r1.Run, signal: str, score: str, k: float, p: int) -> np.ndarray
     return r3.alarms(run, signal, score, k, p)
 
 
-def load_runs(directory: Path, split: str) -> list[r1.Run]:
+def load_runs(directory: Path, split: str, layout: Layout = LAYOUT) -> list[r1.Run]:
     """The split's runs with every signal at the watched embedding (round 3's), and the opt-in silent path."""
 
     def values_of(data: Any, kind: str, steps: np.ndarray) -> dict[str, np.ndarray]:
@@ -84,25 +102,31 @@ def load_runs(directory: Path, split: str) -> list[r1.Run]:
         return values
 
     runs = []
-    for name, seed in itertools.product(names_of(split), r1.EVALUATION_SEEDS):
+    for name, seed in itertools.product(layout.names_of(split), r1.EVALUATION_SEEDS):
         with np.load(recording(directory, name, seed)) as data:
             runs += r3.runs_of(data, name, seed, functools.partial(values_of, data))
     return runs
 
 
-def report(directory: Path, split: str) -> dict[str, Any]:
+def report(directory: Path, split: str, layout: Layout = LAYOUT) -> dict[str, Any]:
     """Admission, every candidate and anchor at the features, the replayed rules (both cadences) and the choice."""
-    scenarios = scenarios_of(split)
+    out, _ = report_runs(directory, split, layout)
+    return out
+
+
+def report_runs(directory: Path, split: str, layout: Layout) -> tuple[dict[str, Any], list[r1.Run]]:
+    """`report`, and the split's runs with the admitted scenarios (for a later round's extra rows)."""
+    scenarios = layout.scenarios_of(split)
     admission = {name: admitted(directory, name) for name in scenarios}
     here = tuple(name for name in scenarios if admission[name]["silence_passed"])
-    runs = load_runs(directory, split)
+    runs = load_runs(directory, split, layout)
     found = r3.place_report(runs, here, split == "design", "features")
     shipped = r2.shipped_cadence_runs(runs, lambda run: recording(directory, run.scenario, run.seed))
     found["shipped"] = {name: r2.replayed(shipped, here, name, r3.alarms) for name in REPLAYED[1:3]}
     found["opt_in_silent"] = r2.replayed(runs, here, "opt_in_silent", alarms)
     out = {"admission": admission, "admitted": list(here), **found, "chosen": found["best"],
-           "recording_seconds": recording_seconds(directory, split)}  # fmt: skip
-    design = out if split == "design" else json.loads((r1.RESULTS / "silent_r4_design.json").read_text())
+           "recording_seconds": recording_seconds(directory, split, layout)}  # fmt: skip
+    design = out if split == "design" else json.loads((r1.RESULTS / f"{layout.stem}_design.json").read_text())
     if split == "held_out":  # the two-sided loss anchor at its setting with no design alarm (ROUND4.md's target)
         out["loss_anchor"] = judged(runs, here, design["at_zero"].get("loss_two_sided"))
     if design["chosen"] is not None:  # the design's choice, and which of its signals fired first where it caught
@@ -110,14 +134,14 @@ def report(directory: Path, split: str) -> dict[str, Any]:
         out["first_signals"] = first_signals(runs, design["chosen"])
     if split == "held_out":
         out["targets"] = targets(out, design)
-    return out
+    return out, runs
 
 
-def recording_seconds(directory: Path, split: str) -> dict[str, float]:
+def recording_seconds(directory: Path, split: str, layout: Layout = LAYOUT) -> dict[str, float]:
     """Each scenario's recording time (seconds, summed over its evaluation seeds; both branches of a seed are one
     recording), as the recorder measured it (``jobs`` processes shared the machine's cores)."""
     found = {}
-    for name in names_of(split):
+    for name in layout.names_of(split):
         total = 0.0
         for seed in r1.EVALUATION_SEEDS:
             with np.load(recording(directory, name, seed)) as data:
@@ -178,9 +202,10 @@ def targets(held_out: dict[str, Any], design: dict[str, Any]) -> dict[str, Any]:
 
 def markdown(payload: dict[str, Any]) -> str:
     """The split's page: admission with each seed's 5 % point, the choice, then every rule and family."""
-    lines = [f"Round 4, split **{payload['split']}** (scenarios {', '.join(payload['scenarios'])}; traps "
+    number = payload.get("round", 4)
+    lines = [f"Round {number}, split **{payload['split']}** (scenarios {', '.join(payload['scenarios'])}; traps "
              f"{', '.join(payload['traps'])}); evaluation seeds 0-5; evaluated at commit `{payload['commit'][:12]}`.",
-             "", "Admission (ROUND4.md: the silence check with room on >= 5 of 6 seeds):", "",
+             "", f"Admission (ROUND{number}.md: the silence check with room on >= 5 of 6 seeds):", "",
              "| scenario | 5 % point per seed (checks after the fault) | seeds passing | admitted |",
              "|---|---|---|---|"]  # fmt: skip
     for name, found in payload["admission"].items():
@@ -228,7 +253,7 @@ def markdown(payload: dict[str, Any]) -> str:
             f"machine): {times}.",
         ]
     if "targets" in payload:
-        lines += ["", "Targets (ROUND4.md, held-out split):", "", "| target | result | |", "|---|---|---|",
+        lines += ["", f"Targets (ROUND{number}.md, held-out split):", "", "| target | result | |", "|---|---|---|",
                   *(f"| {what} | {result} | {'met' if met else '**missed**'} |" for what, result, met in
                     target_rows(payload))]  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -237,11 +262,13 @@ def markdown(payload: dict[str, Any]) -> str:
 def target_rows(payload: dict[str, Any]) -> list[tuple[str, str, bool]]:
     """The held-out targets as (what, result, met) rows."""
     t = payload["targets"]
-    caught = ", ".join((payload.get("design_choice") or {}).get("scenarios_caught", [])) or "none"
+    choice = payload.get("design_choice") or {}
+    caught = ", ".join(choice.get("scenarios_caught", [])) or "none"
     return [
         ("the design's choice catches every admitted held-out scenario",
          f"{caught} caught of {', '.join(payload['admitted']) or 'none admitted'}", t["catches_admitted"]),
-        ("healthy runs alarmed, held out (<= 1)", f"{t['healthy_held_out']}/18", t["healthy_held_out_met"]),
+        ("healthy runs alarmed, held out (<= 1)", f"{t['healthy_held_out']}/{choice.get('healthy_runs', '-')}",
+         t["healthy_held_out_met"]),
         ("healthy runs alarmed, both splits (<= 1)", f"{t['healthy_both']}/{t['healthy_both_runs']}",
          t["healthy_both_met"]),
         ("the loss alone catches <= 1 admitted held-out scenario", ", ".join(t["loss_caught"]) or "none",
@@ -255,10 +282,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def evaluate(args: Any) -> dict[str, Any]:
     """Record the split's missing evaluation seeds when asked, then report."""
-    scenarios, traps = scenarios_of(args.split), [TRAPS[t] for t in SPLITS[args.split][1]]
+    return evaluate_layout(args, LAYOUT, report)
+
+
+def evaluate_layout(args: Any, layout: Layout, reported: Any) -> dict[str, Any]:
+    """Record a round's split's missing evaluation seeds when asked, then ``reported(directory, split)``."""
+    scenarios, traps = layout.scenarios_of(args.split), [layout.traps[t] for t in layout.splits[args.split][1]]
     if args.record:
         r1.record_missing([*scenarios, *traps], args.recordings, args.jobs)
-    return {"scenarios": list(scenarios), "traps": traps, **report(args.recordings, args.split)}
+    return {"scenarios": list(scenarios), "traps": traps, **reported(args.recordings, args.split)}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""Round 5 of the silent suite (``benchmarks/silent/ROUND5.md``): round 4's scenarios chosen on, new ones held out.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/round5.py --split design
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/silent/round5.py --split held_out --record --jobs 2
+
+The design split is round 4's recordings, both of its splits (``round4.py --record`` records them); the held-out
+split is round 5's new scenarios (``embeddings.ROUND5``). Round 4's evaluation, unchanged (admission, every candidate
+and anchor at the watched embedding, the replayed rules, the choice by ROUND5.md's rule), and on the held-out split
+round 4's choice judged too. Writes ``benchmarks/results/silent_r5_<split>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import round4 as r4  # noqa: E402
+import silent_evaluate as r1  # noqa: E402
+
+CLASSES = {**r4.CLASSES, "H3": ("barlow_redundancy_fade",), "H4": ("simclr_views_identical",)}
+TRAPS = {**r4.TRAPS, "T7": "trap_barlow_redundancy_rise"}
+SPLITS = {"design": (("D1", "D2", "H1", "H2"), ("T5", "T6")), "held_out": (("H3", "H4"), ("T7",))}
+LAYOUT = r4.Layout(5, CLASSES, TRAPS, SPLITS)
+ROUND5 = HERE / "ROUND5.md"
+STAGE_2 = "## Stage 2: the choice (round 5)"
+
+
+def report(directory: Path, split: str) -> dict[str, Any]:
+    """Round 4's report of the split, and on the held-out split round 4's choice judged on it (ROUND5.md)."""
+    out, runs = r4.report_runs(directory, split, LAYOUT)
+    out["round"] = LAYOUT.number
+    if split == "held_out":
+        r4_design = json.loads((r1.RESULTS / "silent_r4_design.json").read_text())
+        out["round4_choice"] = r4.judged(runs, tuple(out["admitted"]), r4_design["chosen"])
+    return out
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    """Round 4's page, with round 4's choice on this held-out split after the rows."""
+    text = r4.markdown(payload)
+    found = payload.get("round4_choice")
+    if found is not None:
+        low, high = r1.interval(found["runs_caught"], found["runs"]) if found["runs"] else (0.0, 1.0)
+        text += ("\nRound 4's choice (`geometry`, frozen_r, k 4.5, p 2, fixed before these scenarios existed) on this "
+                 "split: " + ", ".join(f"{name} {n}/6" for name, n in found["seeds_caught"].items())
+                 + f"; faulted runs caught {found['runs_caught']}/{found['runs']} ({low:.2f}-{high:.2f}); healthy "
+                 f"runs alarmed {found['healthy_alarmed']}/{found['healthy_runs']}.\n")  # fmt: skip
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    evaluate = functools.partial(r4.evaluate_layout, layout=LAYOUT, reported=report)
+    return r1.round_main(argv, __doc__, SPLITS, LAYOUT.stem, ROUND5, STAGE_2, evaluate, markdown)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Round 5 of the silent suite (benchmarks/silent/ROUND5.md, round5.py, embeddings.ROUND5): round 4's scenarios are
+its design split; Barlow Twins' redundancy fade, a view bug and a Barlow trap are held out."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.benchmarks import benchmark_module
+
+cases = benchmark_module("cases", "silent")
+round5 = benchmark_module("round5", "silent")
+
+
+def test_the_design_split_is_round_four_and_the_held_out_split_is_new(cases, round5):
+    r4 = round5.r4
+    assert round5.LAYOUT.names_of("design") == [*r4.scenarios_of("design"), *r4.scenarios_of("held_out"),
+                                                 "trap_simclr_to_supcon", "trap_temperature_anneal"]  # fmt: skip
+    held_out = round5.LAYOUT.names_of("held_out")
+    assert held_out == ["barlow_redundancy_fade", "simclr_views_identical", "trap_barlow_redundancy_rise"]
+    assert set(held_out) <= set(cases.SCENARIOS)
+    assert not set(held_out) & set(round5.LAYOUT.names_of("design"))
+    from silence import NEED_ROOM, ROUND_5_HELD_OUT
+
+    assert set(held_out) == ROUND_5_HELD_OUT  # no features of theirs kept by a tuning run
+    assert ROUND_5_HELD_OUT <= NEED_ROOM
+    assert round5.LAYOUT.stem == "silent_r5"
+
+
+def test_barlow_twins_is_the_cross_correlation_towards_the_identity(cases):
+    from embeddings import barlow_twins
+
+    g = torch.Generator().manual_seed(0)
+    z1, z2 = torch.randn(64, 6, generator=g), torch.randn(64, 6, generator=g)
+    a = (z1 - z1.mean(0)) / z1.std(0)
+    b = (z2 - z2.mean(0)) / z2.std(0)
+    c = a.T @ b / 63
+    off = c - torch.diag(torch.diagonal(c))
+    by_hand = (1 - torch.diagonal(c)).pow(2).sum() + 0.01 * off.pow(2).sum()
+    assert float(barlow_twins(z1, z2, 0.01)) == pytest.approx(float(by_hand), rel=1e-4)
+    merged = z1[:, :1].repeat(1, 6)  # every dimension the same feature: invariant, and wholly redundant
+    assert float(barlow_twins(merged, merged, 0.0)) < 1e-6
+    assert float(barlow_twins(merged, merged, 0.01)) == pytest.approx(0.01 * 30, rel=1e-3)
+
+
+@pytest.mark.parametrize(("name", "key", "start", "end"), [
+    ("barlow_redundancy_fade", "redundancy", 5e-3, 0.0),
+    ("simclr_views_identical", "same_view", 0.0, 1.0),
+])  # fmt: skip
+def test_each_held_out_fault_fades_in_on_the_faulted_branch_only(cases, name, key, start, end):
+    trainee = cases.SCENARIOS[name].build(100)
+    trainee.fault_step = 300
+    assert trainee.fade == 600
+    assert {trainee.schedule(s, "healthy")[key] for s in (0, 450, 1100)} == {start}
+    faulted = [trainee.schedule(s, "collapse")[key] for s in (299, 600, 900, 1100)]
+    assert faulted[0] == start
+    assert faulted[1] == pytest.approx((start + end) / 2)
+    assert faulted[2] == faulted[3] == pytest.approx(end)
+
+
+def test_the_view_bug_makes_the_second_view_the_first_and_keeps_the_twins_batch(cases):
+    from embeddings import _two_views, nt_xent
+
+    trainee = cases.SCENARIOS["simclr_views_identical"].build(100)
+    settings = trainee.schedule(5, "healthy")
+    with torch.no_grad():
+        healthy = float(trainee.loss(5, settings))
+        all_same = float(trainee.loss(5, {**settings, "same_view": 1.0}))
+        first, _ = _two_views(trainee, 5, trainee.batch_size)[0].chunk(2)
+        z = torch.nn.functional.normalize(trainee.model(torch.cat([first, first])), dim=1)
+        assert all_same == pytest.approx(float(nt_xent(z, 0.5)), rel=1e-6)
+        assert float(trainee.loss(5, settings)) == healthy  # the bug's own draw leaves the batch's stream alone
+    assert all_same < healthy  # matching a view to itself is easier: the loss falls
+
+
+def test_the_trap_raises_the_redundancy_weight_fourfold_on_both_branches(cases):
+    trainee = cases.SCENARIOS["trap_barlow_redundancy_rise"].build(100)
+    trainee.fault_step = 1200
+    for kind in ("healthy", "collapse"):
+        weights = [trainee.schedule(s, kind)["redundancy"] for s in (0, 300, 450, 600, 1100)]
+        assert weights == pytest.approx([5e-3, 5e-3, 1.25e-2, 2e-2, 2e-2])
+
+
+def test_round_fours_choice_is_judged_on_the_held_out_split_and_rendered(round5, monkeypatch, tmp_path):
+    row = {"combination": "geometry", "score": "frozen_r", "k": 4.5, "p": 2}
+    runs = []
+    rng = np.random.default_rng(0)
+    for seed in range(6):
+        for kind in ("collapse", "healthy"):
+            n = 30
+            values = {name: 1.0 + 0.01 * rng.normal(size=n) for name in round5.r4.FAMILY_SIGNALS["geometry"]}
+            if kind == "collapse":
+                values["mean_cosine"][15:] = 3.0  # a cone from step 150, before the 5 % point at 250
+            values["loss"] = np.ones(n)
+            runs.append(round5.r1.Run("barlow_redundancy_fade", seed, kind, np.arange(n) * 10, values, 100, 250))
+    found = round5.r4.judged(runs, ("barlow_redundancy_fade",), row)
+    assert found["seeds_caught"] == {"barlow_redundancy_fade": 6}
+    assert found["healthy_alarmed"] == 0
+    payload = json.loads((round5.r1.RESULTS / "silent_r4_held_out.json").read_text())
+    text = round5.markdown({**payload, "round": 5, "round4_choice": found})
+    assert text.startswith("Round 5, split **held_out**")
+    assert "Round 4's choice" in text
+    assert "barlow_redundancy_fade 6/6" in text
+    assert "healthy runs alarmed 0/6" in text  # the six twins
