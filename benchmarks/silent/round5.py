@@ -24,9 +24,10 @@ sys.path.insert(0, str(HERE))
 import round4 as r4  # noqa: E402
 import silent_evaluate as r1  # noqa: E402
 
-CLASSES = {**r4.CLASSES, "H3": ("barlow_redundancy_fade",), "H4": ("simclr_views_identical",)}
+CLASSES = {**r4.CLASSES, "H3": ("barlow_redundancy_fade",), "H4": ("simclr_views_identical",),
+           "H5": ("supcon_labels_shuffled",)}  # fmt: skip
 TRAPS = {**r4.TRAPS, "T7": "trap_barlow_redundancy_rise"}
-SPLITS = {"design": (("D1", "D2", "H1", "H2"), ("T5", "T6")), "held_out": (("H3", "H4"), ("T7",))}
+SPLITS = {"design": (("D1", "D2", "H1", "H2"), ("T5", "T6")), "held_out": (("H3", "H4", "H5"), ("T7",))}
 LAYOUT = r4.Layout(5, CLASSES, TRAPS, SPLITS)
 ROUND5 = HERE / "ROUND5.md"
 STAGE_2 = "## Stage 2: the choice (round 5)"

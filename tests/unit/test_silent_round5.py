@@ -18,7 +18,9 @@ def test_the_design_split_is_round_four_and_the_held_out_split_is_new(cases, rou
     assert round5.LAYOUT.names_of("design") == [*r4.scenarios_of("design"), *r4.scenarios_of("held_out"),
                                                  "trap_simclr_to_supcon", "trap_temperature_anneal"]  # fmt: skip
     held_out = round5.LAYOUT.names_of("held_out")
-    assert held_out == ["barlow_redundancy_fade", "simclr_views_identical", "trap_barlow_redundancy_rise"]
+    assert held_out == [
+        "barlow_redundancy_fade", "simclr_views_identical", "supcon_labels_shuffled", "trap_barlow_redundancy_rise"
+    ]  # fmt: skip
     assert set(held_out) <= set(cases.SCENARIOS)
     assert not set(held_out) & set(round5.LAYOUT.names_of("design"))
     from silence import NEED_ROOM, ROUND_5_HELD_OUT
@@ -44,16 +46,22 @@ def test_barlow_twins_is_the_cross_correlation_towards_the_identity(cases):
     assert float(barlow_twins(merged, merged, 0.01)) == pytest.approx(0.01 * 30, rel=1e-3)
 
 
+#: The faults' frozen fades (SCENARIOS.md: the tuning rule's outcome for each).
+FADES = {"barlow_redundancy_fade": 600, "simclr_views_identical": 600, "supcon_labels_shuffled": 600}
+
+
 @pytest.mark.parametrize(("name", "key", "start", "end"), [
     ("barlow_redundancy_fade", "redundancy", 5e-3, 0.0),
     ("simclr_views_identical", "same_view", 0.0, 1.0),
+    ("supcon_labels_shuffled", "shuffled", 0.0, 1.0),
 ])  # fmt: skip
 def test_each_held_out_fault_fades_in_on_the_faulted_branch_only(cases, name, key, start, end):
     trainee = cases.SCENARIOS[name].build(100)
     trainee.fault_step = 300
-    assert trainee.fade == 600
+    fade = trainee.fade
+    assert fade == FADES[name]
     assert {trainee.schedule(s, "healthy")[key] for s in (0, 450, 1100)} == {start}
-    faulted = [trainee.schedule(s, "collapse")[key] for s in (299, 600, 900, 1100)]
+    faulted = [trainee.schedule(s, "collapse")[key] for s in (299, 300 + fade // 2, 300 + fade, 1199)]
     assert faulted[0] == start
     assert faulted[1] == pytest.approx((start + end) / 2)
     assert faulted[2] == faulted[3] == pytest.approx(end)
@@ -72,6 +80,25 @@ def test_the_view_bug_makes_the_second_view_the_first_and_keeps_the_twins_batch(
         assert all_same == pytest.approx(float(nt_xent(z, 0.5)), rel=1e-6)
         assert float(trainee.loss(5, settings)) == healthy  # the bug's own draw leaves the batch's stream alone
     assert all_same < healthy  # matching a view to itself is easier: the loss falls
+
+
+def test_the_label_bug_replaces_a_share_of_the_labels_and_keeps_the_twins_batch(cases):
+    from embeddings import _two_views, nt_xent
+
+    trainee = cases.SCENARIOS["supcon_labels_shuffled"].build(100)
+    trainee.fault_step = 300
+    assert trainee.schedule(0, "healthy")["supervised"]  # supervised contrastive from the first step
+    settings = trainee.schedule(5, "healthy")
+    views, labels = _two_views(trainee, 5, trainee.batch_size)
+    with torch.no_grad():
+        z = torch.nn.functional.normalize(trainee.model(views), dim=1)
+        assert float(trainee.loss(5, settings)) == pytest.approx(float(nt_xent(z, 0.5, 1.0, labels)), rel=1e-6)
+        shuffled = float(trainee.loss(5, {**settings, "shuffled": 1.0}))
+        assert float(trainee.loss(5, settings)) != shuffled
+        rng = np.random.default_rng((100, 5, 2))
+        rng.random(labels.shape[0])
+        random = torch.from_numpy(rng.integers(0, 10, labels.shape[0]))
+        assert shuffled == pytest.approx(float(nt_xent(z, 0.5, 1.0, random)), rel=1e-6)  # every label replaced
 
 
 def test_the_trap_raises_the_redundancy_weight_fourfold_on_both_branches(cases):
