@@ -404,6 +404,8 @@ class SupConLabelsShuffled(SimCLRNegativesFade):
     linearly from 0 to 1 over ``fade`` steps, gets a random label instead of its own (a label-pipeline bug, such as
     a misaligned join: the positives go wrong)."""
 
+    fade = 900  # SCENARIOS.md: lengthened by the tuning rule to the range's end
+
     def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
         shuffled = faded(step, fault, self.fade) if kind == "collapse" else 0.0
         return {"lr": 0.05, "negatives": 1.0, "temperature": 0.5, "supervised": True, "shuffled": shuffled}
@@ -464,7 +466,7 @@ ROUND5: dict[str, Scenario] = {
                  "gradual", "pair_accuracy_at_threshold", True, steps=1200, fault_step=300, check_every=10,
                  build=SimCLRViewsIdentical),
         Scenario("supcon_labels_shuffled", "SupCon MLP (128-d embedding)", "Fashion-MNIST",
-                 "a share of each batch growing 0 -> 1 over 600 steps gets random labels", "gradual",
+                 "a share of each batch growing 0 -> 1 over 900 steps gets random labels", "gradual",
                  "pair_accuracy_at_threshold", True, steps=1200, fault_step=300, check_every=10,
                  build=SupConLabelsShuffled),
         Scenario("trap_barlow_redundancy_rise", "Barlow Twins MLP (128-d embedding)", "Fashion-MNIST",

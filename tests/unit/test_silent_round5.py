@@ -47,7 +47,7 @@ def test_barlow_twins_is_the_cross_correlation_towards_the_identity(cases):
 
 
 #: The faults' frozen fades (SCENARIOS.md: the tuning rule's outcome for each).
-FADES = {"barlow_redundancy_fade": 600, "simclr_views_identical": 600, "supcon_labels_shuffled": 600}
+FADES = {"barlow_redundancy_fade": 600, "simclr_views_identical": 600, "supcon_labels_shuffled": 900}
 
 
 @pytest.mark.parametrize(("name", "key", "start", "end"), [
@@ -61,7 +61,7 @@ def test_each_held_out_fault_fades_in_on_the_faulted_branch_only(cases, name, ke
     fade = trainee.fade
     assert fade == FADES[name]
     assert {trainee.schedule(s, "healthy")[key] for s in (0, 450, 1100)} == {start}
-    faulted = [trainee.schedule(s, "collapse")[key] for s in (299, 300 + fade // 2, 300 + fade, 1199)]
+    faulted = [trainee.schedule(s, "collapse")[key] for s in (299, 300 + fade // 2, 300 + fade, 400 + fade)]
     assert faulted[0] == start
     assert faulted[1] == pytest.approx((start + end) / 2)
     assert faulted[2] == faulted[3] == pytest.approx(end)
