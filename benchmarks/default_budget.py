@@ -138,9 +138,27 @@ CASES = (
 
 
 def settings_sha(settings: MonitorSettings | None = None) -> str:
-    """The SHA-256 of ``settings`` (None: the shipped default's), as ``ROUND3.md`` records it."""
+    """The SHA-256 of ``settings`` (None: the shipped default's) as measured (`as_measured`), as ``ROUND3.md``
+    records it."""
     chosen = MonitorSettings() if settings is None else settings
-    return hashlib.sha256(json.dumps(chosen.as_dict(), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(as_measured(chosen), sort_keys=True).encode()).hexdigest()
+
+
+def as_measured(settings: MonitorSettings) -> dict[str, Any]:
+    """``settings.as_dict()`` in the layout the stored runs measured: a field added later is left out where its value
+    leaves the behaviour as measured. The silent path's ``family`` came with round 5 of the silent suite (2026-11-29),
+    and with it ``threshold``, ``patience`` and ``sentinels`` at None meaning the family's registered rule: with
+    ``family="drift"`` the family is left out and those fields take round 2's values (12, 2, True), the defaults they
+    had when the runs were measured."""
+    from topocallbacks.settings import SILENT_FAMILIES
+
+    data = settings.as_dict()
+    silent = data["silent"]
+    if silent.get("family") == "drift":
+        del silent["family"]
+        for key, value in zip(("threshold", "patience", "sentinels"), SILENT_FAMILIES["drift"], strict=True):
+            silent[key] = value if silent[key] is None else silent[key]
+    return data
 
 
 def callback(arguments: dict[str, Any], check_every: int | None, budget: Any) -> TopoCollapseCallback:

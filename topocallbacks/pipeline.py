@@ -33,7 +33,7 @@ from .functional.topology import _persistence_diagrams, _subsample
 from .mmhm import MMHM
 from .policy import Decision, Policy
 from .settings import Action, MonitorSettings
-from .silent import SilentWatch
+from .silent import watch_for
 from .transform import FeatureTransform
 
 __all__ = ["CheckPipeline", "CheckRequest", "Evaluation", "LayeredPipeline", "make_pipeline"]
@@ -329,7 +329,7 @@ class CheckPipeline(StreamingWindow, Stateful):
         self.rescales_ = 0
         self._recent = RecentBatches()  # streaming: the projected batches since the last check
         #: The silent path (probe mode, when on): drifts from the warm-up's last check and absolute sentinels.
-        self.silent = SilentWatch(settings.silent) if settings.silent.enabled and not self.streaming else None
+        self.silent = watch_for(settings.silent) if settings.silent.enabled and not self.streaming else None
 
     # --- evaluation ---------------------------------------------------------------------------------------
 

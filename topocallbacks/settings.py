@@ -42,6 +42,7 @@ __all__ = [
     "PRECISIONS",
     "PROJECTIONS",
     "SCORES",
+    "SILENT_FAMILIES",
     "Action",
     "IndexSettings",
     "InterventionSettings",
@@ -590,41 +591,64 @@ class PolicySettings(_Section):
             )
 
 
+#: Each silent family's registered rule, ``(threshold, patience, sentinels)``: ``"drift"`` as round 2 of the silent
+#: suite chose it (``benchmarks/silent/ROUND2.md``, stage 2), ``"geometry"`` as round 5 chose it on round 4's 36 healthy
+#: runs (``benchmarks/silent/ROUND5.md``, stage 2). `SilentSettings` fields left at None take these.
+SILENT_FAMILIES: dict[str, tuple[float, int, bool]] = {"drift": (12.0, 2, True), "geometry": (4.5, 3, False)}
+
+
 @dataclasses.dataclass(frozen=True)
 class SilentSettings(_Section):
     """The silent path: a warning when the probe's representation drifts or degenerates, whatever the loss does.
 
     **Off by default** (``silent_path=True`` turns it on). The loud path (`PolicySettings`) waits for the loss; this one
-    does not. Chosen on round 2's design split of the silent suite (``benchmarks/silent/ROUND2.md``, stage 2: the drift
-    family with the sentinels, trailing score, threshold 12, patience 2: no alarm on any of that split's healthy runs)
-    and shipped on; it caught none of round 2's held-out faults, and round 3 (``ROUND3.md``, stage 2) found no candidate
-    that catches a design fault whose harm is in what the monitor watches at no healthy alarm, so by that round's
-    registered rule it ships off. The evidence page has the figures. Probe mode only: a streaming window has no fixed
-    inputs to drift from. At every check after ``warmup`` checks it measures, against the features and the persistence
-    diagrams of the last warm-up check (the reference), the diagram drift and 1 - linear CKA, each divided by the checks
-    elapsed since the reference, and scores each against its own trailing checks (the rule's robust z-score); a drift
-    alarms when its score is ``>= threshold`` at ``patience`` consecutive checks. The sentinels (``sentinels``) alarm at
-    once on a rank squeeze (effective rank <= 1.5), a cone (mean pairwise cosine of the raw features >= 0.95) or a
-    shrinkage (RMS radius <= 0.1 x the warm-up's).
+    does not. Probe mode only: a streaming window has no fixed inputs to compare. Two families of signals, each with
+    the rule the silent suite registered for it (`SILENT_FAMILIES`; the evidence page has the figures):
+
+    * ``"drift"`` (round 2's choice, the default family): at every check after ``warmup`` checks, against the
+      features and the persistence diagrams of the last warm-up check (the reference), the diagram drift and 1 -
+      linear CKA, each divided by the checks elapsed since the reference, each scored against its own trailing
+      checks (the rule's robust z-score); a drift alarms when its score is ``>= threshold`` (12) at ``patience`` (2)
+      consecutive checks. With ``sentinels`` (on for this family) it also alarms at once on a rank squeeze
+      (effective rank <= 1.5), a cone (mean pairwise cosine of the raw features >= 0.95) or a shrinkage (RMS radius
+      <= 0.1 x the warm-up's). It caught none of round 2's held-out faults; round 3 found no candidate that catches
+      a fault whose harm is in what the monitor watches at no healthy alarm, so the path ships off.
+    * ``"geometry"`` (rounds 4 and 5's choice): the embedding's absolute-scale geometry, each signal scored against
+      the warm-up checks' median and spread (frozen there) in the direction a collapse moves it: the RMS radius over
+      the warm-up's (falls), Lightly's std of the L2-normalised embeddings (falls), the top covariance eigenvalue's
+      share (rises), the mean pairwise cosine (rises: a cone), and the clusters holding >= 1 % of the probe at a
+      scale fixed at the last warm-up check (modes lost since then); a signal alarms when its score is ``>=
+      threshold`` (4.5) at ``patience`` (3) consecutive checks; no sentinels. Held out in round 4 it caught VICReg's
+      variance collapse on 6 of 6 seeds before the harm; it does not meet round 5's targets, so it is an opt-in.
 
     Attributes:
         enabled: watch for silent collapse (``silent_path`` as a flat option).
+        family: the signals watched, ``"drift"`` or ``"geometry"`` (``silent_family``).
         action: what a silent alarm does: ``"warn"`` (a warning, a logger marker and the reason in the history) or
             ``"stop"`` (restoring the last healthy snapshot first, as the loud path's stop does)
             (``silent_action``).
-        threshold: the drifts' robust z-score that counts (``silent_threshold``).
-        patience: consecutive checks a drift must stay at or above ``threshold`` (``silent_patience``).
-        warmup: checks before the reference is taken; the drifts and sentinels are judged after it
-            (``silent_warmup``).
-        sentinels: also alarm on the three absolute sentinels (``silent_sentinels``).
+        threshold: the robust z-score that counts; None: the family's (``silent_threshold``).
+        patience: consecutive checks a signal must stay at or above ``threshold``; None: the family's
+            (``silent_patience``).
+        warmup: checks before the reference is taken; the signals are judged after it (``silent_warmup``).
+        sentinels: also alarm on the three absolute sentinels; None: the family's (``silent_sentinels``).
     """
 
     enabled: bool = _option(False, _boolean, alias="silent_path")
+    family: str = _option("drift", _choice(tuple(SILENT_FAMILIES)), alias="silent_family")
     action: str = _option("warn", _choice(("warn", "stop")), alias="silent_action")
-    threshold: float = _option(12.0, _positive, alias="silent_threshold")
-    patience: int = _option(2, _integer(1), alias="silent_patience")
+    threshold: float | None = _option(None, _optional(_positive), alias="silent_threshold")
+    patience: int | None = _option(None, _optional(_integer(1)), alias="silent_patience")
     warmup: int = _option(10, _integer(2), alias="silent_warmup")
-    sentinels: bool = _option(True, _boolean, alias="silent_sentinels")
+    sentinels: bool | None = _option(None, _optional(_boolean), alias="silent_sentinels")
+
+    @property
+    def rule(self) -> tuple[float, int, bool]:
+        """``(threshold, patience, sentinels)`` in effect: each field, or the family's registered value where None."""
+        threshold, patience, sentinels = SILENT_FAMILIES[self.family]
+        return (threshold if self.threshold is None else self.threshold,
+                patience if self.patience is None else self.patience,
+                sentinels if self.sentinels is None else self.sentinels)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

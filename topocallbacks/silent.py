@@ -12,10 +12,14 @@ part watches the probe's features themselves, as the silent suite's round 2 chos
 * three absolute sentinels on the raw features: a rank squeeze (effective rank <= `RANK_SQUEEZE`), a cone (mean
   pairwise cosine >= `CONE`) and a shrinkage (RMS radius <= `SHRINK` x the warm-up's mean).
 
+The geometry family, as rounds 4 and 5 chose it (``benchmarks/silent/ROUND5.md``, stage 2; `GeometryWatch`): the
+embedding's spread, `norm_std`, top eigenvalue share, mean cosine and `modes`, each scored against the warm-up checks
+(frozen there) in the direction a collapse moves it.
+
 Both are judged after the warm-up only. An alarm turns a check the policy left alone into ``settings.silent.action``
 (a warning by default) with a reason naming the signal and how far it moved; it is raised again only after a check
-without one. The benchmark's replay (``benchmarks/silent/silent_signals.py`` and ``round2.py``) computes the same
-values with the same formulas; ``tests/unit/test_silent_path.py`` compares them check by check.
+without one. The benchmark's replay (``benchmarks/silent/silent_signals.py``, ``round2.py``, ``round5.py``) computes
+the same values with these functions; ``tests/unit/test_silent_path.py`` compares them check by check.
 """
 
 from __future__ import annotations
@@ -30,14 +34,16 @@ from numpy.typing import NDArray
 
 from ._state import StateFields, Stateful
 from .check import Diagrams, diagram_drift, diagrams_from_lists, diagrams_to_lists
-from .functional import effective_rank
+from .functional import calibrate_epsilon, effective_rank
+from .functional._distances import pairwise_distances
 from .policy import Decision
 from .policy.scores import Reference, at_threshold, score_value
-from .settings import Action, PolicySettings, SilentSettings
+from .settings import Action, IndexSettings, PolicySettings, SilentSettings
 
 __all__ = [
-    "CONE", "DRIFTS", "RANK_SQUEEZE", "SHRINK", "SilentWatch", "TrailingRule",
-    "linear_cka", "mean_cosine", "rms_radius",
+    "CONE", "DRIFTS", "GEOMETRY", "MIN_MODE_SHARE", "MODES_DEGREE", "RANK_SQUEEZE", "SHRINK", "GeometryWatch",
+    "SilentWatch", "TrailingRule", "linear_cka", "mean_cosine", "modes", "norm_std", "rms_radius",
+    "top_eigenvalue_share", "watch_for",
 ]  # fmt: skip
 
 #: The sentinels' limits (the silent suite's pre-registered values): effective rank, mean cosine, radius share.
@@ -46,6 +52,12 @@ CONE = 0.95
 SHRINK = 0.1
 #: The drifts, by the names the history and the loggers give them.
 DRIFTS = ("diagram_drift_ref", "cka_drift")
+#: The geometry family's signals and the way a collapse moves each (+1: up, -1: down).
+GEOMETRY: dict[str, int] = {"spread": -1, "norm_std": -1, "anisotropy": 1, "mean_cosine": 1, "modes": -1}
+#: The mode counter's scale: the ε of a mean degree of 32 at the last warm-up check (6 % of a 512-point probe, so
+#: that a mode's points connect); clusters holding less than `MIN_MODE_SHARE` of the probe are not modes.
+MODES_DEGREE = 32.0
+MIN_MODE_SHARE = 0.01
 
 
 def rms_radius(frame: NDArray[np.float64]) -> float:
@@ -60,6 +72,46 @@ def mean_cosine(frame: NDArray[np.float64]) -> float:
     n = unit.shape[0]
     total = float(np.square(unit.sum(0)).sum())
     return float((total - float(np.square(unit).sum())) / (n * (n - 1)))
+
+
+def norm_std(frame: NDArray[np.float64]) -> float:
+    """Lightly's collapse level: the mean per-dimension std of the L2-normalised rows, times sqrt(dim).
+
+    1: spread over the sphere; 0: one direction.
+    """
+    norms = np.linalg.norm(frame, axis=1, keepdims=True)
+    unit = frame / np.maximum(norms, 1e-12)
+    return float(unit.std(0).mean() * math.sqrt(frame.shape[1]))
+
+
+def top_eigenvalue_share(frame: NDArray[np.float64]) -> float:
+    """The covariance's top eigenvalue over its trace.
+
+    The geometry family's ``anisotropy`` signal (not `topocallbacks.functional.anisotropy`, which is scaled from the
+    effective rank).
+    """
+    values = np.linalg.eigvalsh(np.cov(frame, rowvar=False).reshape(frame.shape[1], frame.shape[1]))
+    total = float(values.sum())
+    return float(values[-1] / total) if total > 0 else 1.0
+
+
+def modes(cloud: NDArray[np.float64], epsilon: float, min_share: float = MIN_MODE_SHARE) -> int:
+    """Connected components of the ε-neighbourhood graph holding at least ``min_share`` of the points.
+
+    Betti-0 at ε, clusters too small to be a mode left out.
+
+    Examples:
+        >>> import numpy as np
+        >>> two = np.r_[np.zeros((100, 2)), np.ones((99, 2)) * 10, [[50.0, 50.0]]]  # two modes, one stray point
+        >>> modes(two, epsilon=1.0)
+        2
+    """
+    from scipy.sparse.csgraph import connected_components
+
+    adjacency = pairwise_distances(cloud) <= epsilon
+    _, labels = connected_components(adjacency, directed=False)
+    sizes = np.bincount(labels)
+    return int((sizes >= max(1, math.ceil(min_share * cloud.shape[0]))).sum())
 
 
 def linear_cka(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
@@ -97,8 +149,8 @@ class TrailingRule:
     """
 
     def __init__(self, settings: SilentSettings) -> None:
-        self.rule = PolicySettings(threshold=settings.threshold, warmup=settings.warmup)
-        self.patience = settings.patience
+        threshold, self.patience, _ = settings.rule
+        self.rule = PolicySettings(threshold=threshold, warmup=settings.warmup)
         self.reference = Reference(2 * self.rule.zscore_window, self.rule.zscore_window)
         self.warm: list[float] = []  # the finite values of the warm-up checks (the rule's baseline)
         self.checks = 0
@@ -124,8 +176,43 @@ class TrailingRule:
         return self.run >= self.patience
 
 
-class SilentWatch(Stateful):
-    """The silent path's state from check to check, and its judgement of each check (see the module).
+class _SilentPath(Stateful):
+    """What both families share: a check judged after the loud path, an alarm raised once per episode."""
+
+    settings: SilentSettings
+    alarming_: bool
+
+    def observe(self, frame: NDArray[np.float64] | None, diagrams: Diagrams | None) -> SilentAlarm | None:
+        raise NotImplementedError
+
+    def _raised(self, found: list[tuple[str, str]]) -> SilentAlarm | None:
+        """The alarm for this check's ``found`` (signal, why) pairs, when it is raised now (not while one holds on)."""
+        alarm = SilentAlarm(signals=tuple(name for name, _ in found), why="; ".join(why for _, why in found))
+        raise_now = bool(found) and not self.alarming_
+        self.alarming_ = bool(found)
+        return alarm if raise_now else None
+
+    def judge(self, decision: Decision, frame: NDArray[np.float64] | None, diagrams: Diagrams | None) -> Decision:
+        """Observe one check and return the loud path's ``decision`` with its alarm acted on (`observe`, `applied`)."""
+        return self.applied(decision, self.observe(frame, diagrams))
+
+    def applied(self, decision: Decision, alarm: SilentAlarm | None) -> Decision:
+        """``decision`` with this check's alarm acted on.
+
+        The silent action where the policy asked for nothing, else the policy's decision as it is (the loud path
+        decides first).
+        """
+        if alarm is None or decision.action is not Action.NONE:
+            return decision
+        action = Action(self.settings.action)
+        reason = (f"silent path: the probe's representation moved while the loss rule stayed quiet ({alarm.why}); "
+                  f"{action.value}")  # fmt: skip
+        return dataclasses.replace(decision, action=action, reason=reason, rule="silent",
+                                   flagged=(*decision.flagged, "silent"), checkpoint=action is Action.STOP)  # fmt: skip
+
+
+class SilentWatch(_SilentPath):
+    """The drift family's state from check to check, and its judgement of each check (see the module).
 
     Args:
         settings: the silent path's settings.
@@ -214,11 +301,8 @@ class SilentWatch(Stateful):
         if diagrams is not None and self._reference_diagrams is not None:
             drift = diagram_drift(self._reference_diagrams, diagrams) / elapsed
         self._extend(drift, (1.0 - linear_cka(frame, self._reference)) / elapsed)
-        found = self._drifts_holding() + (self._sentinels(frame, radius) if self.settings.sentinels else [])
-        alarm = SilentAlarm(signals=tuple(name for name, _ in found), why="; ".join(why for _, why in found))
-        raise_now = bool(found) and not self.alarming_
-        self.alarming_ = bool(found)
-        return alarm if raise_now else None
+        found = self._drifts_holding() + (self._sentinels(frame, radius) if self.settings.rule[2] else [])
+        return self._raised(found)
 
     def _extend(self, diagram: float, cka: float) -> None:
         for name, value in zip(DRIFTS, (diagram, cka), strict=True):
@@ -226,13 +310,13 @@ class SilentWatch(Stateful):
             self._scores[name] = self._rules[name].add(value)
 
     def _drifts_holding(self) -> list[tuple[str, str]]:
-        s = self.settings
+        threshold, patience, _ = self.settings.rule
         found = []
         for name in DRIFTS:
             if self._rules[name].holds:
                 value = self.series_[name][-1]
                 why = (f"{name} {value:.3g} per check since the reference check, robust z {self._scores[name]:.1f} >= "
-                       f"{s.threshold:g} for {s.patience} checks")  # fmt: skip
+                       f"{threshold:g} for {patience} checks")  # fmt: skip
                 found.append((name, why))
         return found
 
@@ -248,23 +332,122 @@ class SilentWatch(Stateful):
             found.append(("shrink", f"RMS radius {spread:.3f} x the warm-up's <= {SHRINK}"))
         return found
 
-    def judge(self, decision: Decision, frame: NDArray[np.float64] | None, diagrams: Diagrams | None) -> Decision:
-        """Observe one check and return the loud path's ``decision`` with its alarm acted on (`observe`, `applied`)."""
-        return self.applied(decision, self.observe(frame, diagrams))
 
-    def applied(self, decision: Decision, alarm: SilentAlarm | None) -> Decision:
-        """``decision`` with this check's alarm acted on.
+class GeometryWatch(_SilentPath):
+    """The geometry family's state from check to check, and its judgement of each check (see the module).
 
-        The silent action where the policy asked for nothing, else the policy's decision as it is (the loud path
-        decides first).
+    At each check the five `GEOMETRY` signals of the raw features: ``spread`` (the RMS radius over the warm-up
+    checks' mean, the mean so far during the warm-up), `norm_std`, ``anisotropy`` (`top_eigenvalue_share`),
+    `mean_cosine` and `modes` (of the
+    centred features over the warm-up's radius, at the ε of a mean degree of `MODES_DEGREE` calibrated at the last
+    warm-up check; None before it). After the warm-up each is scored in the direction a collapse moves it against
+    the warm-up checks, frozen there: ``(value - median) / max(1.4826 MAD, 1 % of the largest, 1e-12)``; for
+    ``modes``, the modes lost since the last warm-up check. A signal holds when its score is ``>= threshold`` at
+    ``patience`` consecutive checks.
+
+    Args:
+        settings: the silent path's settings (``family="geometry"``).
+
+    Examples:
+        >>> import numpy as np
+        >>> from topocallbacks.settings import SilentSettings
+        >>> watch = GeometryWatch(SilentSettings(family="geometry", warmup=3, patience=2))
+        >>> rng = np.random.default_rng(0)
+        >>> [watch.observe(rng.normal(size=(64, 8)), None) for _ in range(4)]  # healthy: no alarm
+        [None, None, None, None]
+        >>> cone = rng.normal(size=(64, 8)) + 5.0
+        >>> watch.observe(cone, None), watch.observe(cone, None).signals  # two checks in a cone
+        (None, ('norm_std', 'anisotropy', 'mean_cosine'))
+    """
+
+    _state = StateFields(
+        version=1,
+        fields={
+            "checks": "checks_",
+            "radii": "radii_",
+            "scale": "scale_",
+            "epsilon": "epsilon_",
+            "series": "series_",
+            "alarming": "alarming_",
+        },
+        encode={"series": _series_to_lists},
+        decode={"series": _series_from_lists},
+    )
+
+    def __init__(self, settings: SilentSettings) -> None:
+        self.settings = settings
+        self.checks_ = 0  # the checks observed (a diverged one counts)
+        self.radii_: list[float] = []  # the warm-up checks' RMS radii
+        self.scale_: float | None = None  # their mean, from the last warm-up check on
+        self.epsilon_: float | None = None  # the mode counter's scale, from the last warm-up check on
+        #: Each signal's value at every check (NaN at a diverged check, and for ``modes`` before the reference).
+        self.series_: dict[str, list[float]] = {name: [] for name in GEOMETRY}
+        self.alarming_ = False
+
+    def observe(self, frame: NDArray[np.float64] | None, diagrams: Diagrams | None = None) -> SilentAlarm | None:
+        """Take one check; the alarm, when one is raised at this check.
+
+        Args:
+            frame: the check's raw features ``(n, d)`` (None: a diverged check).
+            diagrams: not used (the drift family's).
         """
-        if alarm is None or decision.action is not Action.NONE:
-            return decision
-        action = Action(self.settings.action)
-        reason = (f"silent path: the probe's representation moved while the loss rule stayed quiet ({alarm.why}); "
-                  f"{action.value}")  # fmt: skip
-        return dataclasses.replace(decision, action=action, reason=reason, rule="silent",
-                                   flagged=(*decision.flagged, "silent"), checkpoint=action is Action.STOP)  # fmt: skip
+        self.checks_ += 1
+        warmup = self.settings.warmup
+        if frame is None or not np.isfinite(frame).all():
+            for values in self.series_.values():
+                values.append(math.nan)
+            self.alarming_ = False
+            return None
+        frame = np.asarray(frame, dtype=np.float64)
+        radius = rms_radius(frame)
+        if self.checks_ <= warmup:
+            self.radii_.append(radius)
+        if self.checks_ == warmup:  # the reference: the last warm-up check
+            self.scale_ = float(np.mean(self.radii_)) or 1.0
+            centred = (frame - frame.mean(0)) / self.scale_
+            self.epsilon_ = calibrate_epsilon(centred, IndexSettings(epsilon_degree=MODES_DEGREE))
+        scale = self.scale_ if self.scale_ else float(np.mean(self.radii_)) or 1.0
+        found = {"spread": radius / scale, "norm_std": norm_std(frame), "anisotropy": top_eigenvalue_share(frame),
+                 "mean_cosine": mean_cosine(frame), "modes": math.nan}  # fmt: skip
+        if self.epsilon_ is not None and self.scale_:
+            found["modes"] = float(modes((frame - frame.mean(0)) / self.scale_, self.epsilon_))
+        for name, value in found.items():
+            self.series_[name].append(value)
+        return self._raised(self._holding()) if self.checks_ > warmup else None
+
+    def scores(self, name: str) -> NDArray[np.float64]:
+        """One signal's score at every check (NaN during the warm-up and where it has no value)."""
+        warmup, values = self.settings.warmup, np.asarray(self.series_[name], dtype=np.float64)
+        scores = np.full(values.size, math.nan)
+        if values.size <= warmup:
+            return scores
+        if name == "modes":  # modes lost since the reference check
+            scores[warmup:] = values[warmup - 1] - values[warmup:]
+            return scores
+        oriented = GEOMETRY[name] * values
+        warm = oriented[:warmup][np.isfinite(oriented[:warmup])]
+        if warm.size:
+            centre = float(np.median(warm))
+            spread = max(1.4826 * float(np.median(np.abs(warm - centre))), 0.01 * float(np.max(np.abs(warm))), 1e-12)
+            scores[warmup:] = (oriented[warmup:] - centre) / spread
+        return scores
+
+    def _holding(self) -> list[tuple[str, str]]:
+        threshold, patience, _ = self.settings.rule
+        found = []
+        for name in GEOMETRY:
+            recent = self.scores(name)[-patience:]
+            if recent.size == patience and bool((recent >= threshold).all()):  # NaN never counts
+                value, score = self.series_[name][-1], float(recent[-1])
+                moved = (f"{score:.0f} modes lost since the reference check" if name == "modes" else
+                         f"{value:.3g}, robust z {score:.1f} against the warm-up")  # fmt: skip
+                found.append((name, f"{name} {moved} (>= {threshold:g} for {patience} checks)"))
+        return found
+
+
+def watch_for(settings: SilentSettings) -> SilentWatch | GeometryWatch:
+    """The silent path of ``settings.family``."""
+    return GeometryWatch(settings) if settings.family == "geometry" else SilentWatch(settings)
 
 
 @dataclasses.dataclass(frozen=True)

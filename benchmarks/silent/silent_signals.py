@@ -26,22 +26,27 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.sparse.csgraph import connected_components
 
 from topocallbacks.check import measure
 from topocallbacks.functional import calibrate_epsilon, effective_rank
-from topocallbacks.functional._distances import pairwise_distances
 from topocallbacks.settings import IndexSettings
-from topocallbacks.silent import linear_cka, mean_cosine, rms_radius
+from topocallbacks.silent import (  # noqa: F401  (MIN_MODE_SHARE: the library's, here by name)
+    MIN_MODE_SHARE,
+    MODES_DEGREE,
+    linear_cka,
+    mean_cosine,
+    modes,
+    norm_std,
+    rms_radius,
+)
+from topocallbacks.silent import top_eigenvalue_share as anisotropy
 from topocallbacks.transform import FeatureTransform
 
 #: The policy's warm-up (checks): the scale and the references are fixed at its last check.
 WARMUP = 10
-#: Clusters smaller than this share of the probe are not modes.
-MIN_MODE_SHARE = 0.01
 INDEX = IndexSettings()
 #: The mode counter's scale: a mean degree of 32 (6 % of a 512-point probe), so that a mode's points connect.
-MODES_INDEX = IndexSettings(epsilon_degree=32.0)
+MODES_INDEX = IndexSettings(epsilon_degree=MODES_DEGREE)
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "geometry": ("spread", "norm_std", "anisotropy", "mean_cosine", "modes"),
@@ -106,30 +111,6 @@ def lidar(views: np.ndarray, delta: float = 1e-4) -> float:
         return 1.0
     share = eig / total + 1e-12
     return float(np.exp(-(share * np.log(share)).sum()))
-
-
-def norm_std(frame: np.ndarray) -> float:
-    """Lightly's collapse level: the mean per-dimension std of the L2-normalised rows, times sqrt(dim) (1: spread
-    over the sphere; 0: one direction)."""
-    norms = np.linalg.norm(frame, axis=1, keepdims=True)
-    unit = frame / np.maximum(norms, 1e-12)
-    return float(unit.std(0).mean() * math.sqrt(frame.shape[1]))
-
-
-def anisotropy(frame: np.ndarray) -> float:
-    """The covariance's top eigenvalue over its trace."""
-    values = np.linalg.eigvalsh(np.cov(frame, rowvar=False).reshape(frame.shape[1], frame.shape[1]))
-    total = float(values.sum())
-    return float(values[-1] / total) if total > 0 else 1.0
-
-
-def modes(cloud: np.ndarray, epsilon: float, min_share: float = MIN_MODE_SHARE) -> int:
-    """Connected components of the ε-neighbourhood graph holding at least ``min_share`` of the points (Betti-0 at
-    ε, clusters too small to be a mode left out)."""
-    adjacency = pairwise_distances(cloud) <= epsilon
-    _, labels = connected_components(adjacency, directed=False)
-    sizes = np.bincount(labels)
-    return int((sizes >= max(1, math.ceil(min_share * cloud.shape[0]))).sum())
 
 
 def coverage(logits: np.ndarray, min_share: float = MIN_CLASS_SHARE) -> int:

@@ -125,8 +125,9 @@ def test_the_held_out_fits_measured_the_default_a_user_gets():
     payload = json.loads((RESULTS / "default_budget_held_out.json").read_text())
     assert default_budget.shipping_stage_written()
     measured = chosen_settings()
-    # The same object, field for field; `schedule.plan` came later (stage 4) and, None, is left out of the digest.
-    as_then = measured.as_dict()
+    # The same object, field for field; `schedule.plan` came later (stage 4) and, None, is left out of the digest, as
+    # are the silent path's later fields at the values that keep its behaviour as measured (`as_measured`).
+    as_then = default_budget.as_measured(measured)
     assert as_then["schedule"].pop("plan") is None
     assert payload["settings_sha256"] == hashlib.sha256(json.dumps(as_then, sort_keys=True).encode()).hexdigest()
     assert payload["shipped_budget"] == measured.schedule.overhead_budget
@@ -141,3 +142,17 @@ def test_stage4s_held_out_fits_measured_the_default_a_user_gets():
     assert payload["shipped_budget"] == chosen == MonitorSettings().schedule.overhead_budget
     assert_held_out_rows(payload, stage=4)
     assert all(case["rows"][0]["last_plan"]["at_step"] is not None for case in payload["cases"])  # planned, once
+
+
+def test_the_measured_layout_leaves_out_only_later_fields_at_their_measured_behaviour():
+    from topocallbacks.settings import SilentSettings
+
+    default = default_budget.as_measured(MonitorSettings())
+    assert "family" not in default["silent"]
+    assert (default["silent"]["threshold"], default["silent"]["patience"], default["silent"]["sentinels"]) == (
+        12.0, 2, True)  # fmt: skip
+    assert SilentSettings().rule == (12.0, 2, True)  # the behaviour is the one measured
+    geometry = default_budget.as_measured(MonitorSettings().merged({"silent_family": "geometry"}))
+    assert geometry["silent"]["family"] == "geometry"  # another behaviour: kept, so its digest differs
+    assert default_budget.settings_sha(MonitorSettings().merged({"silent_family": "geometry"})) != (
+        default_budget.settings_sha())  # fmt: skip

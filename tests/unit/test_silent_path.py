@@ -10,10 +10,12 @@ from tests.benchmarks import benchmark_module
 from topocallbacks.exceptions import InputError
 from topocallbacks.pipeline import CheckPipeline
 from topocallbacks.settings import Action, MonitorSettings, SilentSettings
-from topocallbacks.silent import SilentWatch
+from topocallbacks.silent import GeometryWatch, SilentWatch
 
 signals = benchmark_module("silent_signals", "silent")
 round2 = benchmark_module("round2", "silent")
+cases = benchmark_module("cases", "silent")
+record = benchmark_module("record", "collapse")
 
 
 def frames(n_checks=40, onset=25, n=96, dim=12, seed=0, kind="rotate"):
@@ -118,8 +120,13 @@ def test_bad_settings_name_the_option_and_the_value():
         MonitorSettings().merged({"silent_action": "rollback"})
     with pytest.raises(InputError, match="silent_patience"):
         MonitorSettings().merged({"silent_patience": 0})
-    assert MonitorSettings().silent == SilentSettings(enabled=False, action="warn", threshold=12.0, patience=2,
-                                                      warmup=10, sentinels=True)  # fmt: skip
+    with pytest.raises(InputError, match=r"`silent_family` must be one of \['drift', 'geometry'\], got 'spectrum'"):
+        MonitorSettings().merged({"silent_family": "spectrum"})
+    default = MonitorSettings().silent
+    assert default == SilentSettings(enabled=False, family="drift", action="warn", warmup=10)
+    assert default.rule == (12.0, 2, True)  # round 2's registered rule (ROUND2.md, stage 2)
+    assert SilentSettings(family="geometry").rule == (4.5, 3, False)  # round 5's (ROUND5.md, stage 2)
+    assert SilentSettings(family="geometry", threshold=6.0, sentinels=True).rule == (6.0, 3, True)
     assert CheckPipeline(MonitorSettings()).silent is None  # off by default (ROUND3.md, stage 2)
 
 
@@ -159,9 +166,99 @@ def test_the_incremental_trailing_rule_scores_and_holds_as_the_rule_does_on_the_
         score = rule.add(float(value))
         scores.append(math.nan if score is None else score)
         holds.append(rule.holds)
-    policy = PolicySettings(threshold=settings.threshold, warmup=settings.warmup)
+    threshold, patience, _ = settings.rule
+    policy = PolicySettings(threshold=threshold, warmup=settings.warmup)
     expected = rule_scores(series, policy, direction=1)
     assert np.array_equal(np.array(scores), expected, equal_nan=True)
-    assert holds == rule_holds(np.nan_to_num(expected, nan=-math.inf).tolist(), settings.threshold,
-                               settings.patience, settings.warmup).tolist()  # fmt: skip
+    assert holds == rule_holds(np.nan_to_num(expected, nan=-math.inf).tolist(), threshold, patience,
+                               settings.warmup).tolist()  # fmt: skip
     assert any(holds)
+
+
+def clustered_frames(kind, n_checks=36, onset=20, seed=0):
+    """Eight clusters in 12-d with small healthy moves, then from ``onset`` (``cone``) a common direction growing,
+    (``shrink``) the cloud shrinking, (``merge``) the clusters drawn together, or (``none``) nothing."""
+    rng = np.random.default_rng(seed)
+    centres = 4.0 * rng.normal(size=(8, 12))
+    labels = np.arange(128) % 8
+    out = []
+    for check in range(n_checks):
+        t = max(0, check - onset + 1)
+        x = centres[labels] + 0.3 * rng.normal(size=(128, 12))
+        if kind == "cone" and t:
+            x = x + 2.0 * t * np.ones(12)
+        if kind == "shrink" and t:
+            x = x * 0.8**t
+        if kind == "merge" and t:
+            x = x - min(1.0, 0.1 * t) * centres[labels]
+        out.append(x.astype(np.float32))
+    return np.stack(out)
+
+
+def geometry_replay(features, signals, round2):
+    """The benchmark's replay of round 5's choice (geometry, frozen_r, k 4.5, p 3): its values and where it holds."""
+    values, _ = signals.feature_signals(features)
+    run = round2.r1.Run("x", 0, "healthy", np.arange(len(features)) * 10, values)
+    hit = np.zeros(len(features), dtype=bool)
+    for signal in round2.r1.FAMILIES["geometry"]:
+        hit |= round2.alarms(run, signal, "frozen_r", 4.5, 3)
+    hit[: signals.WARMUP] = False
+    return hit, values
+
+
+GEOMETRY_ON = MonitorSettings().merged({"silent_path": True, "silent_family": "geometry"})
+
+
+@pytest.mark.parametrize("kind", ["none", "cone", "shrink", "merge"])
+def test_the_geometry_family_holds_where_the_benchmark_replay_of_round_fives_choice_does(kind, signals, round2):
+    features = clustered_frames(kind)
+    holding, decisions, watch = library(features, GEOMETRY_ON)
+    expected, values = geometry_replay(features, signals, round2)
+    assert isinstance(watch, GeometryWatch)
+    for name in watch.series_:  # the same values, check by check
+        assert np.allclose(watch.series_[name], values[name], rtol=1e-12, atol=0, equal_nan=True), name
+    assert holding.tolist() == expected.tolist()
+    assert expected.any() == (kind != "none")  # the replay itself alarms on each collapse and not on the healthy run
+    first = int(np.argmax(expected)) if expected.any() else None
+    warned = [i for i, d in enumerate(decisions) if d.rule == "silent"]
+    assert warned == ([first] if first is not None else [])  # raised once, where the replay first holds
+    if first is not None:
+        reason = decisions[first].reason
+        assert reason.startswith("silent path: ")
+        assert "(>= 4.5 for 3 checks)" in reason
+
+
+def test_the_geometry_watch_resumes_from_its_saved_state_exactly():
+    features = clustered_frames("cone")
+    pipeline = CheckPipeline(GEOMETRY_ON)
+    for i, frame in enumerate(features[:15]):
+        pipeline.evaluate(frame, 10 * i)
+    twin = CheckPipeline(GEOMETRY_ON)
+    twin.silent.load_state_dict(pipeline.silent.state_dict())
+    for i, frame in enumerate(features[15:], start=15):
+        pipeline.evaluate(frame, 10 * i)
+        twin.evaluate(frame, 10 * i)
+        assert pipeline.silent.state_dict() == twin.silent.state_dict()
+    diverged = GeometryWatch(SilentSettings(family="geometry"))
+    assert diverged.observe(None) is None
+    assert all(math.isnan(values[0]) for values in diverged.series_.values())  # a diverged check holds no value
+    assert diverged.checks_ == 1
+
+
+def test_the_geometry_family_reproduces_the_replay_on_a_recorded_embedding_run(
+    signals, round2, cases, record, tmp_path
+):
+    """A real recording (round 4's VICReg scenario, shortened; both branches): the library's watch and the benchmark's
+    replay give the same values and hold at the same checks."""
+    import dataclasses
+
+    scenario = dataclasses.replace(cases.SCENARIOS["vicreg_variance_fade"], steps=200, fault_step=100)
+    data = np.load(record.record(scenario.name, 3, tmp_path, scenario=scenario))
+    for kind in ("collapse", "healthy"):
+        features = data[f"{kind}/features"]
+        assert features.shape == (21, 512, 128)
+        holding, _, watch = library(features, GEOMETRY_ON)
+        expected, values = geometry_replay(features, signals, round2)
+        for name in watch.series_:
+            assert np.allclose(watch.series_[name], values[name], rtol=1e-12, atol=0, equal_nan=True), (kind, name)
+        assert holding.tolist() == expected.tolist(), kind
