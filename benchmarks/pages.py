@@ -593,12 +593,21 @@ def _quoted(text: str) -> str:
     return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in lines)
 
 
-@block("silent-status", "silent_r4_design.json", "silent_r4_held_out.json", "silent_r2_held_out.json")
+@block("silent-status", "silent_r5_design.json", "silent_r5_held_out.json", "silent_r4_held_out.json",
+       "silent_r2_held_out.json")  # fmt: skip
 def silent_status() -> str:
-    """The README's lead: what round 4's choice caught held out, and why the default still ships without a silent
-    path (``silent_pages.round4_status``)."""
-    status = suite("silent", "silent_pages").round4_status
-    return _quoted(status(*(stored(f"silent_{name}.json") for name in ("r4_design", "r4_held_out", "r2_held_out"))))
+    """The README's lead: what round 5's choice caught on held-out kinds of failure, and why the default still ships
+    without a silent path (``silent_pages.round5_status``)."""
+    status = suite("silent", "silent_pages").round5_status
+    names = ("r5_design", "r5_held_out", "r4_held_out", "r2_held_out")
+    return _quoted(status(*(stored(f"silent_{name}.json") for name in names)))
+
+
+@block("silent-round5", "silent_r5_held_out.json", "silent_r5_design.json")
+def silent_round5() -> str:
+    """The evidence page's round 5: the held-out split, then the design split (round5.py's Markdown)."""
+    markdown = suite("silent", "round5").markdown
+    return "\n".join(markdown(stored(f"silent_r5_{split}.json")).rstrip("\n") for split in ("held_out", "design"))
 
 
 @block("silent-round4", "silent_r4_held_out.json", "silent_r4_design.json")

@@ -2,9 +2,9 @@
 
 An `Actuator` is the small interface each training adapter implements with its framework's own means (save a
 checkpoint, scale the learning rate, request a stop, take and restore a snapshot, skip updates); the rescuer
-([`Rescuer`][topocallbacks.rescue.Rescuer]) carries a [`Decision`][topocallbacks.policy.Decision] out through it. What
-a snapshot copies lives in [`topocallbacks.snapshots`][topocallbacks.snapshots]. No training framework is imported
-here.
+(`topocallbacks.rescue.Rescuer`, not on the API page) carries a [`Decision`][topocallbacks.policy.Decision] out
+through it. What a snapshot copies lives in [`topocallbacks.snapshots`][topocallbacks.snapshots]. No training
+framework is imported here.
 
 A learning-rate cut must survive the scheduler. ``LambdaLR``-family schedulers recompute the rate from
 ``base_lrs`` at every step, ``OneCycleLR`` from ``initial_lr``/``max_lr``/``min_lr`` stored in the param groups,

@@ -618,8 +618,9 @@ class SilentSettings(_Section):
       the warm-up's (falls), Lightly's std of the L2-normalised embeddings (falls), the top covariance eigenvalue's
       share (rises), the mean pairwise cosine (rises: a cone), and the clusters holding >= 1 % of the probe at a
       scale fixed at the last warm-up check (modes lost since then); a signal alarms when its score is ``>=
-      threshold`` (4.5) at ``patience`` (3) consecutive checks; no sentinels. Held out in round 4 it caught VICReg's
-      variance collapse on 6 of 6 seeds before the harm; it does not meet round 5's targets, so it is an opt-in.
+      threshold`` (4.5) at ``patience`` (3) consecutive checks; no sentinels. Held out it caught round 4's VICReg
+      variance collapse and round 5's contrastive embedding with shuffled labels before their harm, at no healthy
+      alarm, but misses other held-out classes, so by its registered ship rule it is an opt-in.
 
     Attributes:
         enabled: watch for silent collapse (``silent_path`` as a flat option).

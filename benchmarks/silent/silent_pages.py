@@ -28,6 +28,9 @@ SHORT = {
     "simsiam_stopgrad_fade": "D2 SimSiam stop-gradient fade",
     "vicreg_variance_fade": "H1 VICReg variance fade",
     "simsiam_predictor_fade": "H2 SimSiam predictor fade",
+    "barlow_redundancy_fade": "H3 Barlow Twins redundancy fade",
+    "simclr_views_identical": "H4 SimCLR views identical",
+    "supcon_labels_shuffled": "H5 SupCon labels shuffled",
 }
 
 
@@ -231,4 +234,75 @@ def round4_status(design: dict[str, Any], held_out: dict[str, Any], r2_held_out:
         f"first: {', '.join(f'`{s}`' for s in sorted(first))}, never the topological mode counter. Earlier rounds "
         f"(classifiers, generators, a VAE) held up nowhere held out: round 2's path caught {r2['runs_caught']}/"
         f"{r2['runs']} of its held-out faulted runs, round 3 chose nothing."
+    )
+
+
+def _caught(row: dict[str, Any], names: list[str]) -> str:
+    """``H4 ... on 6 of 6 seeds, H5 ... on 2 of 6`` for ``names`` (None: ``nothing``)."""
+    seeds = row["seeds_caught"]
+    return ", ".join(f"{SHORT[n]} on {seeds.get(n, 0)} of 6" for n in names) or "nothing"
+
+
+def _why_not_admitted(admission: dict[str, Any]) -> str:
+    """Why a scenario was not admitted, from its seeds' silence checks (no 5 % point; the loss-only rule first)."""
+    seeds = admission["seeds"]
+    none = sum(c["five_percent_point"] is None for c in seeds)
+    loud = sum(c["five_percent_point"] is not None and not c["quiet"] for c in seeds)
+    parts = [
+        f"no 5 % point on {none} of 6 seeds" if none else "",
+        f"the loss-only rule first on {loud}" if loud else "",
+    ]
+    return ", ".join(part for part in parts if part) or "too little room"
+
+
+def round5_status(design: dict[str, Any], held_out: dict[str, Any], r4_held_out: dict[str, Any],
+                  r2_held_out: dict[str, Any]) -> str:  # fmt: skip
+    """The README's lead after round 5: its choice on all of round 4's runs, what it caught on held-out kinds of
+    failure (admission first, the loss-only rule beside it), round 4's choice there, the registered verdict and what
+    the default does, which signal fired, and the earlier rounds in a clause."""
+    chosen, caught, targets = design["chosen"], held_out["design_choice"], held_out["targets"]
+    admitted = held_out["admitted"]
+    left = [n for n in held_out["admission"] if n not in admitted]
+    won = [n for n in admitted if caught["seeds_caught"].get(n, 0) >= 5]
+    lost = [n for n in admitted if n not in won]
+    first = {signal for counts in held_out.get("first_signals", {}).values() for signal, n in counts.items() if n}
+    loss, r4, r4_choice = held_out["loss_rule"], held_out["round4_choice"], r4_held_out["design_choice"]
+    r2 = r2_held_out["default"]
+    verdict = (f"is missed ({', '.join(_short(n) for n in lost)} not caught on 5 of 6 seeds)" if lost
+               else "is met" if admitted else "cannot be met (no held-out class admitted)")  # fmt: skip
+    others = all(targets[k] for k in ("healthy_held_out_met", "healthy_both_met", "loss_met"))
+    topological = (
+        "the topological mode counter among them" if "modes" in first else "never the topological mode counter"
+    )
+    not_admitted = "; ".join(f"{SHORT[n]} was not admitted ({_why_not_admitted(held_out['admission'][n])})"
+                             for n in left)  # fmt: skip
+    lead = "a held-out class caught" if won else "no new held-out class caught"
+    anchor = held_out["at_zero"].get("loss") or {"seeds_caught": {}}
+    by_loss = [n for n in won if anchor["seeds_caught"].get(n, 0) >= 5]
+    loss_too = (f" The loss scored against its own warm-up (at its setting with no alarm on this split, so chosen on "
+                f"it: descriptive) also catches {', '.join(_short(n) for n in by_loss)}: the loss moves there, the "
+                "loss-only rule does not flag it." if by_loss else "")  # fmt: skip
+    return (
+        f"**Silent collapse, what the loss does not show: {lead} in round 5; the default still ships without a "
+        "silent path.** Rounds 4 and 5 (pre-registered) watch embedding models whose harm is the pair accuracy, at "
+        "the operating threshold, of the very embedding the monitor watches. Round 5 chose on all of round 4's runs "
+        f"(4 fault classes, {chosen['healthy_runs']} healthy runs) the absolute-scale geometry family "
+        f"(`{chosen['combination']}`, score {chosen['score']}, k {chosen['k']:g}, p {chosen['p']}: "
+        f"{chosen['runs_caught']}/{chosen['runs']} design faulted runs caught before their harm, none of the healthy "
+        "runs alarmed). Its held-out split, recorded after that choice, holds kinds of failure the design split "
+        f"lacks{': ' + not_admitted if not_admitted else ''}. On the admitted held-out classes it caught "
+        f"{_caught(caught, admitted)} seeds before the harm ({caught['runs_caught_silently']} of its "
+        f"{caught['runs_caught']} catches before any loss-only warning), alarming on {caught['healthy_alarmed']} of "
+        f"{caught['healthy_runs']} healthy runs; the loss-only rule caught {loss['runs_caught']}/{loss['runs']}. "
+        f"Round 4's choice there: {_caught(r4, admitted)}, {r4['healthy_alarmed']} of {r4['healthy_runs']} healthy "
+        f"runs alarmed.{loss_too} The registered target of every admitted held-out class {verdict}; the others "
+        f"({targets['healthy_held_out']}/{caught['healthy_runs']} and {targets['healthy_both']}/"
+        f"{targets['healthy_both_runs']} healthy alarms, the loss alone catching <= 1 class) are "
+        f"{'met' if others else 'not all met'}. By the ship rule `silent_path` stays off by default; the library "
+        'offers the family as an opt-in (`silent_family="geometry"`, reproducing the replay check by check). '
+        "What fired "
+        f"first: {', '.join(f'`{s}`' for s in sorted(first)) or 'nothing'}, {topological}. "
+        f"Round 4's held-out split: its choice caught {_caught(r4_choice, r4_held_out['admitted'])}. Earlier rounds "
+        f"(classifiers, generators, a VAE) held up nowhere held out: round 2's path caught "
+        f"{r2['runs_caught']}/{r2['runs']} of its held-out faulted runs, round 3 chose nothing."
     )

@@ -258,3 +258,59 @@ def test_round_four_status_says_what_the_choice_caught_held_out_and_why_the_defa
     assert "round 2's path caught 0/12" in lead
     choice["seeds_caught"]["simsiam_predictor_fade"] = 5
     assert "of every admitted held-out class is met" in pages.round4_status(design, held_out, r2_held_out)
+
+
+def silence_seeds(points, loud=0):
+    """Six seeds' silence checks: ``points`` 5 % points (None: never), the first ``loud`` warned first."""
+    return [{"five_percent_point": point, "quiet": i >= loud, "passed": point is not None and i >= loud}
+            for i, point in enumerate(points)]  # fmt: skip
+
+
+def test_round_five_status_names_what_was_admitted_caught_and_why_the_default_stays_off():
+    pages = benchmark_pages()
+    design = {"chosen": {**r2_row({"simclr_negatives_fade": 2, "vicreg_variance_fade": 6}, healthy_runs=36),
+                         "combination": "geometry", "score": "frozen_r", "k": 4.5, "p": 3}}  # fmt: skip
+    choice = r2_row({"simclr_views_identical": 5, "supcon_labels_shuffled": 1},
+                    {"simclr_views_identical": 5, "supcon_labels_shuffled": 1}, healthy_runs=24)  # fmt: skip
+    choice["runs_caught_silently"] = 6
+    round4 = r2_row({"simclr_views_identical": 3, "supcon_labels_shuffled": 0}, healthy_alarmed=2, healthy_runs=24)
+    targets = {"catches_admitted": False, "healthy_held_out": 0, "healthy_held_out_met": True, "healthy_both": 0,
+               "healthy_both_runs": 60, "healthy_both_met": True, "loss_caught": [], "loss_met": True}  # fmt: skip
+    admission = {
+        "barlow_redundancy_fade": {"silence_passed": False, "seeds": silence_seeds([None] * 6)},
+        "simclr_views_identical": {"silence_passed": True, "seeds": silence_seeds([600] * 6)},
+        "supcon_labels_shuffled": {"silence_passed": True, "seeds": silence_seeds([700] * 6, loud=1)},
+    }
+    held_out = {"admitted": ["simclr_views_identical", "supcon_labels_shuffled"], "admission": admission,
+                "design_choice": choice, "round4_choice": round4, "targets": targets,
+                "loss_rule": r2_row({"simclr_views_identical": 0, "supcon_labels_shuffled": 1}),
+                "first_signals": {"simclr_views_identical": {"spread": 0, "mean_cosine": 5, "modes": 0}},
+                "at_zero": {"loss": r2_row({"simclr_views_identical": 6, "supcon_labels_shuffled": 0})}}  # fmt: skip
+    r4_held_out = {"admitted": ["vicreg_variance_fade", "simsiam_predictor_fade"],
+                   "design_choice": r2_row({"vicreg_variance_fade": 6, "simsiam_predictor_fade": 1})}  # fmt: skip
+    r2_held_out = {"default": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0})}
+    lead = pages.round5_status(design, held_out, r4_held_out, r2_held_out)
+    assert lead.startswith("**Silent collapse, what the loss does not show: a held-out class caught in round 5;")
+    assert "(4 fault classes, 36 healthy runs)" in lead
+    assert "(`geometry`, score frozen_r, k 4.5, p 3: 8/12 design faulted runs caught" in lead
+    assert "H3 Barlow Twins redundancy fade was not admitted (no 5 % point on 6 of 6 seeds)" in lead
+    assert "it caught H4 SimCLR views identical on 5 of 6, H5 SupCon labels shuffled on 1 of 6 seeds" in lead
+    assert "(6 of its 6 catches before any loss-only warning), alarming on 0 of 24 healthy runs" in lead
+    assert "the loss-only rule caught 1/12" in lead
+    assert (
+        "Round 4's choice there: H4 SimCLR views identical on 3 of 6, H5 SupCon labels shuffled on 0 of 6, 2 of 24"
+        in lead
+    )
+    assert "also catches H4: the loss moves there, the loss-only rule does not flag it" in lead
+    assert 'opt-in (`silent_family="geometry"`' in lead
+    assert "every admitted held-out class is missed (H5 not caught on 5 of 6 seeds)" in lead
+    assert "(0/24 and 0/60 healthy alarms, the loss alone catching <= 1 class) are met" in lead
+    assert "What fired first: `mean_cosine`, never the topological mode counter" in lead
+    assert "its choice caught H1 VICReg variance fade on 6 of 6, H2 SimSiam predictor fade on 1 of 6" in lead
+    assert "round 2's path caught 0/12" in lead
+    choice["seeds_caught"]["supcon_labels_shuffled"] = 6
+    assert "of every admitted held-out class is met" in pages.round5_status(design, held_out, r4_held_out, r2_held_out)
+    admission["supcon_labels_shuffled"]["seeds"] = silence_seeds([700, None, 700, 700, 700, 700], loud=2)
+    held_out["admitted"] = ["simclr_views_identical"]
+    lead = pages.round5_status(design, held_out, r4_held_out, r2_held_out)
+    assert "was not admitted (no 5 % point on 1 of 6 seeds, the loss-only rule first on 1)" in lead

@@ -130,3 +130,37 @@ def test_round_fours_choice_is_judged_on_the_held_out_split_and_rendered(round5,
     assert "Round 4's choice" in text
     assert "barlow_redundancy_fade 6/6" in text
     assert "healthy runs alarmed 0/6" in text  # the six twins
+
+
+def test_the_stored_results_apply_the_registered_rules(round5):
+    """The stored choice is the best at zero design alarms of the stored rows (ROUND5.md's rule, on 36 healthy runs),
+    the held-out split judged that choice and round 4's, and its targets follow from the stored rows."""
+    design = json.loads((round5.r1.RESULTS / "silent_r5_design.json").read_text())
+    held_out = json.loads((round5.r1.RESULTS / "silent_r5_held_out.json").read_text())
+    best = round5.r4.r2.best_at_zero(design["results"])
+    assert design["chosen"] == best
+    assert (best["healthy_alarmed"], best["healthy_runs"]) == (0, 36)
+    keys = ("combination", "score", "k", "p")
+    assert {key: held_out["design_choice"][key] for key in keys} == {key: best[key] for key in keys}
+    r4_design = json.loads((round5.r1.RESULTS / "silent_r4_design.json").read_text())
+    assert {key: held_out["round4_choice"][key] for key in keys} == {key: r4_design["chosen"][key] for key in keys}
+    assert held_out["targets"] == round5.r4.targets(held_out, design)
+    assert held_out["design_choice"]["healthy_runs"] == 24  # 18 twins and 6 trap runs (H5 added: ROUND5.md)
+    assert held_out["admitted"] == [n for n, found in held_out["admission"].items() if found["silence_passed"]]
+    for found in held_out["admission"].values():
+        assert found["silence_passed"] == (sum(c["passed"] for c in found["seeds"]) >= 5)
+
+
+def test_the_library_reproduced_the_replay_on_every_round_five_scenario(round5):
+    """Ship rule (c): the stored comparison of the library's geometry family with the benchmark's replay covers seed 0
+    of every round-5 scenario, both branches where a recording has them, and every one agrees."""
+    payload = json.loads((round5.r1.RESULTS / "silent_r5_library_replay.json").read_text())
+    assert payload["seeds"] == [0]
+    names = [*round5.LAYOUT.names_of("design"), *round5.LAYOUT.names_of("held_out")]
+    assert sorted({row["scenario"] for row in payload["rows"]}) == sorted(names)
+    faulted = [n for n in names if not n.startswith("trap_")]
+    for name in faulted:
+        assert {r["branch"] for r in payload["rows"] if r["scenario"] == name} == {"collapse", "healthy"}
+    assert all(row["same_values"] and row["same_holds"] for row in payload["rows"])
+    assert payload["all_agree"]
+    assert any(row["holds"] for row in payload["rows"])  # the comparison includes checks where the family holds
