@@ -328,7 +328,7 @@ class CheckPipeline(StreamingWindow, Stateful):
         #: Streaming: how many times ε was recalibrated because a healthy window left DEGREE_BAND.
         self.rescales_ = 0
         self._recent = RecentBatches()  # streaming: the projected batches since the last check
-        #: The silent path (probe mode, when on): drifts from the warm-up's last check and absolute sentinels.
+        #: The silent path (probe mode, when on): its family's watch (`silent.watch_for`).
         self.silent = watch_for(settings.silent) if settings.silent.enabled and not self.streaming else None
 
     # --- evaluation ---------------------------------------------------------------------------------------

@@ -338,12 +338,11 @@ class GeometryWatch(_SilentPath):
 
     At each check the five `GEOMETRY` signals of the raw features: ``spread`` (the RMS radius over the warm-up
     checks' mean, the mean so far during the warm-up), `norm_std`, ``anisotropy`` (`top_eigenvalue_share`),
-    `mean_cosine` and `modes` (of the
-    centred features over the warm-up's radius, at the ε of a mean degree of `MODES_DEGREE` calibrated at the last
-    warm-up check; None before it). After the warm-up each is scored in the direction a collapse moves it against
-    the warm-up checks, frozen there: ``(value - median) / max(1.4826 MAD, 1 % of the largest, 1e-12)``; for
-    ``modes``, the modes lost since the last warm-up check. A signal holds when its score is ``>= threshold`` at
-    ``patience`` consecutive checks.
+    `mean_cosine` and `modes` (of the centred features over the warm-up's radius, at the ε of a mean degree of
+    `MODES_DEGREE` calibrated at the last warm-up check; NaN before it). After the warm-up each is scored in the
+    direction a collapse moves it against the warm-up checks, frozen there: ``(value - median) / max(1.4826 MAD, 1 %
+    of the largest, 1e-12)``; for ``modes``, the modes lost since the last warm-up check. A signal holds when its
+    score is ``>= threshold`` at ``patience`` consecutive checks.
 
     Args:
         settings: the silent path's settings (``family="geometry"``).
