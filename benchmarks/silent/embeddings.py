@@ -352,22 +352,13 @@ def barlow_twins(z1: torch.Tensor, z2: torch.Tensor, redundancy: float = 5e-3) -
     return (1 - diagonal).pow(2).sum() + redundancy * (c.pow(2).sum() - diagonal.pow(2).sum())
 
 
-class BarlowRedundancyFade(ImageEmbedding, Trainee):
-    """H3: Barlow Twins (redundancy weight 5e-3) on the SimCLR scenario's embedding model (two views of 128 images,
-    Adam at 1e-3); from the fault step the redundancy weight falls linearly to 0 over ``fade`` steps (a
-    configuration bug: only the invariance term is left, and nothing keeps the dimensions apart)."""
+class BarlowRedundancyFade(VICRegVarianceFade):
+    """H3: Barlow Twins (redundancy weight 5e-3) on H1's model and training (the SimCLR scenario's embedding model,
+    two views of 128 images, Adam at 1e-3); from the fault step the redundancy weight falls linearly to 0 over
+    ``fade`` steps (a configuration bug: only the invariance term is left, and nothing keeps the dimensions apart)."""
 
-    batch_size = 128
     fade = 600  # SCENARIOS.md: no 5 % point at 600-200, so frozen by the rule at the longest tried
     redundancy = 5e-3
-
-    def __init__(self, seed: int) -> None:
-        torch.manual_seed(seed)
-        model = _projector_net()
-        super().__init__(seed, model, torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.0),
-                         self._schedule_of)  # fmt: skip
-        self.train_x, self.train_y = images("train")
-        self._pairs()
 
     def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
         gone = faded(step, fault, self.fade) if kind == "collapse" else 0.0
