@@ -37,12 +37,12 @@ from .check import Diagrams, diagram_drift, diagrams_from_lists, diagrams_to_lis
 from .functional import calibrate_epsilon, effective_rank
 from .functional._distances import pairwise_distances
 from .policy import Decision
-from .policy.scores import Reference, at_threshold, score_value
+from .policy.scores import Reference, at_threshold, rule_holds, score_value
 from .settings import Action, IndexSettings, PolicySettings, SilentSettings
 
 __all__ = [
     "CONE", "DRIFTS", "GEOMETRY", "MIN_MODE_SHARE", "MODES_DEGREE", "RANK_SQUEEZE", "SHRINK", "GeometryWatch",
-    "SilentWatch", "TrailingRule", "linear_cka", "mean_cosine", "modes", "norm_std", "rms_radius",
+    "SilentWatch", "TrailingRule", "frozen_scores", "linear_cka", "mean_cosine", "modes", "norm_std", "rms_radius",
     "top_eigenvalue_share", "watch_for",
 ]  # fmt: skip
 
@@ -112,6 +112,29 @@ def modes(cloud: NDArray[np.float64], epsilon: float, min_share: float = MIN_MOD
     _, labels = connected_components(adjacency, directed=False)
     sizes = np.bincount(labels)
     return int((sizes >= max(1, math.ceil(min_share * cloud.shape[0]))).sum())
+
+
+def frozen_scores(values: NDArray[np.float64], direction: int, warmup: int) -> NDArray[np.float64]:
+    """The robust z-score of each value against the first ``warmup`` values, frozen there.
+
+    In ``direction`` (+1: a rise counts, -1: a fall): ``(value - median) / max(1.4826 MAD, 1 % of the largest,
+    1e-12)``; NaN during the warm-up and where the warm-up has no finite value.
+
+    Examples:
+        >>> frozen_scores(np.array([1.0, 1.1, 0.9, 1.0, 0.5]), direction=-1, warmup=4).round(2).tolist()
+        [nan, nan, nan, nan, 6.74]
+    """
+    oriented = direction * np.asarray(values, dtype=np.float64)
+    warm = oriented[:warmup][np.isfinite(oriented[:warmup])]
+    scores = np.full(oriented.size, math.nan)
+    if warm.size == 0:
+        return scores
+    centre = float(np.median(warm))
+    spread = 1.4826 * float(np.median(np.abs(warm - centre)))
+    floor = 0.01 * float(np.max(np.abs(warm)))
+    scale = max(spread, floor, 1e-12)
+    scores[warmup:] = (oriented[warmup:] - centre) / scale
+    return scores
 
 
 def linear_cka(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
@@ -417,27 +440,20 @@ class GeometryWatch(_SilentPath):
     def scores(self, name: str) -> NDArray[np.float64]:
         """One signal's score at every check (NaN during the warm-up and where it has no value)."""
         warmup, values = self.settings.warmup, np.asarray(self.series_[name], dtype=np.float64)
-        scores = np.full(values.size, math.nan)
-        if values.size <= warmup:
-            return scores
-        if name == "modes":  # modes lost since the reference check
+        if name != "modes":
+            return frozen_scores(values, GEOMETRY[name], warmup)
+        scores = np.full(values.size, math.nan)  # modes lost since the reference check
+        if values.size > warmup:
             scores[warmup:] = values[warmup - 1] - values[warmup:]
-            return scores
-        oriented = GEOMETRY[name] * values
-        warm = oriented[:warmup][np.isfinite(oriented[:warmup])]
-        if warm.size:
-            centre = float(np.median(warm))
-            spread = max(1.4826 * float(np.median(np.abs(warm - centre))), 0.01 * float(np.max(np.abs(warm))), 1e-12)
-            scores[warmup:] = (oriented[warmup:] - centre) / spread
         return scores
 
     def _holding(self) -> list[tuple[str, str]]:
         threshold, patience, _ = self.settings.rule
         found = []
         for name in GEOMETRY:
-            recent = self.scores(name)[-patience:]
-            if recent.size == patience and bool((recent >= threshold).all()):  # NaN never counts
-                value, score = self.series_[name][-1], float(recent[-1])
+            scores = self.scores(name)
+            if rule_holds(np.nan_to_num(scores, nan=-math.inf).tolist(), threshold, patience, self.settings.warmup)[-1]:
+                value, score = self.series_[name][-1], float(scores[-1])
                 moved = (f"{score:.0f} modes lost since the reference check" if name == "modes" else
                          f"{value:.3g}, robust z {score:.1f} against the warm-up")  # fmt: skip
                 found.append((name, f"{name} {moved} (>= {threshold:g} for {patience} checks)"))

@@ -34,14 +34,24 @@ from topocallbacks.settings import MonitorSettings  # noqa: E402
 ON = MonitorSettings().merged({"silent_path": True, "silent_family": "geometry"})
 
 
-def compare(features: np.ndarray) -> dict[str, Any]:
-    """The benchmark's replay and the library on one branch's features: checks, holds, and whether both agree."""
+#: Round 5's choice (ROUND5.md, stage 2): the geometry family's score, threshold and patience.
+CHOICE = ("frozen_r", 4.5, 3)
+
+
+def replay(features: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The benchmark's replay of round 5's choice on one run's features: where it holds, and the signals' values."""
     values, _ = silent_signals.feature_signals(features)
     run = r1.Run("x", 0, "healthy", np.arange(len(features)) * 10, values)
-    expected = np.zeros(len(features), dtype=bool)
+    hit = np.zeros(len(features), dtype=bool)
     for signal in r1.FAMILIES["geometry"]:
-        expected |= round2.alarms(run, signal, "frozen_r", 4.5, 3)
-    expected[: silent_signals.WARMUP] = False
+        hit |= round2.alarms(run, signal, *CHOICE)
+    hit[: silent_signals.WARMUP] = False
+    return hit, values
+
+
+def compare(features: np.ndarray) -> dict[str, Any]:
+    """The benchmark's replay and the library on one branch's features: checks, holds, and whether both agree."""
+    expected, values = replay(features)
     pipeline = CheckPipeline(ON)
     holding = []
     for i, frame in enumerate(features):

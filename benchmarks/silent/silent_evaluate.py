@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 from silence import RECORDINGS, harm_point, loss_rule_fires  # noqa: E402
 from silent_signals import DIRECTIONS, FAMILIES, WARMUP, feature_signals, lidar, training_signals  # noqa: E402
 
+from topocallbacks import silent  # noqa: E402
 from topocallbacks.policy import rule_holds, rule_scores  # noqa: E402
 from topocallbacks.settings import PolicySettings  # noqa: E402
 
@@ -72,18 +73,9 @@ class Run:
 
 
 def frozen_scores(values: np.ndarray, direction: int, warmup: int = WARMUP) -> np.ndarray:
-    """Score (ii): the robust z-score against the warm-up checks, frozen (NaN during the warm-up)."""
-    oriented = direction * np.asarray(values, dtype=np.float64)
-    warm = oriented[:warmup][np.isfinite(oriented[:warmup])]
-    scores = np.full(oriented.size, math.nan)
-    if warm.size == 0:
-        return scores
-    centre = float(np.median(warm))
-    spread = 1.4826 * float(np.median(np.abs(warm - centre)))
-    floor = 0.01 * float(np.max(np.abs(warm)))
-    scale = max(spread, floor, 1e-12)
-    scores[warmup:] = (oriented[warmup:] - centre) / scale
-    return scores
+    """Score (ii): the robust z-score against the warm-up checks, frozen (NaN during the warm-up); the library's
+    (`topocallbacks.silent.frozen_scores`, the geometry family's score)."""
+    return silent.frozen_scores(values, direction, warmup)
 
 
 #: The anchors (PREREGISTERED.md: reported beside the candidates, never selected). ``loss_two_sided`` is the

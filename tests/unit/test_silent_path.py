@@ -16,6 +16,7 @@ signals = benchmark_module("silent_signals", "silent")
 round2 = benchmark_module("round2", "silent")
 cases = benchmark_module("cases", "silent")
 record = benchmark_module("record", "collapse")
+library_replay = benchmark_module("library_replay", "silent")
 
 
 def frames(n_checks=40, onset=25, n=96, dim=12, seed=0, kind="rotate"):
@@ -195,25 +196,14 @@ def clustered_frames(kind, n_checks=36, onset=20, seed=0):
     return np.stack(out)
 
 
-def geometry_replay(features, signals, round2):
-    """The benchmark's replay of round 5's choice (geometry, frozen_r, k 4.5, p 3): its values and where it holds."""
-    values, _ = signals.feature_signals(features)
-    run = round2.r1.Run("x", 0, "healthy", np.arange(len(features)) * 10, values)
-    hit = np.zeros(len(features), dtype=bool)
-    for signal in round2.r1.FAMILIES["geometry"]:
-        hit |= round2.alarms(run, signal, "frozen_r", 4.5, 3)
-    hit[: signals.WARMUP] = False
-    return hit, values
-
-
 GEOMETRY_ON = MonitorSettings().merged({"silent_path": True, "silent_family": "geometry"})
 
 
 @pytest.mark.parametrize("kind", ["none", "cone", "shrink", "merge"])
-def test_the_geometry_family_holds_where_the_benchmark_replay_of_round_fives_choice_does(kind, signals, round2):
+def test_the_geometry_family_holds_where_the_benchmark_replay_of_round_fives_choice_does(kind, library_replay):
     features = clustered_frames(kind)
     holding, decisions, watch = library(features, GEOMETRY_ON)
-    expected, values = geometry_replay(features, signals, round2)
+    expected, values = library_replay.replay(features)
     assert isinstance(watch, GeometryWatch)
     for name in watch.series_:  # the same values, check by check
         assert np.allclose(watch.series_[name], values[name], rtol=1e-12, atol=0, equal_nan=True), name
@@ -245,9 +235,7 @@ def test_the_geometry_watch_resumes_from_its_saved_state_exactly():
     assert diverged.checks_ == 1
 
 
-def test_the_geometry_family_reproduces_the_replay_on_a_recorded_embedding_run(
-    signals, round2, cases, record, tmp_path
-):
+def test_the_geometry_family_reproduces_the_replay_on_a_recorded_run(library_replay, cases, record, tmp_path):
     """A real recording (round 4's VICReg scenario, shortened; both branches): the library's watch and the benchmark's
     replay give the same values and hold at the same checks."""
     import dataclasses
@@ -258,7 +246,7 @@ def test_the_geometry_family_reproduces_the_replay_on_a_recorded_embedding_run(
         features = data[f"{kind}/features"]
         assert features.shape == (21, 512, 128)
         holding, _, watch = library(features, GEOMETRY_ON)
-        expected, values = geometry_replay(features, signals, round2)
+        expected, values = library_replay.replay(features)
         for name in watch.series_:
             assert np.allclose(watch.series_[name], values[name], rtol=1e-12, atol=0, equal_nan=True), (kind, name)
         assert holding.tolist() == expected.tolist(), kind

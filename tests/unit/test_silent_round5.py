@@ -11,6 +11,7 @@ from tests.benchmarks import benchmark_module
 
 cases = benchmark_module("cases", "silent")
 round5 = benchmark_module("round5", "silent")
+library_replay = benchmark_module("library_replay", "silent")
 
 
 def test_the_design_split_is_round_four_and_the_held_out_split_is_new(cases, round5):
@@ -132,7 +133,7 @@ def test_round_fours_choice_is_judged_on_the_held_out_split_and_rendered(round5,
     assert "healthy runs alarmed 0/6" in text  # the six twins
 
 
-def test_the_stored_results_apply_the_registered_rules(round5):
+def test_the_stored_results_apply_the_registered_rules(round5, library_replay):
     """The stored choice is the best at zero design alarms of the stored rows (ROUND5.md's rule, on 36 healthy runs),
     the held-out split judged that choice and round 4's, and its targets follow from the stored rows."""
     design = json.loads((round5.r1.RESULTS / "silent_r5_design.json").read_text())
@@ -140,6 +141,11 @@ def test_the_stored_results_apply_the_registered_rules(round5):
     best = round5.r4.r2.best_at_zero(design["results"])
     assert design["chosen"] == best
     assert (best["healthy_alarmed"], best["healthy_runs"]) == (0, 36)
+    from topocallbacks.settings import SILENT_FAMILIES
+
+    # The library's geometry family and the replay that checks it hold the stored choice.
+    assert SILENT_FAMILIES["geometry"][:2] == (best["k"], best["p"])
+    assert (best["score"], best["k"], best["p"]) == library_replay.CHOICE
     keys = ("combination", "score", "k", "p")
     assert {key: held_out["design_choice"][key] for key in keys} == {key: best[key] for key in keys}
     r4_design = json.loads((round5.r1.RESULTS / "silent_r4_design.json").read_text())
