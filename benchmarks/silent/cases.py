@@ -847,8 +847,10 @@ SCENARIOS: dict[str, Scenario] = {
 }  # fmt: skip
 
 # Round 4 (ROUND4.md): the embedding is the product.
-from embeddings import ROUND4, ROUND5  # noqa: E402
+from embeddings import ROUND4, ROUND5, ROUND6  # noqa: E402
 
 SCENARIOS.update(ROUND4)
 # Round 5 (ROUND5.md): its held-out split.
 SCENARIOS.update(ROUND5)
+# Round 6 (ROUND6.md): its held-out split.
+SCENARIOS.update(ROUND6)

@@ -420,6 +420,94 @@ class BarlowRedundancyRise(BarlowRedundancyFade):
         return {"lr": 1e-3, "redundancy": self.redundancy * (1.0 + 3.0 * faded(step, 300, 300))}
 
 
+# --- round 6 (ROUND6.md), held out: a leaked input shortcut and a narrow fine-tune ---------------------------------
+
+
+def watermarked(x: torch.Tensor, labels: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``x`` with a label watermark on the ``chosen`` images: a 3x2 patch at the brightest pixel value of the
+    standardised images, in the top rows, at column 4 + 2 x label (columns 4-23).
+
+    Examples:
+        >>> x = torch.zeros(2, 1, 28, 28)
+        >>> out = watermarked(x, torch.tensor([0, 9]), torch.tensor([True, False]))
+        >>> int((out[0] > 0).sum()), int((out[1] > 0).sum()), bool(out[0, 0, :3, 4:6].eq(out.max()).all())
+        (6, 0, True)
+    """
+    brightest = (1.0 - 0.2860) / 0.3530
+    rows = torch.arange(28)[:, None] < 3
+    columns = torch.arange(28)[None, None, :]
+    start = 4 + 2 * labels[:, None, None]
+    patch = rows[None] & (columns >= start) & (columns < start + 2) & chosen[:, None, None]
+    return x.masked_fill(patch[:, None], brightest)
+
+
+class SupConWatermark(SupConLabelsShuffled):
+    """H6: H5's supervised contrastive embedding, its labels right; from the fault step a share of each batch's
+    images, growing linearly from 0 to 1 over ``fade`` steps, carries a label watermark stamped after augmentation
+    (`watermarked`: a data-pipeline bug; the held-out images and the probe lack it). Grouping by the watermark is
+    easy, so the loss falls while nothing keeps the clean images' features."""
+
+    fade = 600
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        stamped = faded(step, fault, self.fade) if kind == "collapse" else 0.0
+        return {"lr": 0.05, "negatives": 1.0, "temperature": 0.5, "supervised": True, "stamped": stamped}
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        views, labels = _two_views(self, step, self.batch_size)
+        if settings["stamped"] > 0:  # its own draw, so the batch and the augmentation stay the twin's
+            chosen = torch.from_numpy(np.random.default_rng((self.seed, step, 3)).random(labels.shape[0]))
+            chosen = (chosen < settings["stamped"]).repeat(2)  # both views of an image are the stamped image's
+            views = watermarked(views, torch.cat([labels, labels]), chosen)
+        z = F.normalize(self.model(views), dim=1)
+        return nt_xent(z, settings["temperature"], 1.0, labels)
+
+
+#: H7's narrow task: footwear (sandal 5, sneaker 7, ankle boot 9) against the rest.
+FOOTWEAR = (5, 7, 9)
+
+
+class SimCLRFinetune(SimCLRNegativesFade):
+    """H7 and T8: D1's SimCLR embedding with a linear head on the embedding (128 -> 2 for the narrow task, footwear
+    against the rest; 128 -> 10 for the full one), trained by the same optimiser (the head in its own parameter
+    group, its state branched with the model's). From the fault step (H7) or step 300 (T8) the loss moves
+    linearly, over ``fade`` steps (T8: 300), from NT-Xent to the head's cross-entropy: a fine-tune. H7's task needs
+    one distinction, so the features the other classes need erode while its loss falls; T8's needs them all."""
+
+    fade = 600
+
+    def __init__(self, seed: int, task: str) -> None:
+        super().__init__(seed)
+        self.task = task
+        torch.manual_seed(seed + 1_000)  # after the model: the model's initialisation is D1's
+        self.head = nn.Linear(128, 2 if task == "narrow" else 10)
+        self.optimizer.add_param_group({"params": list(self.head.parameters())})
+
+    def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
+        if self.task == "full":
+            return {"lr": 0.05, "negatives": 1.0, "temperature": 0.5, "tuned": faded(step, 300, 300)}
+        tuned = faded(step, fault, self.fade) if kind == "collapse" else 0.0
+        return {"lr": 0.05, "negatives": 1.0, "temperature": 0.5, "tuned": tuned}
+
+    def loss(self, step: int, settings: dict[str, Any]) -> torch.Tensor:
+        views, labels = _two_views(self, step, self.batch_size)
+        raw = self.model(views)
+        contrastive = nt_xent(F.normalize(raw, dim=1), settings["temperature"])
+        if settings["tuned"] <= 0:
+            return contrastive
+        both = torch.cat([labels, labels])
+        target = torch.isin(both, torch.tensor(FOOTWEAR)).long() if self.task == "narrow" else both
+        task = F.cross_entropy(self.head(raw), target)
+        return (1 - settings["tuned"]) * contrastive + settings["tuned"] * task
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "head": {k: v.detach().clone() for k, v in self.head.state_dict().items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        super().restore(state)
+        self.head.load_state_dict(state["head"])
+
+
 ROUND4: dict[str, Scenario] = {
     scenario.name: scenario
     for scenario in [
@@ -463,5 +551,23 @@ ROUND5: dict[str, Scenario] = {
         Scenario("trap_barlow_redundancy_rise", "Barlow Twins MLP (128-d embedding)", "Fashion-MNIST",
                  "none (redundancy weight x4 over steps 300-600)", "none", "pair_accuracy_at_threshold", True,
                  steps=1200, fault_step=1200, check_every=10, build=BarlowRedundancyRise),
+    ]
+}  # fmt: skip
+
+ROUND6: dict[str, Scenario] = {
+    scenario.name: scenario
+    for scenario in [
+        Scenario("supcon_watermark", "SupCon MLP (128-d embedding)", "Fashion-MNIST",
+                 "a share of each batch growing 0 -> 1 over 600 steps carries a label watermark", "gradual",
+                 "pair_accuracy_at_threshold", True, steps=1200, fault_step=300, check_every=10,
+                 build=SupConWatermark),
+        Scenario("simclr_narrow_finetune", "SimCLR MLP (128-d embedding) and a linear head", "Fashion-MNIST",
+                 "the loss moves from NT-Xent to a two-way task's cross-entropy over 600 steps", "gradual",
+                 "pair_accuracy_at_threshold", True, steps=1200, fault_step=300, check_every=10,
+                 build=lambda seed: SimCLRFinetune(seed, "narrow")),
+        Scenario("trap_simclr_full_finetune", "SimCLR MLP (128-d embedding) and a linear head", "Fashion-MNIST",
+                 "none (the loss moves from NT-Xent to the ten-class cross-entropy over steps 300-600)", "none",
+                 "pair_accuracy_at_threshold", True, steps=1200, fault_step=1200, check_every=10,
+                 build=lambda seed: SimCLRFinetune(seed, "full")),
     ]
 }  # fmt: skip

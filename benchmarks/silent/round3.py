@@ -176,14 +176,28 @@ def candidates(place: str) -> dict[str, tuple[str, ...]]:
     return found
 
 
-def place_report(runs: list[r1.Run], admitted_here: tuple[str, ...], choosing: bool, place: str) -> dict[str, Any]:
+def with_family(name: str, signals: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """A later round's new family as a candidate: alone, with the sentinels, and with each of round 2's
+    combinations (ROUND6.md)."""
+    return {name: signals, f"{name}+sentinels": signals + r1.SENTINELS,
+            **{f"{name}+{other}": signals + more for other, more in r1.combinations().items()}}  # fmt: skip
+
+
+def place_report(runs: list[r1.Run], admitted_here: tuple[str, ...], choosing: bool, place: str,
+                 extra: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:  # fmt: skip
     """One place's results: every candidate, the best at zero healthy alarms, each family and anchor there, the
-    loss-only rule and the default (and its silent path alone)."""
-    results = [{"place": place, **row} for row in r2.evaluate(runs, admitted_here, candidates(place), alarms)]
+    loss-only rule and the default (and its silent path alone). ``extra``: a later round's new families (each
+    with `with_family`'s combinations; its pool, as round 2's families': alone and with the sentinels)."""
+    found = candidates(place)
+    for name, signals in (extra or {}).items():
+        found.update(with_family(name, signals))
+    results = [{"place": place, **row} for row in r2.evaluate(runs, admitted_here, found, alarms)]
     pools = {family: [r for r in results if r["combination"] in (family, f"{family}+sentinels")]
              for family in ("geometry", "spectrum", "drift")}  # fmt: skip
     if place == "outputs":
         pools["outputs"] = [r for r in results if r["combination"].startswith("outputs")]
+    for name in extra or {}:
+        pools[name] = [r for r in results if r["combination"] in (name, f"{name}+sentinels")]
     for name in (*r1.ANCHORS, "sentinels"):
         signals = r1.SENTINELS if name == "sentinels" else (name,)
         pools[name] = [{"place": place, **row} for row in r2.evaluate(runs, admitted_here, {name: signals}, alarms)]

@@ -28,6 +28,7 @@ sys.path.insert(0, str(HERE))
 import round2 as r2  # noqa: E402
 import round3 as r3  # noqa: E402
 import silent_evaluate as r1  # noqa: E402
+from silent_signals import NEIGHBOURS, neighbour_signals  # noqa: E402
 
 CLASSES = {"D1": ("simclr_negatives_fade",), "D2": ("simsiam_stopgrad_fade",), "H1": ("vicreg_variance_fade",),
            "H2": ("simsiam_predictor_fade",)}  # fmt: skip
@@ -48,6 +49,8 @@ class Layout:
     classes: dict[str, tuple[str, ...]]
     traps: dict[str, str]
     splits: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+    #: New candidate families of the round beside round 2's (round 6: ``{"neighbours": NEIGHBOURS}``).
+    extra: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def stem(self) -> str:
@@ -99,6 +102,8 @@ def load_runs(directory: Path, split: str, layout: Layout = LAYOUT) -> list[r1.R
     def values_of(data: Any, kind: str, steps: np.ndarray) -> dict[str, np.ndarray]:
         values = r3.run_values(data, kind, steps, "features")
         values["opt_in_silent"] = opt_in_replay(data[f"{kind}/features"], steps, values)
+        if "neighbours" in layout.extra:
+            values.update(neighbour_signals(data[f"{kind}/features"]))
         return values
 
     runs = []
@@ -120,7 +125,7 @@ def report_runs(directory: Path, split: str, layout: Layout) -> tuple[dict[str, 
     admission = {name: admitted(directory, name) for name in scenarios}
     here = tuple(name for name in scenarios if admission[name]["silence_passed"])
     runs = load_runs(directory, split, layout)
-    found = r3.place_report(runs, here, split == "design", "features")
+    found = r3.place_report(runs, here, split == "design", "features", layout.extra)
     shipped = r2.shipped_cadence_runs(runs, lambda run: recording(directory, run.scenario, run.seed))
     found["shipped"] = {name: r2.replayed(shipped, here, name, r3.alarms) for name in REPLAYED[1:3]}
     found["opt_in_silent"] = r2.replayed(runs, here, "opt_in_silent", alarms)
@@ -159,8 +164,9 @@ def judged(runs: list[r1.Run], scenarios: tuple[str, ...], row: dict[str, Any] |
                                                           row["p"], alarms)}  # fmt: skip
 
 
-#: Every combination's signals, and the anchors' (one each).
-FAMILY_SIGNALS = {**r1.combinations(), **{name: (name,) for name in r1.ANCHORS}}
+#: Every combination's signals (round 6's family's too), and the anchors' (one each).
+FAMILY_SIGNALS = {**r1.combinations(), **r3.with_family("neighbours", NEIGHBOURS),
+                  **{name: (name,) for name in r1.ANCHORS}}  # fmt: skip
 
 
 def first_signals(runs: list[r1.Run], row: dict[str, Any]) -> dict[str, dict[str, int]]:

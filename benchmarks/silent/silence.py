@@ -48,8 +48,10 @@ ROUND_4 = ROUND_4_HELD_OUT | {"simclr_negatives_fade", "simsiam_stopgrad_fade", 
 ROUND_5_HELD_OUT = frozenset(
     {"barlow_redundancy_fade", "simclr_views_identical", "supcon_labels_shuffled", "trap_barlow_redundancy_rise"}
 )
+#: Round 6's held-out scenarios (ROUND6.md; its design split is rounds 4 and 5's): the same rules.
+ROUND_6_HELD_OUT = frozenset({"supcon_watermark", "simclr_narrow_finetune", "trap_simclr_full_finetune"})
 #: The rounds whose scenarios need room (ROUND2.md's rule).
-NEED_ROOM = ROUND_2 | ROUND_3 | ROUND_4 | ROUND_5_HELD_OUT
+NEED_ROOM = ROUND_2 | ROUND_3 | ROUND_4 | ROUND_5_HELD_OUT | ROUND_6_HELD_OUT
 #: Room (ROUND2.md): the 5 % point comes at least this many checks after the fault step.
 ROOM = 3
 
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.force or not path.exists():
                 record(name, seed, args.out, scenario=SCENARIOS[name])
                 if (
-                    name in HELD_OUT | ROUND_2 | ROUND_3 | ROUND_4_HELD_OUT | ROUND_5_HELD_OUT
+                    name in HELD_OUT | ROUND_2 | ROUND_3 | ROUND_4_HELD_OUT | ROUND_5_HELD_OUT | ROUND_6_HELD_OUT
                 ):  # no probe features of a held-out split before its stage 2
                     drop_features(path)
             results.append(check(path))

@@ -58,7 +58,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 DIRECTIONS: dict[str, int] = {
     "spread": -1, "norm_std": -1, "anisotropy": 1, "mean_cosine": 1, "modes": -1, "rankme": -1,
     "diagram_drift_ref": 1, "cka_drift": 1, "rank_squeeze": 1, "cone": 1, "shrink": 1, "lidar": -1,
-    "coverage": -1, "output_entropy": -1,
+    "coverage": -1, "output_entropy": -1, "knn_churn": 1, "knn_drift_ref": 1,
 }  # fmt: skip
 #: Round 3's family (ROUND3.md), computed from a classifier's probe logits where they are recorded: kept apart from
 #: `FAMILIES`, whose candidates rounds 1 and 2 registered.
@@ -66,6 +66,10 @@ OUTPUTS = ("coverage", "output_entropy")
 #: A class is covered when the probe's argmax names it for at least this share of the probe (6 of 512 points).
 MIN_CLASS_SHARE = 0.01
 TOPOLOGICAL = ("modes", "diagram_drift_ref")
+#: Round 6's family (ROUND6.md): how the probe's neighbourhoods change, kept apart from `FAMILIES` as `OUTPUTS` is.
+NEIGHBOURS = ("knn_churn", "knn_drift_ref")
+#: The neighbours each point's neighbourhood holds (cosine of the raw features).
+NEIGHBOURHOOD = 10
 
 
 @functools.cache
@@ -135,6 +139,53 @@ def output_entropy(logits: np.ndarray) -> float:
     counts = np.bincount(np.asarray(logits).argmax(1), minlength=np.shape(logits)[1]).astype(np.float64)
     share = counts[counts > 0] / counts.sum()
     return float(-(share * np.log(share)).sum()) + 0.0
+
+
+def neighbourhoods(frame: np.ndarray, k: int = NEIGHBOURHOOD) -> np.ndarray:
+    """Each point's ``k`` nearest other points by the cosine of the raw features, ``(n, k)`` indices (unordered).
+
+    Examples:
+        >>> frame = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+        >>> sorted(neighbourhoods(frame, 1)[:, 0].tolist())
+        [0, 1, 2, 3]
+        >>> int(neighbourhoods(frame, 1)[0, 0])
+        1
+    """
+    unit = frame / np.maximum(np.linalg.norm(frame, axis=1, keepdims=True), 1e-12)
+    cosine = unit @ unit.T
+    np.fill_diagonal(cosine, -np.inf)
+    return np.argpartition(-cosine, k - 1, axis=1)[:, :k]
+
+
+def kept(now: np.ndarray, before: np.ndarray) -> float:
+    """The mean share of each point's neighbourhood ``now`` that was in its neighbourhood ``before`` (``(n, k)``).
+
+    Examples:
+        >>> kept(np.array([[1, 2], [0, 2]]), np.array([[2, 1], [3, 2]]))
+        0.75
+    """
+    return float((now[:, :, None] == before[:, None, :]).any(2).mean())
+
+
+def neighbour_signals(frames: np.ndarray) -> dict[str, np.ndarray]:
+    """Round 6's family at every check of a run (``frames``: ``(checks, n, dim)``): ``knn_churn`` (1 - the share of
+    the neighbourhoods kept since the check before) and ``knn_drift_ref`` (1 - the share kept since the last warm-up
+    check, per check elapsed), and ``knn_drift_ref/warm_rates``, its healthy rate: the churn of warm-up checks 2-10
+    (the drift family's, `round2.warm_rates`). A check whose features hold NaN or Inf gets NaN (and has no
+    neighbourhoods for the next check's churn)."""
+    churn, drift = [], []
+    previous = reference = None
+    for check, frame in enumerate(np.asarray(frames, dtype=np.float64), start=1):
+        found = neighbourhoods(frame) if np.isfinite(frame).all() else None
+        churn.append(math.nan if found is None or previous is None else 1.0 - kept(found, previous))
+        if check == WARMUP:
+            reference = found
+        elapsed = check - WARMUP
+        drift.append(math.nan if found is None or reference is None or elapsed < 0 else
+                     0.0 if elapsed == 0 else (1.0 - kept(found, reference)) / elapsed)  # fmt: skip
+        previous = found
+    rates = np.asarray(churn[1:WARMUP], dtype=np.float64)
+    return {"knn_churn": np.asarray(churn), "knn_drift_ref": np.asarray(drift), "knn_drift_ref/warm_rates": rates}
 
 
 def output_signals(outputs: np.ndarray) -> dict[str, np.ndarray]:
