@@ -265,6 +265,14 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def earlier_choice(found: dict[str, Any], what: str) -> str:
+    """The paragraph after a later round's held-out page: an earlier round's choice (``what``) judged on it."""
+    low, high = r1.interval(found["runs_caught"], found["runs"]) if found["runs"] else (0.0, 1.0)
+    return (f"\n{what} on this split: " + ", ".join(f"{name} {n}/6" for name, n in found["seeds_caught"].items())
+            + f"; faulted runs caught {found['runs_caught']}/{found['runs']} ({low:.2f}-{high:.2f}); healthy runs "
+            f"alarmed {found['healthy_alarmed']}/{found['healthy_runs']}.\n")  # fmt: skip
+
+
 def target_rows(payload: dict[str, Any]) -> list[tuple[str, str, bool]]:
     """The held-out targets as (what, result, met) rows."""
     t = payload["targets"]

@@ -52,11 +52,9 @@ def markdown(payload: dict[str, Any]) -> str:
     text = r4.markdown(payload)
     found = payload.get("previous_choice")
     if found is not None:
-        low, high = r1.interval(found["runs_caught"], found["runs"]) if found["runs"] else (0.0, 1.0)
-        text += ("\nRound 5's choice (`geometry`, frozen_r, k 4.5, p 3, fixed before these scenarios existed) on this "
-                 "split: " + ", ".join(f"{name} {n}/6" for name, n in found["seeds_caught"].items())
-                 + f"; faulted runs caught {found['runs_caught']}/{found['runs']} ({low:.2f}-{high:.2f}); healthy "
-                 f"runs alarmed {found['healthy_alarmed']}/{found['healthy_runs']}.\n")  # fmt: skip
+        text += r4.earlier_choice(
+            found, "Round 5's choice (`geometry`, frozen_r, k 4.5, p 3, fixed before these scenarios existed)"
+        )
     return text
 
 
