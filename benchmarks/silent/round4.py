@@ -265,12 +265,27 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def earlier_choice(found: dict[str, Any], what: str) -> str:
-    """The paragraph after a later round's held-out page: an earlier round's choice (``what``) judged on it."""
+def report_with_earlier(directory: Path, split: str, layout: Layout, earlier: int, key: str) -> dict[str, Any]:
+    """A later round's report of the split (`report_runs`), and on its held-out split round ``earlier``'s stored
+    choice judged on it, under ``key``."""
+    out, runs = report_runs(directory, split, layout)
+    out["round"] = layout.number
+    if split == "held_out":
+        design = json.loads((r1.RESULTS / f"silent_r{earlier}_design.json").read_text())
+        out[key] = judged(runs, tuple(out["admitted"]), design["chosen"])
+    return out
+
+
+def markdown_with_earlier(payload: dict[str, Any], key: str, what: str) -> str:
+    """`markdown`'s page, and after it the paragraph of the earlier round's choice (``what``) judged on the split."""
+    text = markdown(payload)
+    found = payload.get(key)
+    if found is None:
+        return text
     low, high = r1.interval(found["runs_caught"], found["runs"]) if found["runs"] else (0.0, 1.0)
-    return (f"\n{what} on this split: " + ", ".join(f"{name} {n}/6" for name, n in found["seeds_caught"].items())
-            + f"; faulted runs caught {found['runs_caught']}/{found['runs']} ({low:.2f}-{high:.2f}); healthy runs "
-            f"alarmed {found['healthy_alarmed']}/{found['healthy_runs']}.\n")  # fmt: skip
+    return text + (f"\n{what} on this split: " + ", ".join(f"{name} {n}/6" for name, n in found["seeds_caught"].items())
+                   + f"; faulted runs caught {found['runs_caught']}/{found['runs']} ({low:.2f}-{high:.2f}); healthy "
+                   f"runs alarmed {found['healthy_alarmed']}/{found['healthy_runs']}.\n")  # fmt: skip
 
 
 def target_rows(payload: dict[str, Any]) -> list[tuple[str, str, bool]]:

@@ -12,11 +12,9 @@ round 4's choice judged too. Writes ``benchmarks/results/silent_r5_<split>.{json
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -33,25 +31,13 @@ ROUND5 = HERE / "ROUND5.md"
 STAGE_2 = "## Stage 2: the choice (round 5)"
 
 
-def report(directory: Path, split: str) -> dict[str, Any]:
-    """Round 4's report of the split, and on the held-out split round 4's choice judged on it (ROUND5.md)."""
-    out, runs = r4.report_runs(directory, split, LAYOUT)
-    out["round"] = LAYOUT.number
-    if split == "held_out":
-        r4_design = json.loads((r1.RESULTS / "silent_r4_design.json").read_text())
-        out["round4_choice"] = r4.judged(runs, tuple(out["admitted"]), r4_design["chosen"])
-    return out
-
-
-def markdown(payload: dict[str, Any]) -> str:
-    """Round 4's page, with round 4's choice on this held-out split after the rows."""
-    text = r4.markdown(payload)
-    found = payload.get("round4_choice")
-    if found is not None:
-        text += r4.earlier_choice(
-            found, "Round 4's choice (`geometry`, frozen_r, k 4.5, p 2, fixed before these scenarios existed)"
-        )
-    return text
+#: Round 4's stored choice judged on the held-out split (ROUND5.md), and the paragraph that says so.
+report = functools.partial(r4.report_with_earlier, layout=LAYOUT, earlier=4, key="round4_choice")
+markdown = functools.partial(
+    r4.markdown_with_earlier,
+    key="round4_choice",
+    what="Round 4's choice (`geometry`, frozen_r, k 4.5, p 2, fixed before these scenarios existed)",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

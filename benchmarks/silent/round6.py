@@ -13,11 +13,9 @@ the new family beside round 2's (``Layout.extra``), and on the held-out split ro
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -36,26 +34,13 @@ ROUND6 = HERE / "ROUND6.md"
 STAGE_2 = "## Stage 2: the choice (round 6)"
 
 
-def report(directory: Path, split: str) -> dict[str, Any]:
-    """Round 4's report of the split (the new family beside round 2's), and on the held-out split round 5's choice
-    judged on it (ROUND6.md)."""
-    out, runs = r4.report_runs(directory, split, LAYOUT)
-    out["round"] = LAYOUT.number
-    if split == "held_out":
-        r5_design = json.loads((r1.RESULTS / "silent_r5_design.json").read_text())
-        out["previous_choice"] = r4.judged(runs, tuple(out["admitted"]), r5_design["chosen"])
-    return out
-
-
-def markdown(payload: dict[str, Any]) -> str:
-    """Round 4's page, with round 5's choice on this held-out split after the rows."""
-    text = r4.markdown(payload)
-    found = payload.get("previous_choice")
-    if found is not None:
-        text += r4.earlier_choice(
-            found, "Round 5's choice (`geometry`, frozen_r, k 4.5, p 3, fixed before these scenarios existed)"
-        )
-    return text
+#: Round 5's stored choice judged on the held-out split (ROUND6.md), and the paragraph that says so.
+report = functools.partial(r4.report_with_earlier, layout=LAYOUT, earlier=5, key="previous_choice")
+markdown = functools.partial(
+    r4.markdown_with_earlier,
+    key="previous_choice",
+    what="Round 5's choice (`geometry`, frozen_r, k 4.5, p 3, fixed before these scenarios existed)",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
