@@ -121,12 +121,21 @@ def scenarios_of(split: str) -> tuple[str, ...]:
     return tuple(name for c in SPLITS[split][0] for name in CLASSES[c])
 
 
+def remembered(where: Callable[..., np.ndarray], run: r1.Run, signal: str, score: str, k: float, p: int) -> np.ndarray:
+    """``where(run, signal, score, k, p)``, kept with the run's values (as `loss_warned`'s replay): a signal's alarms
+    at a setting are asked again by every combination that holds it."""
+    key = f"alarms/{where.__module__}.{where.__qualname__}/{signal}/{score}/{k}/{p}"
+    if key not in run.values:
+        run.values[key] = where(run, signal, score, k, p)
+    return run.values[key]
+
+
 def judge(runs: list[r1.Run], scenarios: tuple[str, ...], signals: tuple[str, ...], score: str, k: float,
           p: int, alarm: Callable[..., np.ndarray] | None = None) -> dict[str, Any]:  # fmt: skip
     """One candidate on ``runs``: seeds caught (and caught silently) per scenario, scenarios caught, median lead,
     healthy runs alarmed (``alarm``: where a signal alarms, `alarms` unless given; round 3 passes its own)."""
     where = alarms if alarm is None else alarm
-    found = r1.tally(runs, signals, score, k, p, hits=lambda run, signal: where(run, signal, score, k, p))
+    found = r1.tally(runs, signals, score, k, p, hits=lambda run, signal: remembered(where, run, signal, score, k, p))
     caught = {name: found.caught.get(name, []) for name in scenarios}
     silent: dict[str, int] = dict.fromkeys(scenarios, 0)
     leads = []
