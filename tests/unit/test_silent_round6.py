@@ -2,6 +2,8 @@
 recordings are its design split, a new candidate family (how the probe's neighbourhoods change) joins round 2's, and
 a leaked input shortcut, a narrow fine-tune and a healthy full fine-tune are held out."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -137,3 +139,25 @@ def test_the_fine_tunes_move_the_loss_to_the_heads_cross_entropy_and_branch_the_
     assert full.head.out_features == 10
     for kind in ("healthy", "collapse"):
         assert [full.schedule(s, kind)["tuned"] for s in (0, 300, 450, 600, 1100)] == pytest.approx([0, 0, 0.5, 1, 1])
+
+
+def test_the_stored_design_results_apply_the_registered_rule(round6):
+    """The stored choice is the best at zero design alarms of the stored rows (ROUND6.md's rule, on 60 healthy runs:
+    H3's twins among them), it is round 5's rule again, and the new family's rows are there and caught nothing at
+    no healthy alarm (stage 2 says so)."""
+    design = json.loads((round6.r1.RESULTS / "silent_r6_design.json").read_text())
+    best = round6.r4.r2.best_at_zero(design["results"])
+    assert design["chosen"] == best
+    assert (best["healthy_alarmed"], best["healthy_runs"]) == (0, 60)
+    r5 = json.loads((round6.r1.RESULTS / "silent_r5_design.json").read_text())["chosen"]
+    keys = ("combination", "score", "k", "p")
+    assert {key: best[key] for key in keys} == {key: r5[key] for key in keys}
+    assert design["admitted"] == [n for n, found in design["admission"].items() if found["silence_passed"]]
+    assert "barlow_redundancy_fade" not in design["admitted"]
+    combinations = {row["combination"] for row in design["results"]}
+    assert set(round6.r4.r3.with_family("neighbours", ("knn_churn", "knn_drift_ref"))) <= combinations
+    neighbours = [r for r in design["results"] if r["combination"] in ("neighbours", "neighbours+sentinels")]
+    assert len(neighbours) == 2 * 2 * 5 * 3  # two combinations, two scores, five k, three p
+    assert not any(r["scenarios_caught"] for r in neighbours if r["healthy_alarmed"] == 0)
+    assert design["at_zero"]["neighbours"]["runs_caught"] == 0
+    assert not any(r["seeds_caught"]["simclr_views_identical"] >= 5 for r in design["results"])  # H4: nothing
