@@ -31,6 +31,9 @@ SHORT = {
     "barlow_redundancy_fade": "H3 Barlow Twins redundancy fade",
     "simclr_views_identical": "H4 SimCLR views identical",
     "supcon_labels_shuffled": "H5 SupCon labels shuffled",
+    "supcon_watermark": "H6 SupCon watermark",
+    "simclr_narrow_finetune": "H7 SimCLR narrow fine-tune",
+    "trap_simclr_full_finetune": "T8 SimCLR full fine-tune",
 }
 
 
@@ -257,16 +260,38 @@ def _why_not_admitted(admission: dict[str, Any]) -> str:
 
 def round5_status(design: dict[str, Any], held_out: dict[str, Any], r4_held_out: dict[str, Any],
                   r2_held_out: dict[str, Any]) -> str:  # fmt: skip
-    """The README's lead after round 5: its choice on all of round 4's runs, what it caught on held-out kinds of
-    failure (admission first, the loss-only rule beside it), round 4's choice there, the registered verdict and what
-    the default does, which signal fired, and the earlier rounds in a clause."""
+    """The README's lead after round 5 (`embedding_round_status`, round 4's choice judged on its held-out split)."""
+    return embedding_round_status(5, "all of round 4's runs", "", design, held_out, "round4_choice", r4_held_out,
+                                  r2_held_out)  # fmt: skip
+
+
+def round6_status(design: dict[str, Any], held_out: dict[str, Any], r5_held_out: dict[str, Any],
+                  r2_held_out: dict[str, Any]) -> str:  # fmt: skip
+    """The README's lead after round 6 (`embedding_round_status`, round 5's choice judged on its held-out split, and
+    what the new neighbours family did on the design split)."""
+    neighbours = design["at_zero"].get("neighbours") or {"scenarios_caught": []}
+    found = ", ".join(_short(n) for n in neighbours["scenarios_caught"]) or "nothing"
+    extra = (f" A new family that measures how the probe's neighbourhoods change caught {found} there at no healthy "
+             "alarm.")  # fmt: skip
+    return embedding_round_status(6, "all of rounds 4 and 5's runs", extra, design, held_out, "previous_choice",
+                                  r5_held_out, r2_held_out)  # fmt: skip
+
+
+def embedding_round_status(number: int, chosen_on: str, extra: str, design: dict[str, Any], held_out: dict[str, Any],
+                           earlier_key: str, earlier_held_out: dict[str, Any],
+                           r2_held_out: dict[str, Any]) -> str:  # fmt: skip
+    """The README's lead after an embedding round (``number``, chosen on ``chosen_on``; ``extra``: a sentence after
+    the choice): its choice, what it caught on held-out kinds of failure (admission first, the loss-only rule
+    beside it), the earlier round's choice there (``held_out[earlier_key]``), the registered verdict and what the
+    default does, which signal fired, the earlier round's held-out split and the rounds before them in a clause."""
     chosen, caught, targets = design["chosen"], held_out["design_choice"], held_out["targets"]
     admitted = held_out["admitted"]
     left = [n for n in held_out["admission"] if n not in admitted]
     won = [n for n in admitted if caught["seeds_caught"].get(n, 0) >= 5]
     lost = [n for n in admitted if n not in won]
     first = {signal for counts in held_out.get("first_signals", {}).values() for signal, n in counts.items() if n}
-    loss, r4, r4_choice = held_out["loss_rule"], held_out["round4_choice"], r4_held_out["design_choice"]
+    loss, earlier = held_out["loss_rule"], held_out[earlier_key]
+    earlier_choice = earlier_held_out["design_choice"]
     r2 = r2_held_out["default"]
     verdict = (f"is missed ({', '.join(_short(n) for n in lost)} not caught on 5 of 6 seeds)" if lost
                else "is met" if admitted else "cannot be met (no held-out class admitted)")  # fmt: skip
@@ -282,27 +307,29 @@ def round5_status(design: dict[str, Any], held_out: dict[str, Any], r4_held_out:
     loss_too = (f" The loss scored against its own warm-up (at its setting with no alarm on this split, so chosen on "
                 f"it: descriptive) also catches {', '.join(_short(n) for n in by_loss)}: the loss moves there, the "
                 "loss-only rule does not flag it." if by_loss else "")  # fmt: skip
+    rounds = "Rounds 4 and 5" if number == 5 else f"Rounds 4 to {number}"
     return (
-        f"**Silent collapse, what the loss does not show: {lead} in round 5; the default still ships without a "
-        "silent path.** Rounds 4 and 5 (pre-registered) watch embedding models whose harm is the pair accuracy, at "
-        "the operating threshold, of the very embedding the monitor watches. Round 5 chose on all of round 4's runs "
-        f"(4 fault classes, {chosen['healthy_runs']} healthy runs) the absolute-scale geometry family "
-        f"(`{chosen['combination']}`, score {chosen['score']}, k {chosen['k']:g}, p {chosen['p']}: "
+        f"**Silent collapse, what the loss does not show: {lead} in round {number}; the default still ships without "
+        f"a silent path.** {rounds} (pre-registered) watch embedding models whose harm is the pair accuracy, at "
+        f"the operating threshold, of the very embedding the monitor watches. Round {number} chose on {chosen_on} "
+        f"({len(design['admitted'])} fault classes, {chosen['healthy_runs']} healthy runs) the absolute-scale "
+        f"geometry family (`{chosen['combination']}`, score {chosen['score']}, k {chosen['k']:g}, p {chosen['p']}: "
         f"{chosen['runs_caught']}/{chosen['runs']} design faulted runs caught before their harm, none of the healthy "
-        "runs alarmed). Its held-out split, recorded after that choice, holds kinds of failure the design split "
-        f"lacks{': ' + not_admitted if not_admitted else ''}. On the admitted held-out classes it caught "
+        f"runs alarmed).{extra} Its held-out split, recorded after that choice, holds kinds of failure the design "
+        f"split lacks{': ' + not_admitted if not_admitted else ''}. On the admitted held-out classes it caught "
         f"{_caught(caught, admitted)} seeds before the harm ({caught['runs_caught_silently']} of its "
         f"{caught['runs_caught']} catches before any loss-only warning), alarming on {caught['healthy_alarmed']} of "
         f"{caught['healthy_runs']} healthy runs; the loss-only rule caught {loss['runs_caught']}/{loss['runs']}. "
-        f"Round 4's choice there: {_caught(r4, admitted)}, {r4['healthy_alarmed']} of {r4['healthy_runs']} healthy "
-        f"runs alarmed.{loss_too} The registered target of every admitted held-out class {verdict}; the others "
-        f"({targets['healthy_held_out']}/{caught['healthy_runs']} and {targets['healthy_both']}/"
-        f"{targets['healthy_both_runs']} healthy alarms, the loss alone catching <= 1 class) are "
-        f"{'met' if others else 'not all met'}. By the ship rule `silent_path` stays off by default; the library "
-        'offers the family as an opt-in (`silent_family="geometry"`, reproducing the replay check by check). '
-        "What fired "
+        f"Round {number - 1}'s choice there: {_caught(earlier, admitted)}, {earlier['healthy_alarmed']} of "
+        f"{earlier['healthy_runs']} healthy runs alarmed.{loss_too} The registered target of every admitted held-out "
+        f"class {verdict}; the others ({targets['healthy_held_out']}/{caught['healthy_runs']} and "
+        f"{targets['healthy_both']}/{targets['healthy_both_runs']} healthy alarms, the loss alone catching <= 1 "
+        f"class) are {'met' if others else 'not all met'}. By the ship rule `silent_path` stays off by default; the "
+        'library offers the family as an opt-in (`silent_family="geometry"`, reproducing the replay check by '
+        "check). What fired "
         f"first: {', '.join(f'`{s}`' for s in sorted(first)) or 'nothing'}, {topological}. "
-        f"Round 4's held-out split: its choice caught {_caught(r4_choice, r4_held_out['admitted'])}. Earlier rounds "
+        f"Round {number - 1}'s held-out split: its choice caught "
+        f"{_caught(earlier_choice, earlier_held_out['admitted'])}. Earlier rounds "
         f"(classifiers, generators, a VAE) held up nowhere held out: round 2's path caught "
         f"{r2['runs_caught']}/{r2['runs']} of its held-out faulted runs, round 3 chose nothing."
     )

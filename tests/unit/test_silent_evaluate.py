@@ -269,7 +269,9 @@ def silence_seeds(points, loud=0):
 def test_round_five_status_names_what_was_admitted_caught_and_why_the_default_stays_off():
     pages = benchmark_pages()
     design = {"chosen": {**r2_row({"simclr_negatives_fade": 2, "vicreg_variance_fade": 6}, healthy_runs=36),
-                         "combination": "geometry", "score": "frozen_r", "k": 4.5, "p": 3}}  # fmt: skip
+                         "combination": "geometry", "score": "frozen_r", "k": 4.5, "p": 3},
+              "admitted": ["simclr_negatives_fade", "simsiam_stopgrad_fade", "vicreg_variance_fade",
+                           "simsiam_predictor_fade"]}  # fmt: skip
     choice = r2_row({"simclr_views_identical": 5, "supcon_labels_shuffled": 1},
                     {"simclr_views_identical": 5, "supcon_labels_shuffled": 1}, healthy_runs=24)  # fmt: skip
     choice["runs_caught_silently"] = 6
@@ -314,3 +316,34 @@ def test_round_five_status_names_what_was_admitted_caught_and_why_the_default_st
     held_out["admitted"] = ["simclr_views_identical"]
     lead = pages.round5_status(design, held_out, r4_held_out, r2_held_out)
     assert "was not admitted (no 5 % point on 1 of 6 seeds, the loss-only rule first on 1)" in lead
+
+
+def test_round_six_status_says_what_the_new_family_did_and_judges_round_fives_choice():
+    pages = benchmark_pages()
+    chosen = {**r2_row({"vicreg_variance_fade": 6, "supcon_labels_shuffled": 6}, healthy_runs=60),
+              "combination": "geometry", "score": "frozen_r", "k": 4.5, "p": 3}  # fmt: skip
+    design = {"chosen": chosen, "admitted": [f"class{i}" for i in range(6)],
+              "at_zero": {"neighbours": r2_row({"vicreg_variance_fade": 0})}}  # fmt: skip
+    choice = r2_row({"supcon_watermark": 6, "simclr_narrow_finetune": 2}, healthy_runs=18)
+    choice["runs_caught_silently"] = 8
+    targets = {"catches_admitted": False, "healthy_held_out": 0, "healthy_held_out_met": True, "healthy_both": 1,
+               "healthy_both_runs": 78, "healthy_both_met": True, "loss_caught": [], "loss_met": True}  # fmt: skip
+    admission = {"supcon_watermark": {"silence_passed": True, "seeds": silence_seeds([900] * 6)},
+                 "simclr_narrow_finetune": {"silence_passed": True, "seeds": silence_seeds([800] * 6)}}  # fmt: skip
+    held_out = {"admitted": ["supcon_watermark", "simclr_narrow_finetune"], "admission": admission,
+                "design_choice": choice, "previous_choice": choice, "targets": targets,
+                "loss_rule": r2_row({"supcon_watermark": 0, "simclr_narrow_finetune": 0}),
+                "first_signals": {"supcon_watermark": {"mean_cosine": 6, "modes": 0}}, "at_zero": {}}  # fmt: skip
+    r5_held_out = {"admitted": ["simclr_views_identical", "supcon_labels_shuffled"],
+                   "design_choice": r2_row({"simclr_views_identical": 0, "supcon_labels_shuffled": 6})}  # fmt: skip
+    r2_held_out = {"default": r2_row({"classes_dropped": 0})}
+    lead = pages.round6_status(design, held_out, r5_held_out, r2_held_out)
+    assert lead.startswith("**Silent collapse, what the loss does not show: a held-out class caught in round 6;")
+    assert "Rounds 4 to 6 (pre-registered)" in lead
+    assert "Round 6 chose on all of rounds 4 and 5's runs (6 fault classes, 60 healthy runs)" in lead
+    assert "the probe's neighbourhoods change caught nothing there at no healthy alarm." in lead
+    assert "it caught H6 SupCon watermark on 6 of 6, H7 SimCLR narrow fine-tune on 2 of 6 seeds" in lead
+    assert "Round 5's choice there: H6 SupCon watermark on 6 of 6" in lead
+    assert "every admitted held-out class is missed (H7 not caught on 5 of 6 seeds)" in lead
+    assert "(0/18 and 1/78 healthy alarms, the loss alone catching <= 1 class) are met" in lead
+    assert "Round 5's held-out split: its choice caught H4 SimCLR views identical on 0 of 6, H5 SupCon labels" in lead
