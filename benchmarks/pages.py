@@ -593,14 +593,21 @@ def _quoted(text: str) -> str:
     return "\n".join(line if line.startswith(">") else "> " + line[2:] for line in lines)
 
 
-@block("silent-status", "silent_r5_design.json", "silent_r5_held_out.json", "silent_r4_held_out.json",
+@block("silent-status", "silent_r6_design.json", "silent_r6_held_out.json", "silent_r5_held_out.json",
        "silent_r2_held_out.json")  # fmt: skip
 def silent_status() -> str:
-    """The README's lead: what round 5's choice caught on held-out kinds of failure, and why the default still ships
-    without a silent path (``silent_pages.round5_status``)."""
-    status = suite("silent", "silent_pages").round5_status
-    names = ("r5_design", "r5_held_out", "r4_held_out", "r2_held_out")
+    """The README's lead: what round 6's choice caught on held-out kinds of failure, and why the default still ships
+    without a silent path (``silent_pages.round6_status``)."""
+    status = suite("silent", "silent_pages").round6_status
+    names = ("r6_design", "r6_held_out", "r5_held_out", "r2_held_out")
     return _quoted(status(*(stored(f"silent_{name}.json") for name in names)))
+
+
+@block("silent-round6", "silent_r6_held_out.json", "silent_r6_design.json")
+def silent_round6() -> str:
+    """The evidence page's round 6: the held-out split, then the design split (round6.py's Markdown)."""
+    markdown = suite("silent", "round6").markdown
+    return "\n".join(markdown(stored(f"silent_r6_{split}.json")).rstrip("\n") for split in ("held_out", "design"))
 
 
 @block("silent-round5", "silent_r5_held_out.json", "silent_r5_design.json")

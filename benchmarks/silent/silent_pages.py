@@ -271,8 +271,10 @@ def round6_status(design: dict[str, Any], held_out: dict[str, Any], r5_held_out:
     what the new neighbours family did on the design split)."""
     neighbours = design["at_zero"].get("neighbours") or {"scenarios_caught": []}
     found = ", ".join(_short(n) for n in neighbours["scenarios_caught"]) or "nothing"
-    extra = (f" A new family that measures how the probe's neighbourhoods change caught {found} there at no healthy "
-             "alarm.")  # fmt: skip
+    keys = ("combination", "score", "k", "p")
+    same = all(design["chosen"][key] == held_out["previous_choice"][key] for key in keys)
+    extra = ((" It is round 5's rule again." if same else "") + " A new family that measures how the probe's "
+             f"neighbourhoods change caught {found} there at no healthy alarm.")  # fmt: skip
     return embedding_round_status(6, "all of rounds 4 and 5's runs", extra, design, held_out, "previous_choice",
                                   r5_held_out, r2_held_out)  # fmt: skip
 

@@ -331,7 +331,9 @@ def test_round_six_status_says_what_the_new_family_did_and_judges_round_fives_ch
     admission = {"supcon_watermark": {"silence_passed": True, "seeds": silence_seeds([900] * 6)},
                  "simclr_narrow_finetune": {"silence_passed": True, "seeds": silence_seeds([800] * 6)}}  # fmt: skip
     held_out = {"admitted": ["supcon_watermark", "simclr_narrow_finetune"], "admission": admission,
-                "design_choice": choice, "previous_choice": choice, "targets": targets,
+                "design_choice": choice, "previous_choice": {**choice, **{k: chosen[k] for k in ("combination", "score",
+                                                                                             "k", "p")}},
+                "targets": targets,
                 "loss_rule": r2_row({"supcon_watermark": 0, "simclr_narrow_finetune": 0}),
                 "first_signals": {"supcon_watermark": {"mean_cosine": 6, "modes": 0}}, "at_zero": {}}  # fmt: skip
     r5_held_out = {"admitted": ["simclr_views_identical", "supcon_labels_shuffled"],
@@ -341,6 +343,7 @@ def test_round_six_status_says_what_the_new_family_did_and_judges_round_fives_ch
     assert lead.startswith("**Silent collapse, what the loss does not show: a held-out class caught in round 6;")
     assert "Rounds 4 to 6 (pre-registered)" in lead
     assert "Round 6 chose on all of rounds 4 and 5's runs (6 fault classes, 60 healthy runs)" in lead
+    assert "none of the healthy runs alarmed). It is round 5's rule again. A new family" in lead
     assert "the probe's neighbourhoods change caught nothing there at no healthy alarm." in lead
     assert "it caught H6 SupCon watermark on 6 of 6, H7 SimCLR narrow fine-tune on 2 of 6 seeds" in lead
     assert "Round 5's choice there: H6 SupCon watermark on 6 of 6" in lead

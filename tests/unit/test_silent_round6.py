@@ -161,3 +161,22 @@ def test_the_stored_design_results_apply_the_registered_rule(round6):
     assert not any(r["scenarios_caught"] for r in neighbours if r["healthy_alarmed"] == 0)
     assert design["at_zero"]["neighbours"]["runs_caught"] == 0
     assert not any(r["seeds_caught"]["simclr_views_identical"] >= 5 for r in design["results"])  # H4: nothing
+
+
+def test_the_stored_held_out_results_judge_the_stored_choice_and_round_fives(round6):
+    """The held-out split judged the design's stored choice and round 5's (the same rule), its admission follows its
+    seeds' silence checks, and its targets follow from the stored rows (ROUND6.md: 18 held-out healthy runs, 78 over
+    both splits)."""
+    design = json.loads((round6.r1.RESULTS / "silent_r6_design.json").read_text())
+    held_out = json.loads((round6.r1.RESULTS / "silent_r6_held_out.json").read_text())
+    r5 = json.loads((round6.r1.RESULTS / "silent_r5_design.json").read_text())["chosen"]
+    keys = ("combination", "score", "k", "p")
+    assert {key: held_out["design_choice"][key] for key in keys} == {key: design["chosen"][key] for key in keys}
+    assert {key: held_out["previous_choice"][key] for key in keys} == {key: r5[key] for key in keys}
+    assert held_out["admitted"] == [n for n, found in held_out["admission"].items() if found["silence_passed"]]
+    for found in held_out["admission"].values():
+        assert found["silence_passed"] == (sum(c["passed"] for c in found["seeds"]) >= 5)
+    assert held_out["chosen"] is None  # nothing is chosen on the held-out split
+    assert held_out["design_choice"]["healthy_runs"] == 18
+    assert held_out["targets"] == round6.r4.targets(held_out, design)
+    assert held_out["targets"]["healthy_both_runs"] == 78
