@@ -123,13 +123,25 @@ def _clone(tree: Any) -> Any:
 # --- images -----------------------------------------------------------------------------------------------------
 
 _IMAGES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+#: Fashion-MNIST's training mean and standard deviation (pixels in [0, 1]), the one home of its standardisation.
+MEAN, STD = 0.2860, 0.3530
+
+
+def standardised(x: Any) -> Any:
+    """Pixels in [0, 1] (a tensor or a float) standardised as `images` gives them."""
+    return (x - MEAN) / STD
+
+
+def unstandardised(x: Any) -> Any:
+    """`images`' standardised pixels back to [0, 1]."""
+    return x * STD + MEAN
 
 
 def images(split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Fashion-MNIST as ``(n, 1, 28, 28)`` float tensors standardised with the training mean and std."""
     if split not in _IMAGES:
         x, y = fashion_mnist(split)
-        _IMAGES[split] = ((torch.from_numpy(x)[:, None] - 0.2860) / 0.3530, torch.from_numpy(y))
+        _IMAGES[split] = (standardised(torch.from_numpy(x)[:, None]), torch.from_numpy(y))
     return _IMAGES[split]
 
 

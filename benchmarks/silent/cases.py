@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from data import small_cnn_body  # noqa: E402
 from embeddings import OperatingThreshold  # noqa: E402  (it imports nothing from here at import time)
-from scenarios import PROBE_SIZE, Scenario, SelfSupervised, Trainee, images  # noqa: E402
+from scenarios import PROBE_SIZE, Scenario, SelfSupervised, Trainee, images, unstandardised  # noqa: E402
 
 #: Images the linear probes fit on (a fixed draw of training images) and score on (held-out images).
 PROBE_FIT = 2048
@@ -303,8 +303,8 @@ class PosteriorCollapse(Trainee):
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         super().__init__(seed, model, optimizer, self._schedule_of)
         x, _ = images("train")
-        self.train_x = x * 0.3530 + 0.2860  # back to [0, 1]
-        self.eval_x = held_out_images()[0] * 0.3530 + 0.2860
+        self.train_x = unstandardised(x)  # back to [0, 1]
+        self.eval_x = unstandardised(held_out_images()[0])
 
     def _schedule_of(self, step: int, kind: str, fault: int) -> dict[str, Any]:
         beta = 1.0 if kind != "collapse" else 1.0 + 7.0 * faded(step, fault, self.ramp)

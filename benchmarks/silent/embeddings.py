@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "collapse"))
 sys.path.insert(0, str(HERE.parent))
 
-from scenarios import PROBE_SIZE, Scenario, SelfSupervised, Trainee, augment, images  # noqa: E402
+from scenarios import PROBE_SIZE, Scenario, SelfSupervised, Trainee, augment, images, standardised  # noqa: E402
 
 #: Same-class and different-class held-out pairs the harm metric judges (each).
 PAIRS = 256
@@ -441,7 +441,7 @@ def watermarked(x: torch.Tensor, labels: torch.Tensor, chosen: torch.Tensor) -> 
         >>> int((out[0] > 0).sum()), int((out[1] > 0).sum()), bool(out[0, 0, :3, 4:6].eq(out.max()).all())
         (6, 0, True)
     """
-    brightest = (1.0 - 0.2860) / 0.3530
+    brightest = standardised(1.0)
     rows = torch.arange(28)[:, None] < 3
     columns = torch.arange(28)[None, None, :]
     start = 4 + 2 * labels[:, None, None]

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 import round2 as r2  # noqa: E402
 import round3 as r3  # noqa: E402
 import silent_evaluate as r1  # noqa: E402
-from silent_signals import NEIGHBOURS, neighbour_signals  # noqa: E402
+from silent_signals import COMPUTED_FAMILIES, NEIGHBOURS  # noqa: E402
 
 CLASSES = {"D1": ("simclr_negatives_fade",), "D2": ("simsiam_stopgrad_fade",), "H1": ("vicreg_variance_fade",),
            "H2": ("simsiam_predictor_fade",)}  # fmt: skip
@@ -102,8 +102,8 @@ def load_runs(directory: Path, split: str, layout: Layout = LAYOUT) -> list[r1.R
     def values_of(data: Any, kind: str, steps: np.ndarray) -> dict[str, np.ndarray]:
         values = r3.run_values(data, kind, steps, "features")
         values["opt_in_silent"] = opt_in_replay(data[f"{kind}/features"], steps, values)
-        if "neighbours" in layout.extra:
-            values.update(neighbour_signals(data[f"{kind}/features"]))
+        for family in layout.extra:
+            values.update(COMPUTED_FAMILIES[family](data[f"{kind}/features"]))
         return values
 
     runs = []

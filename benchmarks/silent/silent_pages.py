@@ -258,13 +258,6 @@ def _why_not_admitted(admission: dict[str, Any]) -> str:
     return ", ".join(part for part in parts if part) or "too little room"
 
 
-def round5_status(design: dict[str, Any], held_out: dict[str, Any], r4_held_out: dict[str, Any],
-                  r2_held_out: dict[str, Any]) -> str:  # fmt: skip
-    """The README's lead after round 5 (`embedding_round_status`, round 4's choice judged on its held-out split)."""
-    return embedding_round_status(5, "all of round 4's runs", "", design, held_out, "round4_choice", r4_held_out,
-                                  r2_held_out)  # fmt: skip
-
-
 def round6_status(design: dict[str, Any], held_out: dict[str, Any], r5_held_out: dict[str, Any],
                   r2_held_out: dict[str, Any]) -> str:  # fmt: skip
     """The README's lead after round 6 (`embedding_round_status`, round 5's choice judged on its held-out split, and

@@ -188,6 +188,10 @@ def neighbour_signals(frames: np.ndarray) -> dict[str, np.ndarray]:
     return {"knn_churn": np.asarray(churn), "knn_drift_ref": np.asarray(drift), "knn_drift_ref/warm_rates": rates}
 
 
+#: A later round's new family, by name: how its signals are computed from a run's features (``(checks, n, dim)``).
+COMPUTED_FAMILIES = {"neighbours": neighbour_signals}
+
+
 def output_signals(outputs: np.ndarray) -> dict[str, np.ndarray]:
     """The outputs family at every check of a run (``outputs``: the probe's logits, ``(checks, n, classes)``)."""
     frames = np.asarray(outputs, dtype=np.float64)

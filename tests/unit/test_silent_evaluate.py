@@ -266,8 +266,14 @@ def silence_seeds(points, loud=0):
             for i, point in enumerate(points)]  # fmt: skip
 
 
-def test_round_five_status_names_what_was_admitted_caught_and_why_the_default_stays_off():
+def test_an_embedding_round_status_names_what_was_admitted_caught_and_why_the_default_stays_off():
+    # Round 5's lead (the README showed it until round 6): round 4's choice judged on round 5's held-out split.
     pages = benchmark_pages()
+
+    def round5(*results):
+        return pages.embedding_round_status(5, "all of round 4's runs", "", results[0], results[1], "round4_choice",
+                                            *results[2:])  # fmt: skip
+
     design = {"chosen": {**r2_row({"simclr_negatives_fade": 2, "vicreg_variance_fade": 6}, healthy_runs=36),
                          "combination": "geometry", "score": "frozen_r", "k": 4.5, "p": 3},
               "admitted": ["simclr_negatives_fade", "simsiam_stopgrad_fade", "vicreg_variance_fade",
@@ -291,7 +297,7 @@ def test_round_five_status_names_what_was_admitted_caught_and_why_the_default_st
     r4_held_out = {"admitted": ["vicreg_variance_fade", "simsiam_predictor_fade"],
                    "design_choice": r2_row({"vicreg_variance_fade": 6, "simsiam_predictor_fade": 1})}  # fmt: skip
     r2_held_out = {"default": r2_row({"classes_dropped": 0, "finetune_forgetting_images": 0})}
-    lead = pages.round5_status(design, held_out, r4_held_out, r2_held_out)
+    lead = round5(design, held_out, r4_held_out, r2_held_out)
     assert lead.startswith("**Silent collapse, what the loss does not show: a held-out class caught in round 5;")
     assert "(4 fault classes, 36 healthy runs)" in lead
     assert "(`geometry`, score frozen_r, k 4.5, p 3: 8/12 design faulted runs caught" in lead
@@ -311,10 +317,10 @@ def test_round_five_status_names_what_was_admitted_caught_and_why_the_default_st
     assert "its choice caught H1 VICReg variance fade on 6 of 6, H2 SimSiam predictor fade on 1 of 6" in lead
     assert "round 2's path caught 0/12" in lead
     choice["seeds_caught"]["supcon_labels_shuffled"] = 6
-    assert "of every admitted held-out class is met" in pages.round5_status(design, held_out, r4_held_out, r2_held_out)
+    assert "of every admitted held-out class is met" in round5(design, held_out, r4_held_out, r2_held_out)
     admission["supcon_labels_shuffled"]["seeds"] = silence_seeds([700, None, 700, 700, 700, 700], loud=2)
     held_out["admitted"] = ["simclr_views_identical"]
-    lead = pages.round5_status(design, held_out, r4_held_out, r2_held_out)
+    lead = round5(design, held_out, r4_held_out, r2_held_out)
     assert "was not admitted (no 5 % point on 1 of 6 seeds, the loss-only rule first on 1)" in lead
 
 
