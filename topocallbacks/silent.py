@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -199,11 +199,40 @@ class TrailingRule:
         return self.run >= self.patience
 
 
-class _SilentPath(Stateful):
-    """What both families share: a check judged after the loud path, an alarm raised once per episode."""
+def _path_state(fields: Mapping[str, str], encode: Mapping[str, Any], decode: Mapping[str, Any]) -> StateFields:
+    """A silent path's saved state: ``fields`` of its own beside what both families keep.
 
-    settings: SilentSettings
-    alarming_: bool
+    Both keep the checks, the warm-up radii and their scale, each signal's series and whether the last check alarmed.
+    """
+    return StateFields(
+        version=1,
+        fields={"checks": "checks_", "radii": "radii_", "scale": "scale_", **fields, "series": "series_",
+                "alarming": "alarming_"},
+        encode={**encode, "series": _series_to_lists},
+        decode={**decode, "series": _series_from_lists},
+    )  # fmt: skip
+
+
+class _SilentPath(Stateful):
+    """What both families share: the warm-up's scale, a check judged after the loud path, one alarm an episode."""
+
+    def __init__(self, settings: SilentSettings, signals: Iterable[str]) -> None:
+        self.settings = settings
+        self.checks_ = 0  # the checks observed (a diverged one counts)
+        self.radii_: list[float] = []  # the warm-up checks' RMS radii
+        self.scale_: float | None = None  # their mean, from the last warm-up check on
+        #: Each signal's value at every check (NaN where it has none: a diverged check, before its reference).
+        self.series_: dict[str, list[float]] = {name: [] for name in signals}
+        self.alarming_ = False  # the last check alarmed (an alarm is raised again after a quiet check)
+
+    def _warmed_up(self, radius: float) -> bool:
+        """Keep a warm-up check's RMS ``radius``; at the last warm-up check, fix the scale (their mean) and say so."""
+        if self.checks_ <= self.settings.warmup:
+            self.radii_.append(radius)
+        if self.checks_ != self.settings.warmup:
+            return False
+        self.scale_ = float(np.mean(self.radii_)) or 1.0
+        return True
 
     def observe(self, frame: NDArray[np.float64] | None, diagrams: Diagrams | None) -> SilentAlarm | None:
         raise NotImplementedError
@@ -251,37 +280,17 @@ class SilentWatch(_SilentPath):
         ('rank_squeeze', 'cone', 'shrink')
     """
 
-    _state = StateFields(
-        version=1,
-        fields={
-            "checks": "checks_",
-            "radii": "radii_",
-            "scale": "scale_",
-            "reference": "_reference",
-            "reference_diagrams": "_reference_diagrams",
-            "reference_check": "reference_check_",
-            "series": "series_",
-            "alarming": "alarming_",
-        },
-        encode={"reference": _array_to_list, "reference_diagrams": diagrams_to_lists, "series": _series_to_lists},
-        decode={
-            "reference": _array_from_list,
-            "reference_diagrams": diagrams_from_lists,
-            "series": _series_from_lists,
-        },
+    _state = _path_state(
+        {"reference": "_reference", "reference_diagrams": "_reference_diagrams", "reference_check": "reference_check_"},
+        encode={"reference": _array_to_list, "reference_diagrams": diagrams_to_lists},
+        decode={"reference": _array_from_list, "reference_diagrams": diagrams_from_lists},
     )
 
     def __init__(self, settings: SilentSettings) -> None:
-        self.settings = settings
-        self.checks_ = 0  # the checks observed (a diverged one counts)
-        self.radii_: list[float] = []  # the warm-up checks' RMS radii
-        self.scale_: float | None = None  # their mean, from the last warm-up check on
+        super().__init__(settings, DRIFTS)  # each drift's series: NaN before the reference and at a diverged check
         self._reference: NDArray[np.float64] | None = None  # the raw features of the last warm-up check
         self._reference_diagrams: Diagrams | None = None
         self.reference_check_: int | None = None
-        #: Each drift's value at every check (NaN before the reference and at a diverged check).
-        self.series_: dict[str, list[float]] = {name: [] for name in DRIFTS}
-        self.alarming_ = False  # the last check alarmed (an alarm is raised again after a quiet check)
         self._rules = {name: TrailingRule(settings) for name in DRIFTS}  # derived from series_ (see load_state_dict)
         self._scores: dict[str, float | None] = dict.fromkeys(DRIFTS)  # the last check's
 
@@ -310,10 +319,7 @@ class SilentWatch(_SilentPath):
             self.alarming_ = False
             return None
         radius = rms_radius(frame)
-        if self.checks_ <= self.settings.warmup:
-            self.radii_.append(radius)
-        if self.checks_ == self.settings.warmup:
-            self.scale_ = float(np.mean(self.radii_)) or 1.0
+        if self._warmed_up(radius):
             self._reference, self._reference_diagrams = frame.copy(), diagrams
             self.reference_check_ = self.checks_
         if self._reference is None or self.checks_ == self.reference_check_ or self.reference_check_ is None:
@@ -382,29 +388,11 @@ class GeometryWatch(_SilentPath):
         (None, ('norm_std', 'anisotropy', 'mean_cosine'))
     """
 
-    _state = StateFields(
-        version=1,
-        fields={
-            "checks": "checks_",
-            "radii": "radii_",
-            "scale": "scale_",
-            "epsilon": "epsilon_",
-            "series": "series_",
-            "alarming": "alarming_",
-        },
-        encode={"series": _series_to_lists},
-        decode={"series": _series_from_lists},
-    )
+    _state = _path_state({"epsilon": "epsilon_"}, encode={}, decode={})
 
     def __init__(self, settings: SilentSettings) -> None:
-        self.settings = settings
-        self.checks_ = 0  # the checks observed (a diverged one counts)
-        self.radii_: list[float] = []  # the warm-up checks' RMS radii
-        self.scale_: float | None = None  # their mean, from the last warm-up check on
+        super().__init__(settings, GEOMETRY)  # each signal's series: NaN at a diverged check, `modes` before its scale
         self.epsilon_: float | None = None  # the mode counter's scale, from the last warm-up check on
-        #: Each signal's value at every check (NaN at a diverged check, and for ``modes`` before the reference).
-        self.series_: dict[str, list[float]] = {name: [] for name in GEOMETRY}
-        self.alarming_ = False
 
     def observe(self, frame: NDArray[np.float64] | None, diagrams: Diagrams | None = None) -> SilentAlarm | None:
         """Take one check; the alarm, when one is raised at this check.
@@ -422,10 +410,7 @@ class GeometryWatch(_SilentPath):
             return None
         frame = np.asarray(frame, dtype=np.float64)
         radius = rms_radius(frame)
-        if self.checks_ <= warmup:
-            self.radii_.append(radius)
-        if self.checks_ == warmup:  # the reference: the last warm-up check
-            self.scale_ = float(np.mean(self.radii_)) or 1.0
+        if self._warmed_up(radius):  # the reference: the last warm-up check
             centred = (frame - frame.mean(0)) / self.scale_
             self.epsilon_ = calibrate_epsilon(centred, IndexSettings(epsilon_degree=MODES_DEGREE))
         scale = self.scale_ if self.scale_ else float(np.mean(self.radii_)) or 1.0
