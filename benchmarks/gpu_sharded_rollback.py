@@ -85,6 +85,7 @@ def hf_worker(out: str, version: str) -> None:
     from tests.cadence import AT_CADENCE
     from tests.integration.fsdp_rollback import MONITOR, Classifier, collapse, record_state
     from tests.integration.models import digits
+    from tests.integration.ranks import write_result
     from topocallbacks.hf import TopoCollapseTrainerCallback
 
     images, labels = digits()
@@ -128,7 +129,7 @@ def hf_worker(out: str, version: str) -> None:
     trainer.train()
     rank = trainer.args.process_index
     data = {"rank": rank, "history": [r.as_dict() for r in watcher.history], **report.seen}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(data))
+    write_result(out, rank, data)
     if torch.distributed.is_initialized():  # c10d's threads joined before exit (else a rare abort at teardown)
         torch.distributed.destroy_process_group()
 

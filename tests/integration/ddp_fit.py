@@ -5,7 +5,6 @@ Run as a script by the tests (under a timeout, so that a hang fails instead of b
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import lightning.pytorch as pl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.integration.models import OLD_RULE, TinyCNN, digits, digits_loader, quiet_trainer
+from tests.integration.ranks import write_result
 from topocallbacks import Policy
 from topocallbacks.lightning import TopoCollapseCallback
 
@@ -30,7 +30,7 @@ class Report(pl.Callback):
             "history": [record.as_dict() for record in self.watched.history],
             "logged_ci": float(trainer.callback_metrics["topo/ci"]),
         }
-        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
+        write_result(self.out, trainer.global_rank, data)
 
 
 def main(out: str, action: str, probe_size: int, mode: str) -> None:

@@ -9,7 +9,6 @@ history and a hash of its training state (module, optimizer, scheduler) at every
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.integration.models import quiet_trainer
+from tests.integration.ranks import write_result
 from tests.integration.test_rollback_lightning import CollapsingMLP, loader, watcher
 
 
@@ -66,7 +66,7 @@ class Report(pl.Callback):
             "history": [record.as_dict() for record in self.watched.history],
             "hashes": self.hashes,
         }
-        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
+        write_result(self.out, trainer.global_rank, data)
 
 
 def main(out: str) -> None:

@@ -8,7 +8,6 @@ Run by the tests as ``torchrun --nproc_per_node 2 tests/integration/fsdp_check.p
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, digits
+from tests.integration.ranks import write_result
 from topocallbacks import TopoMonitor
 from topocallbacks.interventions import scale_learning_rate
 from topocallbacks.probe import FeatureExtractor, Probe
@@ -92,7 +92,7 @@ def main(out: str) -> None:
         "first_ci": records[0].report.ci,
         "unsharded_ci": TopoMonitor(check_every=1, **AT_CADENCE).process(unsharded, 0).report.ci,
     }
-    Path(out, f"rank{rank}.json").write_text(json.dumps(data))
+    write_result(out, rank, data)
     dist.destroy_process_group()
 
 

@@ -17,7 +17,6 @@ of the gathered full state, the step counters and the learning rate. Run by the 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, digits
+from tests.integration.ranks import write_result
 from topocallbacks import TopoMonitor
 from topocallbacks.interventions import LoopActuator, current_learning_rates
 
@@ -211,7 +211,7 @@ def main(out: str, kind: str, mode: str) -> None:
         "files": sorted(p.name for p in Path(out, "snapshots").glob("*")) if mode == "disk" else [],
         **seen,
     }
-    Path(out, f"rank{rank}.json").write_text(json.dumps(data))
+    write_result(out, rank, data)
     dist.destroy_process_group()
 
 

@@ -8,7 +8,6 @@ Run as a script by the tests (under a timeout, so that a hang fails instead of b
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.cadence import AT_CADENCE
 from tests.integration.models import OLD_RULE, digits
+from tests.integration.ranks import write_result
 from topocallbacks.hf import TopoCollapseTrainerCallback
 
 
@@ -57,7 +57,7 @@ class Report(transformers.TrainerCallback):
             "wrapped": [type(m).__name__ for m in self.trainer.model_wrapped.modules()][:4] if self.trainer else None,
             "fsdp": bool(self.trainer and self.trainer.is_fsdp_enabled),
         }
-        Path(self.out, f"rank{rank}.json").write_text(json.dumps(data))
+        write_result(self.out, rank, data)
 
 
 def main(out: str, action: str, fsdp: bool) -> None:

@@ -11,7 +11,6 @@ model_parallel, cpu, 2; ``benchmarks/gpu_sharded_rollback.py`` runs the GPU case
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.cadence import AT_CADENCE
 from tests.integration.fsdp_rollback import MONITOR, Classifier, collapse, record_state
 from tests.integration.models import digits
+from tests.integration.ranks import write_result
 from topocallbacks.lightning import TopoCollapseCallback
 
 IMAGES, LABELS = digits()
@@ -73,7 +73,7 @@ class Report(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         data = {"rank": trainer.global_rank, "history": [r.as_dict() for r in self.watched.history], **self.seen}
-        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
+        write_result(self.out, trainer.global_rank, data)
 
 
 def main(out: str, strategy: str = "model_parallel", accelerator: str = "cpu", devices: str = "2") -> None:

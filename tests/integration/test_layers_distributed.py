@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.ranks import finished
+from tests.integration.ranks import ENV, finished
 from tests.waiting import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +21,7 @@ import torch.multiprocessing
 sys.path.insert(0, {root!r})
 from tests.integration.models import OLD_RULE, TinyCNN, digits, digits_loader, quiet_trainer
 from tests.cadence import AT_CADENCE
+from tests.integration.ranks import write_result
 from topocallbacks.lightning import TopoCollapseCallback
 
 
@@ -34,7 +35,7 @@ class Report(pl.Callback):
             "metrics": {{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topo/")}},
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
         }}
-        Path(self.out, f"rank{{trainer.global_rank}}.json").write_text(json.dumps(data))
+        write_result(self.out, trainer.global_rank, data)
 
 
 if __name__ == "__main__":
@@ -55,7 +56,7 @@ if __name__ == "__main__":
 def test_two_ranks_agree_on_every_layer_and_cut_once(tmp_path, mode):
     script = tmp_path / "ddp_layers.py"
     script.write_text(SCRIPT.format(root=str(ROOT)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, **ENV}
     result = subprocess.run(
         [sys.executable, str(script), str(tmp_path), mode],
         capture_output=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.ranks import finished, run_two_ranks
+from tests.integration.ranks import ENV, finished, run_two_ranks
 from tests.waiting import HANG_SECONDS
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
@@ -102,7 +102,7 @@ def test_lightning_model_parallel_strategy_rolls_back_every_rank_bit_for_bit(tmp
 def test_a_rank_killed_mid_snapshot_ends_the_job_without_a_hang_or_a_restore(tmp_path):
     # torchrun ends the other rank; no rank goes on alone, none restores, and no file of the killed copy is left.
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, **ENV}
     script = Path(__file__).parent / "fsdp_rollback.py"
     done = subprocess.run(
         [*launcher, str(script), str(tmp_path), "fsdp2", "kill"],
@@ -132,7 +132,7 @@ def test_the_gpu_scripts_hf_worker_passes_its_checks_with_ddp_on_cpu(tmp_path):
     # benchmarks/gpu_sharded_rollback.py runs its Hugging Face worker under accelerate's FSDP on a GPU; here it runs
     # with DDP on CPU (version "0"), so that the script a GPU machine runs is known to work up to the device.
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, **ENV}
     done = subprocess.run(
         [*launcher, str(BENCHMARKS / "gpu_sharded_rollback.py"), "--hf-worker", str(tmp_path), "0"],
         capture_output=True, text=True, env=env, timeout=HANG_SECONDS,
