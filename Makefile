@@ -69,8 +69,9 @@ typecheck: $(VENV)/.installed-dev
 docs: $(VENV)/.installed-dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# --durations: the slowest tests, at the end of every run's log (where the suite's time goes; see docs/development.md).
 unit: $(VENV)/.installed-dev
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --durations=15
 
 test: lint typecheck docs unit
 
