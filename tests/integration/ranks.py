@@ -51,9 +51,10 @@ def run_two_ranks(
 def finished(result: subprocess.CompletedProcess[str], directory: Path) -> list[dict[str, Any]]:
     """Both ranks' JSON from ``directory``, once the job that wrote them is known to have succeeded.
 
-    A rare abort of torch's c10d threads at interpreter exit, after both ranks finished and wrote their results
-    (seen under torchrun even after destroy_process_group, and in CI), is not what these tests are about: a job that
-    wrote both files and then printed that abort counts as finished. Any other failure fails with the output.
+    An abort of torch's c10d threads at interpreter exit (seen under torchrun even after destroy_process_group, in
+    CI, and on every job of a traced run), after both ranks wrote their results (`write_result` waits for both), is
+    not what these tests are about: a job that wrote both files and then printed that abort counts as finished. Any
+    other failure fails with the output.
     """
     written = all((directory / f"rank{r}.json").is_file() for r in (0, 1))
     teardown = written and "terminate called without an active exception" in result.stderr
