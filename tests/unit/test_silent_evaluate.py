@@ -270,9 +270,9 @@ def test_an_embedding_round_status_names_what_was_admitted_caught_and_why_the_de
     # Round 5's lead (the README showed it until round 6): round 4's choice judged on round 5's held-out split.
     pages = benchmark_pages()
 
-    def round5(*results):
-        return pages.embedding_round_status(5, "all of round 4's runs", "", results[0], results[1], "round4_choice",
-                                            *results[2:])  # fmt: skip
+    def round5(design, held_out, r4_held_out, r2_held_out):
+        return pages.embedding_round_status(5, "all of round 4's runs", "", design, held_out, "round4_choice",
+                                            r4_held_out, r2_held_out)  # fmt: skip
 
     design = {"chosen": {**r2_row({"simclr_negatives_fade": 2, "vicreg_variance_fade": 6}, healthy_runs=36),
                          "combination": "geometry", "score": "frozen_r", "k": 4.5, "p": 3},
