@@ -225,8 +225,8 @@ class _SilentPath(Stateful):
         self.series_: dict[str, list[float]] = {name: [] for name in signals}
         self.alarming_ = False  # the last check alarmed (an alarm is raised again after a quiet check)
 
-    def _warmed_up(self, radius: float) -> bool:
-        """Keep a warm-up check's RMS ``radius``; at the last warm-up check, fix the scale (their mean) and say so."""
+    def _ends_warm_up(self, radius: float) -> bool:
+        """Whether this check ends the warm-up (it then fixes the scale: the mean of the warm-up RMS radii kept)."""
         if self.checks_ <= self.settings.warmup:
             self.radii_.append(radius)
         if self.checks_ != self.settings.warmup:
@@ -319,7 +319,7 @@ class SilentWatch(_SilentPath):
             self.alarming_ = False
             return None
         radius = rms_radius(frame)
-        if self._warmed_up(radius):
+        if self._ends_warm_up(radius):
             self._reference, self._reference_diagrams = frame.copy(), diagrams
             self.reference_check_ = self.checks_
         if self._reference is None or self.checks_ == self.reference_check_ or self.reference_check_ is None:
@@ -410,7 +410,7 @@ class GeometryWatch(_SilentPath):
             return None
         frame = np.asarray(frame, dtype=np.float64)
         radius = rms_radius(frame)
-        if self._warmed_up(radius):  # the reference: the last warm-up check
+        if self._ends_warm_up(radius):  # the reference: the last warm-up check
             centred = (frame - frame.mean(0)) / self.scale_
             self.epsilon_ = calibrate_epsilon(centred, IndexSettings(epsilon_degree=MODES_DEGREE))
         scale = self.scale_ if self.scale_ else float(np.mean(self.radii_)) or 1.0
