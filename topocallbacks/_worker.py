@@ -44,7 +44,7 @@ def _evaluate(pipeline: Any, request: Any) -> Answer:
     record = None if evaluation.record is None else evaluation.record.as_dict()
     return Answer(
         record=record,
-        shared=evaluation.shared,
+        shared=pipeline.share(),
         figures=evaluation.figures,
         others=[r.as_dict() for r in evaluation.others],
     )

@@ -143,23 +143,21 @@ def _due_figures(settings: MonitorSettings, cloud: NDArray[np.float64], checks: 
 class Evaluation:
     """What one evaluation produced.
 
-    The record (None: a streaming window too small to check), the pipeline's state after it
-    (`CheckPipeline.share`), and the diagrams of a TensorBoard figure when one is due. With several layers
-    (`LayeredPipeline`) ``record`` is the primary layer's, which carries the check's decision, and
-    ``others`` the other layers' records.
+    The record (None: a streaming window too small to check) and the diagrams of a TensorBoard figure when one is
+    due. With several layers (`LayeredPipeline`) ``record`` is the primary layer's, which carries the check's
+    decision, and ``others`` the other layers' records. The pipeline's state after it is not part of it: only a
+    worker sends it (`CheckPipeline.share`), so a check in the training loop does not copy it.
     """
 
-    __slots__ = ("figures", "others", "record", "shared")
+    __slots__ = ("figures", "others", "record")
 
     def __init__(
         self,
         record: CheckRecord | None,
-        shared: dict[str, Any],
         figures: Diagrams | None = None,
         others: Sequence[CheckRecord] = (),
     ) -> None:
         self.record = record
-        self.shared = shared
         self.figures = figures
         self.others = list(others)
 
@@ -369,7 +367,7 @@ class CheckPipeline(StreamingWindow, Stateful):
             return self._diverged(step, start, dynamics)
         engine = self.engine_
         if engine is None or engine.n_points < 2:
-            return Evaluation(None, self.share())
+            return Evaluation(None)
         sentinels = self._recent.take_sentinels(self.epsilon_, self.transform)
         if sentinels is None or not sentinels.holding:
             engine = self._rescaled(engine)
@@ -441,7 +439,7 @@ class CheckPipeline(StreamingWindow, Stateful):
             grad_norm=grad_norm,
             **_engine_fields(engine, int(cloud.shape[0])),
         )
-        return Evaluation(record, self.share(), _due_figures(s, cloud, self.checks_evaluated_))
+        return Evaluation(record, _due_figures(s, cloud, self.checks_evaluated_))
 
     def _diverged(self, step: int, start: float, dynamics: Mapping[str, float | None] | None) -> Evaluation:
         loss, grad_norm = _channels(dynamics)
@@ -451,7 +449,7 @@ class CheckPipeline(StreamingWindow, Stateful):
         elapsed = (time.perf_counter() - start) * 1e3
         record = CheckRecord(step=step, status="diverged", index=self.settings.index.name, index_value=None,
                              decision=decision, check_ms=elapsed, loss=loss, grad_norm=grad_norm)  # fmt: skip
-        return Evaluation(record, self.share())
+        return Evaluation(record)
 
     # --- state --------------------------------------------------------------------------------------------
 
@@ -592,7 +590,7 @@ class LayeredPipeline(Stateful):
             records[primary] = dataclasses.replace(records[primary], decision=own if silent else combined)
         first = records.pop(primary)
         figures = evaluations[primary].figures
-        return Evaluation(record=first, shared=self.share(), figures=figures, others=list(records.values()))
+        return Evaluation(record=first, figures=figures, others=list(records.values()))
 
     def _decide(self, records: Mapping[str, CheckRecord], step: int, dynamics: Any) -> Decision:
         """The check's decision under ``layer_rule`` "any", "all" or k, from each layer's own verdict."""

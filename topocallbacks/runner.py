@@ -84,14 +84,14 @@ class _Pending:
         """Take the evaluation a worker's ``answer`` carries (nothing is left to send again)."""
         record = None if answer.record is None else CheckRecord.from_dict(answer.record)
         others = [CheckRecord.from_dict(r) for r in answer.others]
-        self.evaluation = Evaluation(record=record, shared=answer.shared, figures=answer.figures, others=others)
+        self.evaluation = Evaluation(record=record, figures=answer.figures, others=others)
         self.request = None
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], shared: dict[str, Any]) -> _Pending:
+    def from_dict(cls, data: Mapping[str, Any]) -> _Pending:
         record = None if data["record"] is None else CheckRecord.from_dict(data["record"])
         others = [CheckRecord.from_dict(r) for r in data.get("others", [])]
-        evaluation = Evaluation(record=record, shared=shared, others=others)
+        evaluation = Evaluation(record=record, others=others)
         return cls(step=int(data["step"]), apply_at=int(data["apply_at"]), probe_ms=float(data["probe_ms"]),
                    evaluation=evaluation)  # fmt: skip
 
@@ -375,5 +375,4 @@ class Runner(WorkerLife, Stateful):
 
     @_pending_state.setter
     def _pending_state(self, value: list[Mapping[str, Any]]) -> None:
-        shared = self.pipeline.share()
-        self._pending = collections.deque(_Pending.from_dict(item, shared) for item in value)
+        self._pending = collections.deque(_Pending.from_dict(item) for item in value)

@@ -167,15 +167,19 @@ def epsilon_graph(
     right = _Side(scaled=scaled, centred=centred, sq=sq, sq_max=float(sq.max()))
     for start in range(0, n, ADJACENCY_BLOCK_ROWS):
         stop = min(start + ADJACENCY_BLOCK_ROWS, n)
-        block = _decided(scaled[start:stop], centred[start:stop], right, epsilon * scale)
-        adjacency[start:stop] = block
+        # Each block of rows against the columns from its first row on (the upper part): the lower part is the
+        # transpose of blocks already decided. A pair's decision does not depend on which of its points is the row
+        # (outside the error band a rigorous bound decides it, inside it the same sum of squared differences in
+        # either order), and the band is the same: ``sq_max`` stays the whole cloud's.
+        upper = _Side(scaled=scaled[start:], centred=centred[start:], sq=sq[start:], sq_max=right.sq_max)
+        block = _decided(scaled[start:stop], centred[start:stop], upper, epsilon * scale)
+        adjacency[start:stop, start:] = block
+        adjacency[start:stop, :start] = adjacency[:start, start:stop].T
         if edges:
-            # Columns from `start` on, strictly above the diagonal: local triu(k=1) of the block's right part.
-            rows, cols = np.nonzero(np.triu(block[:, start:], 1))
+            # Strictly above the diagonal: local triu(k=1) of the block.
+            rows, cols = np.nonzero(np.triu(block, 1))
             row_parts.append(rows + start)
             col_parts.append(cols + start)
-    # Symmetric without mirroring: a pair outside the error band is decided by a rigorous bound, and one inside it
-    # by the same sum of squared differences in either order.
     np.fill_diagonal(adjacency, False)
     return adjacency, np.concatenate(row_parts), np.concatenate(col_parts)
 

@@ -112,8 +112,9 @@ def path_features(
 def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe: bool = True) -> int:
     """Peak bytes of the new arrays an update along ``path`` allocates (what ``tracemalloc`` sees).
 
-    Derived from the code: the ε-graph pass allocates the new n x n boolean adjacency, float64 blocks of
-    ``ADJACENCY_BLOCK_ROWS x n`` and 16 bytes per edge (twice while the block parts are joined); a rebuild's strong
+    Derived from the code: the ε-graph pass allocates the new n x n boolean adjacency, a float64 block of
+    ``ADJACENCY_BLOCK_ROWS`` rows against the columns from its first row on (`_graph_pass_block_bytes`) and 16 bytes
+    per edge (twice while the block parts are joined); a rebuild's strong
     collapse a reduced copy of the adjacency and 48 bytes per edge; an edge update holds the masks of flipped edges.
 
     Args:
@@ -125,26 +126,45 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe:
         probe: whether the update is a probe update (it holds the flip mask) rather than a streaming one.
     """
     pairs = n * n
-    block = min(ADJACENCY_BLOCK_ROWS, n)
     points = n * d * 8
-    # While the blocks are computed: the adjacency being filled, one block's float64 products and its masks,
-    # scaled and centred copies of the points, and the edges found so far.
-    graph_pass = pairs + block * n * 11 + 4 * points + 16 * edges
+    # While the blocks are computed: the adjacency being filled, scaled and centred copies of the points, and the
+    # largest of one block's float64 products and masks with the edges found before it, or the joined edge lists.
+    graph_pass = pairs + 4 * points + max(_graph_pass_block_bytes(n, edges), 32 * edges)
     if path == "vertex":
         moved = max(ops // 2, 1)
         # The new rows' float64 products and masks, scaled and centred copies of the points (the scale's |x| copy
         # is freed before they exist), and the new points' own copies.
         return moved * n * 11 + 2 * points + 2 * moved * d * 8
     if path == "rebuild":
-        # The adjacency and, in the strong collapse (topocallbacks.functional.topology), a reduced copy of it, the
-        # edge list and the edges' two ends by rank (48 bytes per edge), and the bit rows of a chunk of edges being
-        # compared (four uint64 temporaries of a row each); measured, the flip mask of a probe update and the
-        # graph pass's joined edge lists are gone by then.
         words = (n + 63) // 64
+        if core_kernel() is not None:
+            # The compiled strong collapse works on the adjacency's packed closed rows: the adjacency, the rows
+            # and the unpacked rows of the core it keeps (measured: at most 2.2 x the packed rows, n = 600-2,000).
+            return max(graph_pass, pairs + 3 * n * words * 8)
+        # The adjacency and, in numpy's strong collapse (topocallbacks.functional.topology), a reduced copy of it,
+        # the edge list and the edges' two ends by rank (48 bytes per edge), and the bit rows of a chunk of edges
+        # being compared (four uint64 temporaries of a row each); measured, the flip mask of a probe update and the
+        # graph pass's joined edge lists are gone by then.
         return max(graph_pass, 2 * pairs + 48 * edges + 4 * min(edges, DOMINATION_CHUNK) * words * 8)
     # After the pass: the new adjacency, the old one overwritten by the flip mask, and the joined edge lists (32
     # bytes per edge); the flipped edges are listed from the mask without a triangle copy.
     return max(graph_pass, pairs * 2 + 32 * edges)
+
+
+def _graph_pass_block_bytes(n: int, edges: int) -> int:
+    """Bytes of the ε-graph pass's largest block while it is decided.
+
+    11 bytes per pair of its rows against the columns from its first row on, and 16 bytes per edge listed by the
+    blocks before it (the edges taken as spread evenly over the pairs).
+    """
+    total = max(n * (n - 1) // 2, 1)
+    peak, before = 0, 0
+    for start in range(0, n, ADJACENCY_BLOCK_ROWS):
+        rows = min(ADJACENCY_BLOCK_ROWS, n - start)
+        width = n - start
+        peak = max(peak, rows * width * 11 + 16 * edges * before // total)
+        before += rows * width - rows * (rows + 1) // 2
+    return peak
 
 
 def predict_module_build_bytes(n: int, edges: int, copied: int = 0) -> int:
