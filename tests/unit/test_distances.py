@@ -2,9 +2,11 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
+from topocallbacks.functional import _distances
 from topocallbacks.functional._distances import (
     epsilon_adjacency,
     epsilon_block,
+    epsilon_graph,
     pairwise_distances,
     power_of_two_scale,
 )
@@ -30,6 +32,23 @@ def test_adjacency_equals_the_direct_decision_for_every_pair_at_borderline_scale
             epsilon_adjacency(points, float(np.nextafter(epsilon, 0))),
             direct_adjacency(points, np.nextafter(epsilon, 0)),
         )
+
+
+@pytest.mark.parametrize("block_rows", [32, 50, 119])
+def test_the_blocked_pass_decides_every_pair_directly_and_lists_the_upper_edges(kernels, monkeypatch, block_rows):
+    """Several row blocks, the last one short: each block is decided against the columns from its first row on and
+    the lower part mirrored; every pair still gets the direct decision, and the edges are the upper triangle's."""
+    monkeypatch.setattr(_distances, "ADJACENCY_BLOCK_ROWS", block_rows)
+    rng = np.random.default_rng(block_rows)
+    points = rng.normal(size=(120, 5)) + 3.0
+    points[60:70] = points[:10]  # identical points in different blocks: distance 0
+    distances = cdist(points, points)[np.triu_indices(120, 1)]
+    for epsilon in [*distances[rng.choice(distances.size, 5, replace=False)], 1e-12]:
+        adjacency, rows, cols = epsilon_graph(points, float(epsilon))
+        np.testing.assert_array_equal(adjacency, direct_adjacency(points, epsilon))
+        expected_rows, expected_cols = np.nonzero(np.triu(adjacency, 1))
+        np.testing.assert_array_equal(rows, expected_rows)
+        np.testing.assert_array_equal(cols, expected_cols)
 
 
 @pytest.mark.parametrize("seed", range(4))
