@@ -150,8 +150,9 @@ def epsilon_graph(
 ) -> tuple[NDArray[np.bool_], NDArray[np.intp], NDArray[np.intp]]:
     """The ε-graph as a symmetric boolean adjacency and its edges ``(rows[k], cols[k])``, ``rows < cols``.
 
-    Computed in row blocks that bound the float64 temporaries to ``ADJACENCY_BLOCK_ROWS x n``; each block's
-    edges are read from its upper part only, so no n x n triangle copy is made. With ``edges=False`` the edge
+    Computed in row blocks that bound the float64 temporaries to ``ADJACENCY_BLOCK_ROWS x n``; each block is
+    decided against the columns from its first row on only (the rest is mirrored from the blocks before it), and its
+    edges are read from that part, so no n x n triangle copy is made. With ``edges=False`` the edge
     lists are not made (returned empty): listing them costs about a third of the pass.
     """
     n = points.shape[0]

@@ -114,8 +114,9 @@ def predict_bytes(path: str, *, n: int, d: int, edges: int, ops: int = 0, probe:
 
     Derived from the code: the ε-graph pass allocates the new n x n boolean adjacency, a float64 block of
     ``ADJACENCY_BLOCK_ROWS`` rows against the columns from its first row on (`_graph_pass_block_bytes`) and 16 bytes
-    per edge (twice while the block parts are joined); a rebuild's strong
-    collapse a reduced copy of the adjacency and 48 bytes per edge; an edge update holds the masks of flipped edges.
+    per edge (twice while the block parts are joined); a rebuild's strong collapse the packed rows of the adjacency
+    (compiled kernels) or a reduced copy of it and 48 bytes per edge (numpy); an edge update holds the masks of
+    flipped edges.
 
     Args:
         path: one of `PATHS`.
