@@ -156,3 +156,43 @@ def test_the_measured_layout_leaves_out_only_later_fields_at_their_measured_beha
     assert geometry["silent"]["family"] == "geometry"  # another behaviour: kept, so its digest differs
     assert default_budget.settings_sha(MonitorSettings().merged({"silent_family": "geometry"})) != (
         default_budget.settings_sha())  # fmt: skip
+
+
+def test_step_cost_splits_a_fit_between_the_callbacks_hooks_and_the_rest():
+    """The hooks' time is the gap between the clock before the callback and the clock after it, hook by hook."""
+    import step_cost
+
+    first, last = step_cost.Clock(), step_cost.Clock()
+    first.marks["on_train_start"], last.marks["on_train_start"] = [1.0], [3.5]  # the first check: 2.5 s
+    first.marks["on_train_batch_end"], last.marks["on_train_batch_end"] = [10.0, 20.0, 30.0], [10.25, 20.0, 31.0]
+    first.marks["teardown"], last.marks["teardown"] = [40.0], [40.5]
+    total, per_batch = step_cost.split(first, last)
+    assert total == pytest.approx(2.5 + 0.25 + 1.0 + 0.5)
+    assert per_batch == pytest.approx([0.25, 0.0, 1.0])
+
+
+def test_a_step_cost_smoke_run_times_real_fits_and_writes_its_table(tmp_path):
+    import step_cost
+
+    assert step_cost.main(["--case", "mlp_1ms", "--steps", "30", "--pairs", "1", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / f"{step_cost.stem('mlp_1ms', 30)}.json").read_text())
+    (pair,) = payload["pairs"]
+    bare, watched = pair["bare"], pair["default"]
+    assert watched["checks"][:3] == [0, 10, 20]  # the case's cadence: every 10 steps
+    assert watched["hooks_s"] > 0
+    assert "monitor_in_all" not in bare
+    for row in (bare, watched):
+        assert row["hooks_s"] + row["outside_hooks_s"] == pytest.approx(row["wall_s"], abs=2e-3)
+    assert watched["monitor_in_all"] > 0
+    assert "| 1 | default |" in (tmp_path / f"{step_cost.stem('mlp_1ms', 30)}.md").read_text()
+
+
+def test_the_stored_step_cost_tables_are_their_payloads():
+    import step_cost
+    from pages import STEP_COST_RUNS
+
+    for case, steps in STEP_COST_RUNS:
+        path = RESULTS / step_cost.stem(case, steps)
+        payload = json.loads(path.with_suffix(".json").read_text())
+        assert (payload["case"], payload["steps"]) == (case, steps)
+        assert path.with_suffix(".md").read_text() == step_cost.markdown(payload)
