@@ -49,7 +49,8 @@ _HOOKS = ("on_train_start", "on_train_batch_end", "on_before_optimizer_step", "o
 
 
 class Clock(pl.Callback):
-    """Marks every hook the monitor's callback uses, and each batch start with the process's CPU time and faults."""
+    """Marks the hooks where the monitor's callback spends its time (its ``setup`` only resolves layer names), and
+    each batch start with the process's CPU time and faults."""
 
     def __init__(self) -> None:
         self.marks: dict[str, list[float]] = {hook: [] for hook in _HOOKS}
