@@ -441,15 +441,15 @@ def default_budget_stage4_held_out() -> str:
     )
 
 
-#: The stored runs of `step_cost.py` on the costs page: (case, steps), in the order they were run.
-STEP_COST_RUNS = (("gpt_default", 300), ("gpt_default", 700))
+#: The stored runs of `step_cost.py` on the costs page: (case, steps, pairs), in the order they were run.
+STEP_COST_RUNS = (("gpt_default", 300, 2), ("gpt_default", 700, 2), ("gpt_default", 700, 3))
 
 
-@block("step-cost", *(f"step_cost_{case}_{steps}.json" for case, steps in STEP_COST_RUNS))
+@block("step-cost", *(f"step_cost_{case}_{steps}x{pairs}.json" for case, steps, pairs in STEP_COST_RUNS))
 def step_cost() -> str:
     """The costs page's split of the GPT-2 case's extra wall time: the callback's own hooks, and the rest of the fit."""
     module = suite("", "step_cost")
-    runs = [stored(f"{module.stem(case, steps)}.json") for case, steps in STEP_COST_RUNS]
+    runs = [stored(f"{module.stem(*run)}.json") for run in STEP_COST_RUNS]
     pairs = [pair for run in runs for pair in run["pairs"]]
 
     def each(values: list[str]) -> str:
@@ -506,7 +506,7 @@ def step_cost() -> str:
         ),
     ]
     for run in runs:
-        lines += ["", f"{run['steps']} steps:", "", *module.table(run)]
+        lines += ["", f"{run['steps']} steps, {len(run['pairs'])} pairs:", "", *module.table(run)]
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ own figure and left the cause to measure. This script splits a fit's wall time, 
 If the training steps run slower beside the callback (a busy second core, memory the probe pass left behind), the
 iterations outside the hooks are slower than the bare fit's; if not, the wall difference is the hooks' time and the
 machine's drift between the two fits. Not a registered measurement: it changes no choice. Writes
-``benchmarks/results/step_cost_<case>_<steps>.{json,md}`` (`stem`).
+``benchmarks/results/step_cost_<case>_<steps>x<pairs>.{json,md}`` (`stem`).
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ def run(case_name: str, steps: int, pairs: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def stem(case: str, steps: int) -> str:
-    """The stored files' name (without the suffix) of a run of ``case`` for ``steps`` steps."""
-    return f"step_cost_{case}_{steps}"
+def stem(case: str, steps: int, pairs: int) -> str:
+    """The stored files' name (without the suffix) of a run of ``case``: ``pairs`` pairs of ``steps``-step fits."""
+    return f"step_cost_{case}_{steps}x{pairs}"
 
 
 def own_seconds(row: dict[str, Any]) -> float:
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     payload = run(args.case, args.steps, args.pairs)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / stem(args.case, args.steps)
+    path = args.out / stem(args.case, args.steps, args.pairs)
     path.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
     path.with_suffix(".md").write_text(markdown(payload))
     print(markdown(payload))

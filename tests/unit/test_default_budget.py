@@ -175,7 +175,7 @@ def test_a_step_cost_smoke_run_times_real_fits_and_writes_its_table(tmp_path):
     import step_cost
 
     assert step_cost.main(["--case", "mlp_1ms", "--steps", "30", "--pairs", "1", "--out", str(tmp_path)]) == 0
-    payload = json.loads((tmp_path / f"{step_cost.stem('mlp_1ms', 30)}.json").read_text())
+    payload = json.loads((tmp_path / f"{step_cost.stem('mlp_1ms', 30, 1)}.json").read_text())
     (pair,) = payload["pairs"]
     bare, watched = pair["bare"], pair["default"]
     assert watched["checks"][:3] == [0, 10, 20]  # the case's cadence: every 10 steps
@@ -184,15 +184,15 @@ def test_a_step_cost_smoke_run_times_real_fits_and_writes_its_table(tmp_path):
     for row in (bare, watched):
         assert row["hooks_s"] + row["outside_hooks_s"] == pytest.approx(row["wall_s"], abs=2e-3)
     assert watched["monitor_in_all"] > 0
-    assert "| 1 | default |" in (tmp_path / f"{step_cost.stem('mlp_1ms', 30)}.md").read_text()
+    assert "| 1 | default |" in (tmp_path / f"{step_cost.stem('mlp_1ms', 30, 1)}.md").read_text()
 
 
 def test_the_stored_step_cost_tables_are_their_payloads():
     import step_cost
     from pages import STEP_COST_RUNS
 
-    for case, steps in STEP_COST_RUNS:
-        path = RESULTS / step_cost.stem(case, steps)
+    for case, steps, pairs in STEP_COST_RUNS:
+        path = RESULTS / step_cost.stem(case, steps, pairs)
         payload = json.loads(path.with_suffix(".json").read_text())
-        assert (payload["case"], payload["steps"]) == (case, steps)
+        assert (payload["case"], payload["steps"], len(payload["pairs"])) == (case, steps, pairs)
         assert path.with_suffix(".md").read_text() == step_cost.markdown(payload)
