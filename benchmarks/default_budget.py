@@ -314,12 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.split == "design":
         payload["choice"] = choose(results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / stem(args.stage, args.split)
-    path.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    path.with_suffix(".md").write_text(markdown(payload))
-    print(markdown(payload))
+    write(args.out / stem(args.stage, args.split), payload, markdown)
     return 0
+
+
+def write(path: Path, payload: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
+    """``payload`` as ``path``.json and its rendering as ``path``.md (its folder made if needed); the table printed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    path.with_suffix(".md").write_text(render(payload))
+    print(render(payload))
 
 
 if __name__ == "__main__":

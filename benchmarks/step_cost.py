@@ -23,7 +23,6 @@ machine's drift between the two fits. Not a registered measurement: it changes n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -193,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     payload = run(args.case, args.steps, args.pairs)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / stem(args.case, args.steps, args.pairs)
-    path.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    path.with_suffix(".md").write_text(markdown(payload))
-    print(markdown(payload))
+    default_budget.write(args.out / stem(args.case, args.steps, args.pairs), payload, markdown)
     return 0
 
 
