@@ -475,13 +475,18 @@ def step_cost() -> str:
         worst = max(
             p["default"]["iteration_outside_median_ms"] / p["bare"]["iteration_outside_median_ms"] for p in slower
         )
+        drift = max(bare_medians) / min(bare_medians) - 1
+        verdict = (
+            f"so this machine's drift from one fit to the next is as large as the effect looked for, and these "
+            f"{len(pairs)} pairs cannot tell whether the training steps run slower beside the callback"
+            if drift >= worst - 1
+            else "less than the slowest pair's difference: the steps may run slower beside the callback"
+        )
         reading = (
             f"The pairs disagree: in {len(pairs) - len(slower)} of {len(pairs)} the rest of the fit with the callback "
             f"took no longer than the bare fit, in {len(slower)} longer (its median iteration up to "
             f"{_share(worst - 1)} slower); the bare fits' median iterations alone range from {min(bare_medians):.0f} "
-            f"to {max(bare_medians):.0f} ms, so this machine's drift from one fit to the next is as large as the "
-            f"effect looked for, and these {len(pairs)} pairs cannot tell whether the training steps run slower beside "
-            "the callback."
+            f"to {max(bare_medians):.0f} ms, {verdict}."
         )
     elif slower:
         reading = (
