@@ -322,8 +322,9 @@ def write(path: Path, payload: dict[str, Any], render: Callable[[dict[str, Any]]
     """``payload`` as ``path``.json and its rendering as ``path``.md (its folder made if needed); the table printed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    path.with_suffix(".md").write_text(render(payload))
-    print(render(payload))
+    text = render(payload)
+    path.with_suffix(".md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

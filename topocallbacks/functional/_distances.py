@@ -159,20 +159,20 @@ def epsilon_graph(
     scale = power_of_two_scale(points, epsilon)
     adjacency = np.empty((n, n), dtype=bool)
     row_parts, col_parts = [np.zeros(0, dtype=np.intp)], [np.zeros(0, dtype=np.intp)]
-    # Every block of rows is decided against all the points: they are scaled and centred once, as epsilon_block
-    # would for each block (the same centre: the right-hand side is the same), so the decisions are epsilon_block's.
+    # The points are scaled and centred once, as epsilon_block would for all of them on the right (the same centre),
+    # so the decisions are epsilon_block's.
     scaled = points * scale
     centre = scaled[0] + (scaled - scaled[0]).mean(axis=0)
     centred = scaled - centre
     sq = np.einsum("ij,ij->i", centred, centred)
-    right = _Side(scaled=scaled, centred=centred, sq=sq, sq_max=float(sq.max()))
+    sq_max = float(sq.max())
     for start in range(0, n, ADJACENCY_BLOCK_ROWS):
         stop = min(start + ADJACENCY_BLOCK_ROWS, n)
         # Each block of rows against the columns from its first row on (the upper part): the lower part is the
         # transpose of blocks already decided. A pair's decision does not depend on which of its points is the row
         # (outside the error band a rigorous bound decides it, inside it the same sum of squared differences in
         # either order), and the band is the same: ``sq_max`` stays the whole cloud's.
-        upper = _Side(scaled=scaled[start:], centred=centred[start:], sq=sq[start:], sq_max=right.sq_max)
+        upper = _Side(scaled=scaled[start:], centred=centred[start:], sq=sq[start:], sq_max=sq_max)
         block = _decided(scaled[start:stop], centred[start:stop], upper, epsilon * scale)
         adjacency[start:stop, start:] = block
         adjacency[start:stop, :start] = adjacency[:start, start:stop].T
