@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from baselines import (
@@ -14,7 +16,7 @@ from baselines import (
     RecomputeStep,
     ZClip,
 )
-from engine import TopoDetector
+from engine import PlannedTopoDetector, TopoDetector
 from faults import Architecture, Setup
 
 
@@ -24,7 +26,7 @@ class DetectorSpec:
 
     detector: str
     action: str
-    family: str  # "ours" (candidates for the default), "control" or "baseline"
+    family: str  # "ours" (candidates for the default), "shipped" (the default as shipped), "control", "baseline"
     description: str
     make: Callable[[Architecture, Setup], Any]
     policy: dict[str, Any] | None = None  # ours: the TopoMonitor policy (check_every is the suite's)
@@ -41,6 +43,19 @@ def _ours(policy: dict[str, Any], replay_data: bool = False) -> Callable[[Archit
 def ours(detector: str, action: str, description: str, policy: dict[str, Any]) -> DetectorSpec:
     """A row of ours: the library's monitor with ``policy``."""
     return DetectorSpec(detector, action, "ours", description, _ours(policy), policy)
+
+
+#: The plans the shipped default's overhead budget makes for each setting on the development machine
+#: (``plans.py``; ``benchmarks/DEFAULT_BUDGET.md``, stage 9).
+PLANS = Path(__file__).resolve().parents[1] / "results" / "rescue_plans.json"
+
+
+def planned(arch: Architecture, setup: Setup) -> PlannedTopoDetector:
+    """The default rule as the shipped default runs it: the setting's stored plan, taken at the third check."""
+    stored = json.loads(PLANS.read_text())["settings"][arch.name]
+    plan = {key: stored["plan"][key] for key in ("intervals", "background", "lag", "probe_size")}
+    return PlannedTopoDetector({}, setup.check_every, {**plan, "at_step": 2 * setup.check_every},
+                               stored["costs"]["n"])  # fmt: skip
 
 
 # Plain replay, the control for what skipping the bad window adds (training is deterministic: replaying the same
@@ -64,6 +79,10 @@ DETECTORS: dict[str, DetectorSpec] = {
              "the library's default rule, nothing overridden (index and loss, require 2; rollback x0.5 compounding, "
              "skip 2 check intervals, max 4 rollbacks, then stop at the last healthy state; sentinels)",
              {}),
+        DetectorSpec("ours_default_planned", "rollback", "shipped",
+                     "the library's default rule at the shipped default's overhead budget: the plan the budget made "
+                     "for the setting on the development machine (`rescue_plans.md`), followed from the third check",
+                     planned, {}),
         ours("ours_default", "stop",
              "the default rule with action stop (restores the last healthy snapshot first)",
              {"action": "stop"}),

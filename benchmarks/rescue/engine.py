@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 from faults import KINDS, Architecture, RescueTrainee, Setup, StepChange
 
 from topocallbacks import TopoMonitor
@@ -114,6 +115,14 @@ def train_trunks(arch: Architecture, seed: int, setup: Setup, progress: Callable
 # --- our detectors ------------------------------------------------------------------------------------------------
 
 
+def intervention(position: int, done: Any) -> list[dict[str, Any]]:
+    """The run's event for what ``monitor.act`` did at ``position`` (an `InterventionRecord`, or None: nothing)."""
+    if done is None:
+        return []
+    return [{"position": position, "action": done.action, "snapshot_step": done.snapshot_step,
+             "steps_lost": done.steps_lost, "reason": done.reason}]  # fmt: skip
+
+
 class TopoDetector:
     """The library's monitor as a detector: ``record_dynamics`` every step, ``process`` and ``act`` at each check."""
 
@@ -135,16 +144,73 @@ class TopoDetector:
 
     def on_check(self, position: int, observation: Observation, actuator: Any) -> list[dict[str, Any]]:
         record = self.monitor.process(observation.features, step=position)
-        done = self.monitor.act(record, actuator)
-        if done is None:
-            return []
-        return [
-            {"position": position, "action": done.action, "snapshot_step": done.snapshot_step,
-             "steps_lost": done.steps_lost, "reason": done.reason}
-        ]  # fmt: skip
+        return intervention(position, self.monitor.act(record, actuator))
 
     def clone(self) -> TopoDetector:
         twin = copy.copy(self)
+        twin.monitor = copy.deepcopy(self.monitor)  # its pickling state drops the snapshots: share them back
+        twin.monitor.snapshots.snapshots = [copy.copy(s) for s in self.monitor.snapshots.snapshots]
+        return twin
+
+
+class RecordedProbe(torch.nn.Module):
+    """The model a planned detector's monitor runs its probe through: probe sample ``i`` (its index, a tensor
+    ``[i]``) comes out of the watched layer ``features`` as row ``i`` of the check's recorded probe features
+    (``table``), so the library's own probe pass, its seeded subset of a smaller probe included, reads the features
+    the trainee gave."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Identity()
+        self.table = torch.empty(0)
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.features(self.table[index[:, 0]])
+
+
+class PlannedTopoDetector:
+    """The library's monitor as its schedule drives it: ``on_step`` at every step, following a budget's ``plan``.
+
+    The shipped default plans once, at the third check, from the machine's timings (`topocallbacks.budget`); this
+    detector follows a plan measured beforehand (``plans.py``), through the library's ``plan=`` option, so that its
+    runs do not depend on the load of the machine that replays them. What the plan changes is the library's doing:
+    from its step the checks the schedule calls (every ``intervals`` x ``check_every`` steps), the probe (a seeded
+    subset of ``probe_size`` samples, which restarts the calibration) and the step each decision is applied at
+    (``lag`` steps after its check). The checks are evaluated in this process (the runner's in-loop path, which
+    applies a background check's decision at the same step as a worker would: `Runner._still_starting`), so no
+    worker process is started per run.
+    """
+
+    needs_checks = False
+
+    def __init__(self, policy: dict[str, Any], check_every: int, plan: dict[str, Any], probe_size: int) -> None:
+        self.lookup = RecordedProbe()
+        self.monitor = TopoMonitor(probe=torch.arange(probe_size)[:, None], layer="features", check_every=check_every,
+                                   policy=policy, plan=plan)  # fmt: skip
+        self.monitor.runner.failures = 2  # the checks run here (WorkerLife.in_loop), their steps unchanged
+        self._dynamics: tuple[float | None, float | None] = (None, None)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.monitor.snapshots.nbytes
+
+    def on_step(self, position: int, loss: float, grad_norm: float) -> StepChange | None:
+        self._dynamics = (loss, grad_norm)  # given to the monitor with the step's on_step, after the step
+        return None
+
+    def on_clock(self, clock: int, observe: Callable[[], Observation], actuator: Any) -> list[dict[str, Any]]:
+        """The loop's ``monitor.on_step`` after step ``clock``: a check when the schedule calls one (``observe``
+        gives its features), and the decisions due at this step applied through ``actuator``."""
+        if self.monitor.due(clock):
+            self.lookup.table = torch.from_numpy(observe().features)
+        loss, grad_norm = self._dynamics
+        self._dynamics = (None, None)
+        records = self.monitor.on_step(clock, model=self.lookup, loss=loss, grad_norm=grad_norm)
+        return [event for record in records for event in intervention(clock, self.monitor.act(record, actuator))]
+
+    def clone(self) -> PlannedTopoDetector:
+        twin = copy.copy(self)
+        twin.lookup = RecordedProbe()
         twin.monitor = copy.deepcopy(self.monitor)  # its pickling state drops the snapshots: share them back
         twin.monitor.snapshots.snapshots = [copy.copy(s) for s in self.monitor.snapshots.snapshots]
         return twin
@@ -173,7 +239,7 @@ class BranchActuator:
     def snapshot(self) -> dict[str, Any]:
         self.run.snapshots_taken += 1
         if self.run.trainee is None:  # the trunk's copy: the cost model adds a measured copy (``timing_job``)
-            return self.run.trunk.states[self.position]
+            return self.run.trunk_state(self.position)
         started = time.perf_counter()
         try:
             return self._live().snapshot()
@@ -258,31 +324,45 @@ class Run:
         self.snapshots_taken = 0
         self.snapshot_seconds = 0.0  # live copies (the cost model counts a measured copy per snapshot instead)
         self.branch_seconds = 0.0  # materialising from the trunk (the benchmark's, not the detector's)
+        self.observe_seconds = 0.0  # live probe evaluations a planned detector asked for (priced as probe passes)
 
     @property
     def trunk(self) -> Trunk:
         assert self.trunks is not None
         return self.trunks[self.kind]
 
-    def materialise(self, position: int) -> None:
-        """Go live at ``position`` (before its training step, after its check): the trunk's state there."""
-        if self.trainee is not None:
-            return
+    def _trainee_at(self, position: int) -> RescueTrainee:
+        """A trainee in the trunk's state at ``position``: the state of the check at or before it, plus the plain
+        steps since (the steps are the benchmark's: ``branch_seconds``)."""
         started = time.perf_counter()
         check = position - position % self.setup.check_every
         trainee = RescueTrainee(self.arch, self.seed, self.kind, self.setup)
         trainee.restore(self.trunk.states[check])
         for p in range(check, position):
             trainee.step(p)
-            self.live_steps += 1
-        self.trainee = trainee
-        self.branched_at = position
         self.branch_seconds += time.perf_counter() - started
+        return trainee
+
+    def materialise(self, position: int) -> None:
+        """Go live at ``position`` (before its training step, after its check): the trunk's state there."""
+        if self.trainee is not None:
+            return
+        self.trainee = self._trainee_at(position)
+        self.live_steps += position % self.setup.check_every
+        self.branched_at = position
+
+    def trunk_state(self, position: int) -> dict[str, Any]:
+        """The trunk's training state at ``position``: recorded at each check, rebuilt (and kept) between them."""
+        states = self.trunk.states
+        if position not in states:  # a decision applied between checks (a background check's lag)
+            states[position] = self._trainee_at(position).state()
+        return states[position]
 
     # --- the loop -------------------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._check(0)
+        self._on_clock(0)
 
     def advance(self, until: int) -> None:
         """Train positions ``[position, until)``, with the checks that fall after them."""
@@ -293,18 +373,21 @@ class Run:
             self.clock += 1
             if self.stopped_at is None and self.position % self.setup.check_every == 0:
                 self._check(self.position)
+            if self.stopped_at is None:
+                self._on_clock(self.position)
 
     def _log_change(self, position: int, change: StepChange) -> None:
         self.events.append({"position": position, "action": change.action, "clip_to": change.clip_to})
 
     def _timed(self, call: Callable[[], Any]) -> Any:
-        """``call()``, its seconds added to ``detector_seconds`` less any branching or live snapshot inside it."""
-        aside = self.branch_seconds + self.snapshot_seconds
+        """``call()``, its seconds added to ``detector_seconds`` less any branching, live snapshot or live probe
+        evaluation inside it (the cost model prices the probe passes apart)."""
+        aside = self.branch_seconds + self.snapshot_seconds + self.observe_seconds
         started = time.perf_counter()
         try:
             return call()
         finally:
-            inside = self.branch_seconds + self.snapshot_seconds - aside
+            inside = self.branch_seconds + self.snapshot_seconds + self.observe_seconds - aside
             self.detector_seconds += time.perf_counter() - started - inside
 
     def _judge(self, p: int, loss: float, norm: float) -> StepChange | None:
@@ -358,21 +441,42 @@ class Run:
             assert observation is not None
             self.probe_passes += 1
             self.positions[self.clock] = q
-            events = self._timed(lambda: self.detector.on_check(self.clock, observation, BranchActuator(self, q)))
-            self.snapshot_bytes = max(self.snapshot_bytes, getattr(self.detector, "snapshot_bytes", 0))
-            for event in events:
-                event["position"] = q
-                if event.get("snapshot_step") is not None:
-                    event["snapshot_step"] = self.positions[event["snapshot_step"]]
-                if event["action"] == "warn":
-                    self.warnings += 1
-                    continue
-                if event["action"] == "rollback":
-                    event["updates_undone"] = self.last_undone
-                    if getattr(self.detector, "replay_data", False):  # the same data again, from the snapshot
-                        self.replayed += q - event["snapshot_step"]
-                        self.position = event["snapshot_step"]
-                self.events.append(event)
+            self._take(q, self._timed(lambda: self.detector.on_check(self.clock, observation, BranchActuator(self, q))))
+
+    def _on_clock(self, q: int) -> None:
+        """A planned detector's call after each step (``on_clock``): the library's schedule decides what it does."""
+        if not hasattr(self.detector, "on_clock") or q >= self.setup.steps:  # no detector acts at the outcome
+            return
+        self.positions[self.clock] = q
+
+        def observe() -> Observation:
+            self.probe_passes += 1
+            if self.trainee is None:
+                return self.trunk.observation(q)
+            started = time.perf_counter()
+            try:
+                return self._evaluate()
+            finally:
+                self.observe_seconds += time.perf_counter() - started
+
+        self._take(q, self._timed(lambda: self.detector.on_clock(self.clock, observe, BranchActuator(self, q))))
+
+    def _take(self, q: int, events: list[dict[str, Any]]) -> None:
+        """Log the detector's interventions at position ``q`` (a rollback's snapshot step as a position)."""
+        self.snapshot_bytes = max(self.snapshot_bytes, getattr(self.detector, "snapshot_bytes", 0))
+        for event in events:
+            event["position"] = q
+            if event.get("snapshot_step") is not None:
+                event["snapshot_step"] = self.positions[event["snapshot_step"]]
+            if event["action"] == "warn":
+                self.warnings += 1
+                continue
+            if event["action"] == "rollback":
+                event["updates_undone"] = self.last_undone
+                if getattr(self.detector, "replay_data", False):  # the same data again, from the snapshot
+                    self.replayed += q - event["snapshot_step"]
+                    self.position = event["snapshot_step"]
+            self.events.append(event)
 
     def finish(self) -> float:
         """Run to the end of the data budget (or to the stop) and return the final standard metric."""

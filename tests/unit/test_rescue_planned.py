@@ -1,0 +1,109 @@
+"""The rescue suite's planned detector: the library's monitor driven by its schedule (``on_step`` every step) while
+following a budget's plan, in the suite's replay (benchmarks/rescue/engine.py, ``PlannedTopoDetector``)."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).parents[2] / "benchmarks" / "rescue"
+MODULES = ("faults", "engine", "detectors", "cache", "run", "plans")
+needs_data = pytest.mark.skipif(
+    not (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").exists(),
+    reason="needs Debian's dataset-fashion-mnist",
+)
+
+
+@pytest.fixture(scope="module")
+def suite():
+    sys.path.insert(0, str(SUITE))
+    try:
+        yield {name: importlib.import_module(name) for name in MODULES}
+    finally:
+        sys.path.remove(str(SUITE))
+
+
+@pytest.fixture(scope="module")
+def trunks(suite, tmp_path_factory):
+    """The quick grid's trunks (tiny ViT, seed 0, 80 positions, fault at 50, checks every 5), trained once."""
+    directory = tmp_path_factory.mktemp("trunks")
+    suite["run"].trunk_job("vit", 0, suite["faults"].QUICK, directory)
+    return suite["run"].load_trunks(directory, "vit", 0)
+
+
+def _planned(suite, **plan):
+    setup = suite["faults"].QUICK
+    full = {"at_step": 2 * setup.check_every, "intervals": 1, "background": False, "lag": None, "probe_size": None}
+    return lambda: suite["engine"].PlannedTopoDetector({}, setup.check_every, {**full, **plan}, 512)
+
+
+def _run(suite, trunks, make):
+    arch = suite["faults"].ARCHITECTURES["vit"]
+    return suite["engine"].run_detector(arch, 0, suite["faults"].QUICK, trunks, make)
+
+
+def _events(run):
+    return [(e["position"], e["action"], e["snapshot_step"]) for e in run.events]
+
+
+@pytest.mark.slow
+@needs_data
+def test_a_plan_that_changes_nothing_decides_as_the_checks_the_caller_runs(suite, trunks):
+    setup = suite["faults"].QUICK
+    planned = _run(suite, trunks, _planned(suite))
+    called = _run(suite, trunks, lambda: suite["engine"].TopoDetector({}, setup.check_every))
+    assert any(_events(run) for run in called.values()), "the quick faults make the default act"
+    for kind in suite["faults"].KINDS:
+        assert _events(planned[kind]) == _events(called[kind])
+        assert planned[kind].final == called[kind].final
+        assert planned[kind].final_updates == called[kind].final_updates
+
+
+@pytest.mark.slow
+@needs_data
+def test_a_lagged_decision_is_applied_lag_steps_after_its_check_and_branching_equals_a_live_run(suite, trunks):
+    setup, lag = suite["faults"].QUICK, 3
+    make = _planned(suite, background=True, lag=lag)
+    runs = _run(suite, trunks, make)
+    acted = [(kind, e) for kind, run in runs.items() for e in run.events]
+    at_step = 2 * setup.check_every
+    assert any(e["action"] == "rollback" and e["position"] > at_step for _, e in acted)
+    for _, event in acted:
+        # Checks before the plan's step are applied at once; from it on, lag steps after their check.
+        late = event["position"] > at_step
+        assert event["position"] % setup.check_every == (lag if late else 0)
+        if event["snapshot_step"] is not None and event["snapshot_step"] > at_step:
+            assert event["snapshot_step"] % setup.check_every == lag  # taken when a healthy check was applied
+    for kind in ("transient", "structural"):
+        live = suite["engine"].run_live(suite["faults"].ARCHITECTURES["vit"], 0, setup, kind, make)
+        assert live.final == runs[kind].final  # bit for bit: a snapshot between checks is the trunk's state there
+        assert _events(live) == _events(runs[kind])
+
+
+@pytest.mark.slow
+@needs_data
+def test_the_plan_sets_the_cadence_and_a_smaller_probe_restarts_the_calibration(suite, trunks):
+    setup = suite["faults"].QUICK
+    runs = _run(suite, trunks, _planned(suite, intervals=2, probe_size=128))
+    history = runs["healthy"].detector.monitor.history
+    checks = [(r.step, r.n_points) for r in history if hasattr(r, "n_points")]
+    at_step = 2 * setup.check_every
+    # The check at the plan's step takes the plan; the checks after it follow its cadence, on its probe.
+    assert checks[:3] == [(0, 512), (5, 512), (at_step, 512)]
+    assert [step for step, _ in checks[2:]] == list(range(at_step, setup.steps, 2 * setup.check_every))
+    assert {n for _, n in checks[3:]} == {128}
+    assert runs["healthy"].probe_passes == len(checks)
+
+
+def test_the_stored_plans_are_the_planners_on_the_stored_costs(suite):
+    """Each setting's stored plan is what the library's planner makes of its stored costs (one home: `plan_of`)."""
+    plans, budget = suite["plans"], suite["plans"].MonitorSettings().schedule.overhead_budget
+    stored = json.loads(suite["detectors"].PLANS.read_text())
+    assert stored["budget"] == budget
+    assert set(stored["settings"]) == set(plans.DESIGN)
+    for found in stored["settings"].values():
+        costs = plans.Costs(**found["costs"])
+        assert found["plan"] == plans.plan_of(costs, suite["faults"].FULL)
+        assert found["plan"]["at_step"] == 2 * stored["check_every"]
