@@ -107,3 +107,48 @@ def test_the_stored_plans_are_the_planners_on_the_stored_costs(suite):
         costs = plans.Costs(**found["costs"])
         assert found["plan"] == plans.plan_of(costs, suite["faults"].FULL)
         assert found["plan"]["at_step"] == 2 * stored["check_every"]
+
+
+def _row(transient, structural, healthy_acted=0, healthy_change=0.0, healthy_rate=0.0):
+    settings = {"vit": {"transient": f"{transient}/7", "structural": f"{structural}/7"}}
+    return {"rescued_transient_count": f"{transient}/7", "rescued_structural_count": f"{structural}/7",
+            "rescued": transient + structural, "healthy_change": healthy_change, "healthy_rate": healthy_rate,
+            "healthy_acted": healthy_acted, "healthy_runs": 7, "settings": settings}  # fmt: skip
+
+
+def _plans(met=False):
+    plan = {"at_step": 20, "intervals": 4, "background": True, "lag": 5, "probe_size": 128, "predicted": 0.043,
+            "met": met}  # fmt: skip
+    return {"budget": 0.02, "check_every": 10, "settings": {"vit": {"costs": {"n": 512}, "plan": plan}}}
+
+
+def test_the_at_default_paragraph_says_fewer_when_the_plans_rescue_fewer(suite):
+    at_default = importlib.import_module("at_default")
+    payload = {"summary": {at_default.OURS: _row(4, 1), at_default.PLANNED: _row(1, 0)},
+               "paired": {at_default.PLANNED: {"both": 1, "default_only": 4, "other_only": 0, "p": 0.125}}}  # fmt: skip
+    assert not at_default.holds(payload)
+    text = at_default.summary(payload, _plans())
+    assert "a check every 4 intervals of 10 steps on 128 probe samples (which restarts the rule's warm-up)" in text
+    assert "decisions applied 5 steps after their check; 1 of 1 settings miss the 2% even so" in text
+    assert "the default rule rescued 1/7 (14 %; 3-51) transient and 0/7 (0 %; 0-35) structural faults" in text
+    assert "against 4/7 (57 %; 25-84) and 1/7 (14 %; 3-51) when the same rule checks every 10 steps" in text
+    assert "(4 runs rescued only there, 0 only at the plans; McNemar p = 0.12)" in text
+    assert text.endswith("those figures are `overhead_budget=None`'s** (stage 9 of `benchmarks/DEFAULT_BUDGET.md`).")
+    table = at_default.rows_table(payload, _plans())
+    assert table[2] == "| vit | 4 x 10 steps, 128, 5; 4.3% (missed) | 4/7 / 1/7 | 1/7 / 0/7 |"
+
+
+def test_the_at_default_paragraph_says_the_figures_hold_only_by_the_registered_rule(suite):
+    at_default = importlib.import_module("at_default")
+    paired = {"both": 5, "default_only": 0, "other_only": 0, "p": 1.0}
+    payload = {"summary": {at_default.OURS: _row(4, 1), at_default.PLANNED: _row(4, 1)},
+               "paired": {at_default.PLANNED: paired}}  # fmt: skip
+    assert at_default.holds(payload)
+    assert at_default.summary(payload, _plans(met=True)).endswith("hold at the shipped default on these settings.")
+    payload["summary"][at_default.PLANNED] = _row(4, 1, healthy_acted=3, healthy_rate=2.0)  # healthy twins pay
+    assert not at_default.holds(payload)
+    assert at_default.summary(payload, _plans()).endswith("there the rule misses the suite's healthy targets.")
+    payload["summary"][at_default.PLANNED] = _row(7, 6)  # significantly more: the figures do not hold either
+    payload["paired"][at_default.PLANNED] = {"both": 5, "default_only": 0, "other_only": 8, "p": 0.008}
+    assert not at_default.holds(payload)
+    assert at_default.summary(payload, _plans()).endswith("there the rule rescues more (the figures understate it).")
