@@ -26,3 +26,18 @@ def benchmark_module(name: str, folder: str = "") -> Callable[..., Any]:
             sys.path.remove(path)
 
     return module
+
+
+def benchmark_suite(folder: str, names: tuple[str, ...]) -> Callable[..., Any]:
+    """A module-scoped fixture giving ``{name: module}`` for the modules ``names`` of ``benchmarks/<folder>/``."""
+
+    @pytest.fixture(scope="module")
+    def modules() -> Iterator[dict[str, ModuleType]]:
+        path = str(BENCHMARKS / folder)
+        sys.path.insert(0, path)
+        try:
+            yield {name: importlib.import_module(name) for name in names}
+        finally:
+            sys.path.remove(path)
+
+    return modules

@@ -1,24 +1,15 @@
 """The collapse-evidence suite (benchmarks/collapse): recording, signals and the evaluation protocol."""
 
 import dataclasses
-import importlib
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-SUITE = Path(__file__).parents[2] / "benchmarks" / "collapse"
+from tests.benchmarks import benchmark_suite
 
-
-@pytest.fixture(scope="module")
-def suite():
-    sys.path.insert(0, str(SUITE))
-    try:
-        yield {name: importlib.import_module(name) for name in ("scenarios", "record", "signals", "evaluate")}
-    finally:
-        sys.path.remove(str(SUITE))
+suite = benchmark_suite("collapse", ("scenarios", "record", "signals", "evaluate"))
 
 
 def fashion_mnist_installed():

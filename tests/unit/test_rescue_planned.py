@@ -1,28 +1,21 @@
 """The rescue suite's planned detector: the library's monitor driven by its schedule (``on_step`` every step) while
 following a budget's plan, in the suite's replay (benchmarks/rescue/engine.py, ``PlannedTopoDetector``)."""
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SUITE = Path(__file__).parents[2] / "benchmarks" / "rescue"
-MODULES = ("faults", "engine", "detectors", "cache", "run", "plans")
+from tests.benchmarks import benchmark_suite
+
+MODULES = ("faults", "engine", "detectors", "cache", "run", "plans", "at_default")
 needs_data = pytest.mark.skipif(
     not (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").exists(),
     reason="needs Debian's dataset-fashion-mnist",
 )
 
 
-@pytest.fixture(scope="module")
-def suite():
-    sys.path.insert(0, str(SUITE))
-    try:
-        yield {name: importlib.import_module(name) for name in MODULES}
-    finally:
-        sys.path.remove(str(SUITE))
+suite = benchmark_suite("rescue", MODULES)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +116,7 @@ def _plans(met=False):
 
 
 def test_the_at_default_paragraph_says_fewer_when_the_plans_rescue_fewer(suite):
-    at_default = importlib.import_module("at_default")
+    at_default = suite["at_default"]
     payload = {"summary": {at_default.OURS: _row(4, 1), at_default.PLANNED: _row(1, 0)},
                "paired": {at_default.PLANNED: {"both": 1, "default_only": 4, "other_only": 0, "p": 0.125}}}  # fmt: skip
     assert not at_default.holds(payload)
@@ -139,7 +132,7 @@ def test_the_at_default_paragraph_says_fewer_when_the_plans_rescue_fewer(suite):
 
 
 def test_the_at_default_paragraph_says_the_figures_hold_only_by_the_registered_rule(suite):
-    at_default = importlib.import_module("at_default")
+    at_default = suite["at_default"]
     paired = {"both": 5, "default_only": 0, "other_only": 0, "p": 1.0}
     payload = {"summary": {at_default.OURS: _row(4, 1), at_default.PLANNED: _row(4, 1)},
                "paired": {at_default.PLANNED: paired}}  # fmt: skip

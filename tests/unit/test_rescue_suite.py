@@ -1,26 +1,19 @@
 """The rescue suite (benchmarks/rescue): its quick grid end to end, branching against live runs, the baselines."""
 
-import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-SUITE = Path(__file__).parents[2] / "benchmarks" / "rescue"
+from tests.benchmarks import benchmark_suite
+
 MODULES = ("faults", "baselines", "engine", "detectors", "cache", "outputs", "run")
 
 
-@pytest.fixture(scope="module")
-def suite():
-    sys.path.insert(0, str(SUITE))
-    try:
-        yield {name: importlib.import_module(name) for name in MODULES}
-    finally:
-        sys.path.remove(str(SUITE))
+suite = benchmark_suite("rescue", MODULES)
 
 
 def fashion_mnist_installed():
