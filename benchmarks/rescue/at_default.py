@@ -12,6 +12,8 @@ from typing import Any
 
 from outputs import OURS, TARGETS, _rate
 
+from topocallbacks.settings import MonitorSettings
+
 PLANNED = "ours_default_planned+rollback"
 #: Where the stored two-row run and the plans are, under benchmarks/results/.
 RUN = "rescue_at_default/rescue.json"
@@ -30,6 +32,19 @@ def holds(payload: dict[str, Any]) -> bool:
     healthy = (planned["healthy_change"] >= TARGETS["healthy_change"]
                and planned["healthy_rate"] <= TARGETS["healthy_rate"])  # fmt: skip
     return planned["rescued"] >= every["rescued"] and payload["paired"][PLANNED]["p"] >= 0.05 and healthy
+
+
+def first_judged(plan: dict[str, Any], check_every: int, warmup: int) -> int:
+    """The step of the first check the rule judges (the one after its ``warmup`` checks) under ``plan``: checks at
+    every ``check_every`` steps from step 0 up to the plan's step, then every ``intervals`` of them; a smaller probe
+    restarts the warm-up after the plan's check."""
+    at, every = plan["at_step"], plan["intervals"] * check_every
+    before = at // check_every + 1  # the checks at 0, check_every, ..., at_step
+    if plan["probe_size"] is not None:
+        return at + (warmup + 1) * every
+    if before > warmup:
+        return warmup * check_every
+    return at + (warmup + 1 - before) * every
 
 
 def _plans_text(plans: dict[str, Any]) -> str:
@@ -54,9 +69,14 @@ def summary(payload: dict[str, Any], plans: dict[str, Any]) -> str:
     pair = payload["paired"][PLANNED]
     faults = " and ".join(f"{_rate(*_count(planned, f))} {f}" for f in ("transient", "structural"))
     before = " and ".join(f"{_rate(*_count(every, f))}" for f in ("transient", "structural"))
+    warmup, fault = MonitorSettings().rule.warmup, payload["setup"]["fault"]
+    judged = sorted({first_judged(s["plan"], plans["check_every"], warmup) for s in plans["settings"].values()})
+    when = "after" if judged[0] > fault else "before" if judged[-1] <= fault else "around"
     text = (
         f"At the shipped default (`overhead_budget={plans['budget']:g}`), the budget plans, for each of the rescue "
-        f"suite's settings on the development machine, {_plans_text(plans)}. Following those plans, the default "
+        f"suite's settings on the development machine, {_plans_text(plans)}. So the rule judges its first check at "
+        f"step {' or '.join(str(step) for step in judged)}, {when} the faults begin (position {fault}; the runs "
+        f"end at {payload['setup']['steps']}). Following those plans, the default "
         f"rule rescued {faults} faults, against {before} when the same rule checks every {plans['check_every']} "
         f"steps on the whole probe, as the rescue figures were measured ({pair['default_only']} runs rescued only "
         f"there, {pair['other_only']} only at the plans; McNemar p = {pair['p']:.2g}); it acted on "

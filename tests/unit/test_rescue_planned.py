@@ -109,6 +109,9 @@ def _row(transient, structural, healthy_acted=0, healthy_change=0.0, healthy_rat
             "healthy_acted": healthy_acted, "healthy_runs": 7, "settings": settings}  # fmt: skip
 
 
+SETUP = {"fault": 200, "steps": 400}
+
+
 def _plans(met=False):
     plan = {"at_step": 20, "intervals": 4, "background": True, "lag": 5, "probe_size": 128, "predicted": 0.043,
             "met": met}  # fmt: skip
@@ -117,12 +120,13 @@ def _plans(met=False):
 
 def test_the_at_default_paragraph_says_fewer_when_the_plans_rescue_fewer(suite):
     at_default = suite["at_default"]
-    payload = {"summary": {at_default.OURS: _row(4, 1), at_default.PLANNED: _row(1, 0)},
+    payload = {"summary": {at_default.OURS: _row(4, 1), at_default.PLANNED: _row(1, 0)}, "setup": SETUP,
                "paired": {at_default.PLANNED: {"both": 1, "default_only": 4, "other_only": 0, "p": 0.125}}}  # fmt: skip
     assert not at_default.holds(payload)
     text = at_default.summary(payload, _plans())
     assert "a check every 4 intervals of 10 steps on 128 probe samples (which restarts the rule's warm-up)" in text
     assert "decisions applied 5 steps after their check; 1 of 1 settings miss the 2% even so" in text
+    assert "So the rule judges its first check at step 460, after the faults begin (position 200; the runs" in text
     assert "the default rule rescued 1/7 (14 %; 3-51) transient and 0/7 (0 %; 0-35) structural faults" in text
     assert "against 4/7 (57 %; 25-84) and 1/7 (14 %; 3-51) when the same rule checks every 10 steps" in text
     assert "(4 runs rescued only there, 0 only at the plans; McNemar p = 0.12)" in text
@@ -135,7 +139,7 @@ def test_the_at_default_paragraph_says_the_figures_hold_only_by_the_registered_r
     at_default = suite["at_default"]
     paired = {"both": 5, "default_only": 0, "other_only": 0, "p": 1.0}
     payload = {"summary": {at_default.OURS: _row(4, 1), at_default.PLANNED: _row(4, 1)},
-               "paired": {at_default.PLANNED: paired}}  # fmt: skip
+               "paired": {at_default.PLANNED: paired}, "setup": SETUP}  # fmt: skip
     assert at_default.holds(payload)
     assert at_default.summary(payload, _plans(met=True)).endswith("hold at the shipped default on these settings.")
     payload["summary"][at_default.PLANNED] = _row(4, 1, healthy_acted=3, healthy_rate=2.0)  # healthy twins pay
@@ -145,3 +149,28 @@ def test_the_at_default_paragraph_says_the_figures_hold_only_by_the_registered_r
     payload["paired"][at_default.PLANNED] = {"both": 5, "default_only": 0, "other_only": 8, "p": 0.008}
     assert not at_default.holds(payload)
     assert at_default.summary(payload, _plans()).endswith("there the rule rescues more (the figures understate it).")
+
+
+@pytest.mark.parametrize("probe_size", [128, None])
+def test_the_first_judged_check_is_the_librarys(suite, probe_size):
+    """`first_judged` (the pages' step) against the library: a planned detector fed healthy features every step."""
+    import numpy as np
+    import torch
+
+    from topocallbacks.interventions import LoopActuator
+    from topocallbacks.settings import MonitorSettings
+
+    plan = {"at_step": 20, "intervals": 4, "background": True, "lag": 5, "probe_size": probe_size}
+    detector = suite["engine"].PlannedTopoDetector({}, 10, plan, 512)
+    model = torch.nn.Linear(2, 2)
+    actuator = LoopActuator(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    rng = np.random.default_rng(0)
+    for clock in range(0, 500):
+        features = rng.normal(size=(512, 8)).astype(np.float32)
+        detector.on_step(clock, 1.0 + 0.01 * rng.normal(), 1.0)
+        observation = suite["engine"].Observation(0.0, 0.0, features)
+        assert detector.on_clock(clock, lambda seen=observation: seen, actuator) == []  # healthy: nothing to act on
+    records = [r for r in detector.monitor.history if r.decision is not None]
+    judged = next(r.step for r in records if not r.decision.reason.startswith("warm-up"))
+    warmup = MonitorSettings().rule.warmup
+    assert judged == suite["at_default"].first_judged(plan, 10, warmup) == (460 if probe_size else 340)
