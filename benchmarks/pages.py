@@ -658,6 +658,21 @@ def rescue_heldout() -> str:
                       *heldout.targets_table(payload)])  # fmt: skip
 
 
+@block("rescue-at-default-status", "rescue_at_default/rescue.json", "rescue_plans.json")
+def rescue_at_default_status() -> str:
+    """The README's paragraph: the rescue suite's default row at the shipped default's plans (stage 9)."""
+    at_default = suite("rescue", "at_default")
+    return _quoted(at_default.summary(stored(at_default.RUN), stored(at_default.PLANS)))
+
+
+@block("rescue-at-default", "rescue_at_default/rescue.json", "rescue_plans.json")
+def rescue_at_default() -> str:
+    """The evidence page's account of stage 9: the paragraph, then the plans and rescues per setting."""
+    at_default = suite("rescue", "at_default")
+    payload, plans = stored(at_default.RUN), stored(at_default.PLANS)
+    return "\n".join([_fill(at_default.summary(payload, plans)), "", *at_default.rows_table(payload, plans)])
+
+
 # --- the silent-collapse suite (README.md, docs/evidence.md) --------------------------------------------------
 
 

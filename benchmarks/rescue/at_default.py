@@ -59,7 +59,7 @@ def _plans_text(plans: dict[str, Any]) -> str:
         + (f" on {' or '.join(str(n) for n in sizes)} probe samples (which restarts the rule's warm-up)" if sizes
            else "")
         + (f", decisions applied {' or '.join(str(n) for n in lags)} steps after their check" if lags else "")
-        + (f"; {len(missed)} of {len(found)} settings miss the {plans['budget']:.0%} even so" if missed else "")
+        + (f"; {len(missed)} of {len(found)} settings miss the {100 * plans['budget']:g} % even so" if missed else "")
     )  # fmt: skip
 
 
@@ -106,7 +106,7 @@ def rows_table(payload: dict[str, Any], plans: dict[str, Any]) -> list[str]:
     for name, found in plans["settings"].items():
         p, n = found["plan"], found["costs"]["n"]
         shown = f"{p['intervals']} x {plans['check_every']} steps, {p['probe_size'] or n}, {p['lag']}; "
-        shown += f"{p['predicted']:.1%}" + ("" if p["met"] else " (missed)")
+        shown += f"{100 * p['predicted']:.1f} %" + ("" if p["met"] else " (missed)")
         here, there = every["settings"][name], planned["settings"][name]
         lines.append(
             f"| {name} | {shown} | {here['transient']} / {here['structural']} | "

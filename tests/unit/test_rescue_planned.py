@@ -125,14 +125,14 @@ def test_the_at_default_paragraph_says_fewer_when_the_plans_rescue_fewer(suite):
     assert not at_default.holds(payload)
     text = at_default.summary(payload, _plans())
     assert "a check every 4 intervals of 10 steps on 128 probe samples (which restarts the rule's warm-up)" in text
-    assert "decisions applied 5 steps after their check; 1 of 1 settings miss the 2% even so" in text
+    assert "decisions applied 5 steps after their check; 1 of 1 settings miss the 2 % even so" in text
     assert "So the rule judges its first check at step 460, after the faults begin (position 200; the runs" in text
     assert "the default rule rescued 1/7 (14 %; 3-51) transient and 0/7 (0 %; 0-35) structural faults" in text
     assert "against 4/7 (57 %; 25-84) and 1/7 (14 %; 3-51) when the same rule checks every 10 steps" in text
     assert "(4 runs rescued only there, 0 only at the plans; McNemar p = 0.12)" in text
     assert text.endswith("those figures are `overhead_budget=None`'s** (stage 9 of `benchmarks/DEFAULT_BUDGET.md`).")
     table = at_default.rows_table(payload, _plans())
-    assert table[2] == "| vit | 4 x 10 steps, 128, 5; 4.3% (missed) | 4/7 / 1/7 | 1/7 / 0/7 |"
+    assert table[2] == "| vit | 4 x 10 steps, 128, 5; 4.3 % (missed) | 4/7 / 1/7 | 1/7 / 0/7 |"
 
 
 def test_the_at_default_paragraph_says_the_figures_hold_only_by_the_registered_rule(suite):
