@@ -18,6 +18,7 @@ from baselines import (
 )
 from engine import PlannedTopoDetector, TopoDetector
 from faults import Architecture, Setup
+from plans import plan_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ def planned(arch: Architecture, setup: Setup) -> PlannedTopoDetector:
     """The default rule as the shipped default runs it: the setting's stored plan, taken at the third check."""
     stored = json.loads(PLANS.read_text())["settings"][arch.name]
     plan = {key: stored["plan"][key] for key in ("intervals", "background", "lag", "probe_size")}
-    return PlannedTopoDetector({}, setup.check_every, {**plan, "at_step": 2 * setup.check_every},
+    return PlannedTopoDetector({}, setup.check_every, {**plan, "at_step": plan_step(setup.check_every)},
                                stored["costs"]["n"])  # fmt: skip
 
 

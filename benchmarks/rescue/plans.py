@@ -75,21 +75,26 @@ def measured(arch_name: str, setup: Setup = FULL) -> dict[str, Any]:
     return {"costs": vars(found), "plan": plan_of(found, setup)}
 
 
+def plan_step(check_every: int) -> int:
+    """The step of the third check the schedule calls (checks from step 0), at which the budget plans."""
+    return 2 * check_every
+
+
 def plan_of(costs: Costs, setup: Setup) -> dict[str, Any]:
     """The shipped default's plan for ``costs`` (`Plan.settings` with ``at_step``, the third check's step, and
     what the planner predicted)."""
     s = MonitorSettings().merged({"check_every": setup.check_every})
     chosen, _ = replan(costs, setup.check_every, s.schedule.overhead_budget, Plan(), can_move=True, can_shrink=True,
                        lag=s.schedule.apply_lag, can_lag=True)  # fmt: skip
-    return {"at_step": 2 * setup.check_every, "intervals": chosen.intervals, "background": chosen.background,
+    return {"at_step": plan_step(setup.check_every), "intervals": chosen.intervals, "background": chosen.background,
             "lag": chosen.lag, "probe_size": chosen.probe_size, "predicted": round(chosen.predicted, 4),
             "met": chosen.met}  # fmt: skip
 
 
 def markdown(payload: dict[str, Any]) -> str:
     lines = [
-        f"The shipped default's overhead budget ({payload['budget']:.0%}) planned for each rescue-suite setting from "
-        "its costs on this machine (`benchmarks/rescue/plans.py`; one thread; milliseconds).",
+        f"The shipped default's overhead budget ({100 * payload['budget']:g} %) planned for each rescue-suite setting "
+        "from its costs on this machine (`benchmarks/rescue/plans.py`; one thread; milliseconds).",
         "",
         "| setting | step | probe pass | evaluation (n) | state copy | plan: every | lag | probe | predicted | met |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -99,7 +104,7 @@ def markdown(payload: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {c['step_ms']:.1f} | {c['probe_ms']:.1f} | {c['eval_ms']:.1f} ({c['n']}) | "
             f"{c['other_ms']:.1f} | {p['intervals']} x {payload['check_every']} steps | {p['lag']} | "
-            f"{p['probe_size'] or c['n']} | {p['predicted']:.1%} | {'yes' if p['met'] else 'no'} |"
+            f"{p['probe_size'] or c['n']} | {100 * p['predicted']:.1f} % | {'yes' if p['met'] else 'no'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -28,7 +28,8 @@ def trunks(suite, tmp_path_factory):
 
 def _planned(suite, **plan):
     setup = suite["faults"].QUICK
-    full = {"at_step": 2 * setup.check_every, "intervals": 1, "background": False, "lag": None, "probe_size": None}
+    full = {"at_step": suite["plans"].plan_step(setup.check_every), "intervals": 1, "background": False,
+            "lag": None, "probe_size": None}  # fmt: skip
     return lambda: suite["engine"].PlannedTopoDetector({}, setup.check_every, {**full, **plan}, 512)
 
 
@@ -99,7 +100,7 @@ def test_the_stored_plans_are_the_planners_on_the_stored_costs(suite):
     for found in stored["settings"].values():
         costs = plans.Costs(**found["costs"])
         assert found["plan"] == plans.plan_of(costs, suite["faults"].FULL)
-        assert found["plan"]["at_step"] == 2 * stored["check_every"]
+        assert found["plan"]["at_step"] == plans.plan_step(stored["check_every"]) == 20
 
 
 def _row(transient, structural, healthy_acted=0, healthy_change=0.0, healthy_rate=0.0):
