@@ -658,6 +658,34 @@ def rescue_heldout() -> str:
                       *heldout.targets_table(payload)])  # fmt: skip
 
 
+@block("budget-start", "rescue_plans.json")
+def budget_start() -> str:
+    """The costs page's account of what a plan does to the rule's warm-up: the stored plan of the rescue suite's
+    ResNet, through `at_default.first_judged` (which a test checks against the library's planned monitor)."""
+    from topocallbacks.settings import MonitorSettings
+
+    first_judged, plan_step = suite("rescue", "at_default").first_judged, suite("rescue", "plans").plan_step
+    warmup, plan = MonitorSettings().rule.warmup, stored("rescue_plans.json")["settings"]["resnet"]["plan"]
+    every = plan["intervals"]
+
+    def judged(check_every: int) -> str:
+        return f"{first_judged({**plan, 'at_step': plan_step(check_every)}, check_every, warmup):,}"
+
+    return _fill(
+        f"**What a plan does to the rule's start.** The rule judges nothing during its warm-up (`warmup` checks, "
+        f"{warmup} by default), and a plan lengthens that start in steps: its checks are further apart, and a halved "
+        "probe starts the warm-up again after the plan's check. The plan the budget made for the rescue suite's small "
+        f"ResNet (`benchmarks/results/rescue_plans.md`: a check every {every} intervals on {plan['probe_size']} probe "
+        f"samples) puts the rule's first judged check (`warmup` + 1) x {every} x `check_every` steps after the "
+        f"third check: at step {judged(10)} with `check_every=10`, at step {judged(100)} with the `resnet` preset's "
+        "100. A fault before then is seen only by what acts during a warm-up (a diverged check, the collapse "
+        "sentinels). On the rescue suite's 400-step runs, whose faults come at step 200, that left the default rule "
+        "nothing to rescue ([at the shipped default](evidence.md#at-the-shipped-default-the-rule-under-the-overhead-"
+        "budgets-plans)); `overhead_budget=None`, or a budget large enough to keep the configured cadence and probe, "
+        "keeps the configured start."
+    )
+
+
 @block("rescue-at-default-status", "rescue_at_default/rescue.json", "rescue_plans.json")
 def rescue_at_default_status() -> str:
     """The README's paragraph: the rescue suite's default row at the shipped default's plans (stage 9)."""
