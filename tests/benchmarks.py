@@ -11,6 +11,11 @@ from typing import Any
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+#: Skips a test that trains on Fashion-MNIST where Debian's dataset-fashion-mnist (``.ci/run`` installs it) is missing.
+needs_fashion_mnist = pytest.mark.skipif(
+    not (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").exists(),
+    reason="needs Debian's dataset-fashion-mnist",
+)
 
 
 def benchmark_module(name: str, folder: str = "") -> Callable[..., Any]:

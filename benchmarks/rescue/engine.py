@@ -115,6 +115,13 @@ def train_trunks(arch: Architecture, seed: int, setup: Setup, progress: Callable
 # --- our detectors ------------------------------------------------------------------------------------------------
 
 
+def copied(monitor: TopoMonitor) -> TopoMonitor:
+    """A copy of ``monitor`` for a branch: its pickling state drops the snapshots, so the copy shares them back."""
+    twin = copy.deepcopy(monitor)
+    twin.snapshots.snapshots = [copy.copy(s) for s in monitor.snapshots.snapshots]
+    return twin
+
+
 def intervention(position: int, done: Any) -> list[dict[str, Any]]:
     """The run's event for what ``monitor.act`` did at ``position`` (an `InterventionRecord`, or None: nothing)."""
     if done is None:
@@ -148,8 +155,7 @@ class TopoDetector:
 
     def clone(self) -> TopoDetector:
         twin = copy.copy(self)
-        twin.monitor = copy.deepcopy(self.monitor)  # its pickling state drops the snapshots: share them back
-        twin.monitor.snapshots.snapshots = [copy.copy(s) for s in self.monitor.snapshots.snapshots]
+        twin.monitor = copied(self.monitor)
         return twin
 
 
@@ -211,8 +217,7 @@ class PlannedTopoDetector:
     def clone(self) -> PlannedTopoDetector:
         twin = copy.copy(self)
         twin.lookup = RecordedProbe()
-        twin.monitor = copy.deepcopy(self.monitor)  # its pickling state drops the snapshots: share them back
-        twin.monitor.snapshots.snapshots = [copy.copy(s) for s in self.monitor.snapshots.snapshots]
+        twin.monitor = copied(self.monitor)
         return twin
 
 

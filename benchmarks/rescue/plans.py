@@ -110,7 +110,9 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
+    # The benchmarks' one writer of a JSON and its table; imported here because it loads Lightning, which the
+    # rescue suite's jobs (importing `plan_step` through detectors.py) do not need.
+    from default_budget import write
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", nargs="*", choices=DESIGN, default=list(DESIGN))
@@ -122,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(name, settings[name], flush=True)
     payload = {"budget": MonitorSettings().schedule.overhead_budget, "check_every": FULL.check_every,
                "settings": settings}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{STEM}.json").write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    (args.out / f"{STEM}.md").write_text(markdown(payload))
-    print(markdown(payload))
+    write(args.out / STEM, payload, markdown)
     return 0
 
 

@@ -2,21 +2,16 @@
 
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.benchmarks import benchmark_suite
+from tests.benchmarks import benchmark_suite, needs_fashion_mnist
 
 suite = benchmark_suite("collapse", ("scenarios", "record", "signals", "evaluate"))
 
 
-def fashion_mnist_installed():
-    return (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").exists()
-
-
-@pytest.mark.skipif(not fashion_mnist_installed(), reason="needs Debian's dataset-fashion-mnist")
+@needs_fashion_mnist
 @pytest.mark.slow
 def test_twins_share_everything_before_the_fault_and_differ_after(suite, tmp_path):
     scenario = dataclasses.replace(suite["scenarios"].SCENARIOS["resnet_lr_ramp"], steps=6, fault_step=3, check_every=1)

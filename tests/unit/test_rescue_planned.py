@@ -2,17 +2,12 @@
 following a budget's plan, in the suite's replay (benchmarks/rescue/engine.py, ``PlannedTopoDetector``)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.benchmarks import benchmark_suite
+from tests.benchmarks import benchmark_suite, needs_fashion_mnist
 
 MODULES = ("faults", "engine", "detectors", "cache", "run", "plans", "at_default")
-needs_data = pytest.mark.skipif(
-    not (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").exists(),
-    reason="needs Debian's dataset-fashion-mnist",
-)
 
 
 suite = benchmark_suite("rescue", MODULES)
@@ -43,7 +38,7 @@ def _events(run):
 
 
 @pytest.mark.slow
-@needs_data
+@needs_fashion_mnist
 def test_a_plan_that_changes_nothing_decides_as_the_checks_the_caller_runs(suite, trunks):
     setup = suite["faults"].QUICK
     planned = _run(suite, trunks, _planned(suite))
@@ -56,7 +51,7 @@ def test_a_plan_that_changes_nothing_decides_as_the_checks_the_caller_runs(suite
 
 
 @pytest.mark.slow
-@needs_data
+@needs_fashion_mnist
 def test_a_lagged_decision_is_applied_lag_steps_after_its_check_and_branching_equals_a_live_run(suite, trunks):
     setup, lag = suite["faults"].QUICK, 3
     make = _planned(suite, background=True, lag=lag)
@@ -77,7 +72,7 @@ def test_a_lagged_decision_is_applied_lag_steps_after_its_check_and_branching_eq
 
 
 @pytest.mark.slow
-@needs_data
+@needs_fashion_mnist
 def test_the_plan_sets_the_cadence_and_a_smaller_probe_restarts_the_calibration(suite, trunks):
     setup = suite["faults"].QUICK
     runs = _run(suite, trunks, _planned(suite, intervals=2, probe_size=128))

@@ -2,13 +2,12 @@
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.benchmarks import benchmark_suite
+from tests.benchmarks import benchmark_suite, needs_fashion_mnist
 
 MODULES = ("faults", "baselines", "engine", "detectors", "cache", "outputs", "run")
 
@@ -16,11 +15,6 @@ MODULES = ("faults", "baselines", "engine", "detectors", "cache", "outputs", "ru
 suite = benchmark_suite("rescue", MODULES)
 
 
-def fashion_mnist_installed():
-    return (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").exists()
-
-
-needs_data = pytest.mark.skipif(not fashion_mnist_installed(), reason="needs Debian's dataset-fashion-mnist")
 # The quick grid trains a tiny ViT (about a minute on one core, shared by the tests that use it).
 slow = pytest.mark.slow
 
@@ -40,7 +34,7 @@ def _records(payload, **where):
 
 
 @slow
-@needs_data
+@needs_fashion_mnist
 def test_quick_grid_writes_every_record_with_its_fields(quick, suite):
     payload = quick["payload"]
     keys = suite["run"].QUICK_DETECTORS
@@ -69,7 +63,7 @@ def test_quick_grid_writes_every_record_with_its_fields(quick, suite):
 
 
 @slow
-@needs_data
+@needs_fashion_mnist
 def test_every_record_names_the_code_it_ran_and_the_results_do_not_mix_code(quick, suite):
     payload, cache = quick["payload"], suite["cache"]
     now = cache.code_version()
@@ -111,7 +105,7 @@ def test_records_of_two_codes_are_named_and_old_code_is_stale(suite):
 
 
 @slow
-@needs_data
+@needs_fashion_mnist
 def test_transient_fault_makes_the_unprotected_run_worse_than_its_healthy_twin(quick):
     (unprotected,) = _records(quick["payload"], detector="none", fault="transient")
     assert unprotected["final_metric"] < unprotected["healthy_twin_final_metric"] * 0.9
@@ -121,7 +115,7 @@ def test_transient_fault_makes_the_unprotected_run_worse_than_its_healthy_twin(q
 
 
 @slow
-@needs_data
+@needs_fashion_mnist
 def test_rollback_records_count_the_updates_undone(quick, suite):
     path = suite["cache"].runs_path(quick["directory"], "vit", 0, "ours_default+rollback")
     runs = json.loads(path.read_text())["runs"]
@@ -143,7 +137,7 @@ def test_rollback_records_count_the_updates_undone(quick, suite):
 
 
 @slow
-@needs_data
+@needs_fashion_mnist
 @pytest.mark.parametrize("key", ["ours_default+rollback", "ours_old_default+rollback", "plain_replay+rollback"])
 def test_a_branched_run_equals_a_live_run_from_scratch(quick, suite, key):
     engine, faults, detectors = suite["engine"], suite["faults"], suite["detectors"]
@@ -162,7 +156,7 @@ def test_a_branched_run_equals_a_live_run_from_scratch(quick, suite, key):
 
 
 @slow
-@needs_data
+@needs_fashion_mnist
 def test_plain_replay_sends_the_data_back_and_every_run_counts_its_steps(quick, suite):
     setup = suite["faults"].QUICK
     replayed = 0
@@ -190,7 +184,7 @@ def test_plain_replay_sends_the_data_back_and_every_run_counts_its_steps(quick, 
 
 
 @slow
-@needs_data
+@needs_fashion_mnist
 def test_plain_replay_never_cuts_the_rate(suite):
     engine, faults, detectors = suite["engine"], suite["faults"], suite["detectors"]
     arch, setup = faults.ARCHITECTURES["vit"], faults.QUICK
@@ -202,7 +196,7 @@ def test_plain_replay_never_cuts_the_rate(suite):
     assert run.trainee.scheduler.base_lrs == fresh.scheduler.base_lrs  # no cut reached the optimizer
 
 
-@needs_data
+@needs_fashion_mnist
 def test_recomputing_a_step_gives_the_same_update_when_the_compute_is_deterministic(suite):
     faults = suite["faults"]
     arch, setup = faults.ARCHITECTURES["vit"], faults.QUICK
